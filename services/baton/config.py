@@ -1,0 +1,187 @@
+"""baton's one configuration tree.
+
+Every knob of every engine and service is a field here, with its help text and
+its validation. CLI flags (``--scheduler-token-budget``), environment variables
+(``BATON_SCHEDULER_TOKEN_BUDGET``), the operator's container arguments and the
+Helm values all derive from these names (see ``baton.configtree``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.configtree import require, setting
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelSourceConfig:
+    path: str = setting("", "Hugging Face checkpoint directory; empty means the shipped model")
+    revision: str = setting("", "revision label checked against pushed KV caches; empty = directory name")
+    dtype: str = setting("auto", "compute dtype: auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    device: str = setting("auto", "auto = cuda when available, else cpu", choices=DEVICES)
+    threads: int = setting(0, "torch intra-op threads on CPU; 0 leaves torch's default")
+
+    def __post_init__(self) -> None:
+        require(self.dtype in DTYPES, f"model dtype {self.dtype!r} is not one of {DTYPES}")
+        require(self.device in DEVICES, f"model device {self.device!r} is not one of {DEVICES}")
+        require(self.threads >= 0, f"model threads must be >= 0, got {self.threads}")
+
+
+@dataclass
+class KVPoolConfig:
+    block_size: int = setting(16, "tokens per KV block")
+    num_blocks: int = setting(0, "KV blocks in the pool; 0 derives it from memory_mib")
+    memory_mib: int = setting(512, "memory for the KV pool when num_blocks is 0, in MiB")
+
+    def __post_init__(self) -> None:
+        require(self.block_size >= 1, f"kv block_size must be >= 1, got {self.block_size}")
+        require(self.num_blocks >= 0, f"kv num_blocks must be >= 0, got {self.num_blocks}")
+        require(self.memory_mib >= 1, f"kv memory_mib must be >= 1, got {self.memory_mib}")
+
+
+SCHEDULER_POLICIES = ("sarathi", "separate", "orca")
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = setting("sarathi", "sarathi = decode-maximal batches with chunked prefill; "
+                          "separate = prefill-only and decode-only iterations; "
+                          "orca = whole prefills mixed into decode batches",
+                          choices=SCHEDULER_POLICIES)
+    token_budget: int = setting(256, "tokens per iteration (decodes + one prefill chunk)")
+    tile_size: int = setting(0, "round budget = chunk + decodes down to a multiple of this; 0 = off")
+    max_running: int = setting(64, "most sequences decoding at once")
+
+    def __post_init__(self) -> None:
+        require(self.policy in SCHEDULER_POLICIES,
+                f"scheduler policy {self.policy!r} is not one of {SCHEDULER_POLICIES}")
+        require(self.token_budget >= 2, f"scheduler token_budget must be >= 2, got {self.token_budget}")
+        require(self.tile_size >= 0, f"scheduler tile_size must be >= 0, got {self.tile_size}")
+        require(self.tile_size <= self.token_budget,
+                f"scheduler tile_size {self.tile_size} exceeds token_budget {self.token_budget}")
+        require(self.max_running >= 1, f"scheduler max_running must be >= 1, got {self.max_running}")
+
+
+@dataclass
+class PyramidConfig:
+    enabled: bool = setting(True, "compress KV caches with PyramidInfer")
+    keep_ratio: float = setting(0.5, "target fraction of the full KV cache kept over all layers")
+    recent_ratio: float = setting(0.2, "recent window: this fraction of the prompt is always kept and scores the rest")
+    num_sinks: int = setting(4, "attention-sink tokens at the start always kept")
+    min_context: int = setting(64, "a layer that would keep fewer tokens than this keeps all")
+    query_weight_min: float = setting(1.0, "weight of the oldest recent-window query")
+    query_weight_max: float = setting(1.2, "weight of the newest recent-window query")
+    generation_update_every: int = setting(16, "generation phase: re-score after this many tokens leave the window")
+    generation_keep_first: float = setting(0.9, "generation phase: keep fraction of each batch at layer 0")
+    generation_keep_last: float = setting(0.1, "generation phase: keep fraction of each batch at the last layer")
+
+    def __post_init__(self) -> None:
+        require(0.0 < self.keep_ratio <= 1.0, f"pyramid keep_ratio must be in (0, 1], got {self.keep_ratio}")
+        require(0.0 < self.recent_ratio < 1.0,
+                f"pyramid recent_ratio must be in (0, 1), got {self.recent_ratio}")
+        require(self.num_sinks >= 0, f"pyramid num_sinks must be >= 0, got {self.num_sinks}")
+        require(self.min_context >= 0, f"pyramid min_context must be >= 0, got {self.min_context}")
+        require(self.generation_update_every >= 1,
+                f"pyramid generation_update_every must be >= 1, got {self.generation_update_every}")
+        for name in ("generation_keep_first", "generation_keep_last"):
+            value = getattr(self, name)
+            require(0.0 < value <= 1.0, f"pyramid {name} must be in (0, 1], got {value}")
+
+
+RUNAHEAD_MODES = ("runahead", "tsp")
+
+
+@dataclass
+class ChainConfig:
+    ranks: int = setting(2, "processes (GPUs) in a prefill chain")
+    rank: int = setting(0, "this process's rank in its chain (the pod ordinal)")
+    chain_id: str = setting("chain-0", "name of the chain this process belongs to")
+    master_addr: str = setting("127.0.0.1", "rendezvous host: rank 0's address")
+    master_port: int = setting(29500, "rendezvous port on rank 0")
+    backend: str = setting("auto", "torch.distributed backend: auto = nccl on CUDA, gloo on CPU",
+                           choices=("auto", "gloo", "nccl"))
+    mode: str = setting("runahead", "runahead = KV-Runahead; tsp = tensor/sequence-parallel baseline",
+                        choices=RUNAHEAD_MODES)
+    partition_table: str = setting("", "JSON partition table; empty = the shipped default table")
+    timeout_s: float = setting(60.0, "a rank waiting longer than this on a peer gives up")
+
+    def __post_init__(self) -> None:
+        require(self.ranks >= 1, f"chain ranks must be >= 1, got {self.ranks}")
+        require(0 <= self.rank < self.ranks, f"chain rank {self.rank} is outside 0..{self.ranks - 1}")
+        require(1 <= self.master_port <= 65535, f"chain master_port {self.master_port} is not a port")
+        require(self.mode in RUNAHEAD_MODES, f"chain mode {self.mode!r} is not one of {RUNAHEAD_MODES}")
+        require(self.timeout_s > 0, f"chain timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class RoutingConfig:
+    redis_url: str = setting("", "Redis URL for routing state; empty = in-memory (one process only)")
+    heartbeat_s: float = setting(1.0, "seconds between worker heartbeats")
+    worker_ttl_s: float = setting(5.0, "a worker without a heartbeat for this long leaves routing")
+    request_ttl_s: float = setting(600.0, "how long the gateway remembers where a request lives")
+
+    def __post_init__(self) -> None:
+        require(self.heartbeat_s > 0, f"routing heartbeat_s must be > 0, got {self.heartbeat_s}")
+        require(self.worker_ttl_s > self.heartbeat_s,
+                f"routing worker_ttl_s {self.worker_ttl_s} must exceed heartbeat_s {self.heartbeat_s}")
+        require(self.request_ttl_s > 0, f"routing request_ttl_s must be > 0, got {self.request_ttl_s}")
+
+
+@dataclass
+class ServerConfig:
+    listen: str = setting("127.0.0.1:0", "host:port the gRPC server binds (port 0 = any free port)")
+    advertise: str = setting("", "address peers use to reach this server; empty = the bound address")
+    metrics_port: int = setting(0, "Prometheus metrics port; 0 = off")
+    grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGTERM")
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        require(bool(sep) and port.isdigit() and int(port) <= 65535,
+                f"listen address {self.listen!r} is not host:port")
+        require(0 <= self.metrics_port <= 65535, f"metrics_port {self.metrics_port} is not a port")
+        require(self.grace_s >= 0, f"grace_s must be >= 0, got {self.grace_s}")
+
+
+@dataclass
+class GatewayRoutingConfig:
+    prefill_threshold_tokens: int = setting(512, "prompts at least this long go through a prefill chain")
+
+    def __post_init__(self) -> None:
+        require(self.prefill_threshold_tokens >= 1,
+                f"gateway prefill_threshold_tokens must be >= 1, got {self.prefill_threshold_tokens}")
+
+
+@dataclass
+class DecodeServiceConfig:
+    """`baton decode`: a SARATHI decode worker."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    kv: KVPoolConfig = field(default_factory=KVPoolConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pyramid: PyramidConfig = field(default_factory=PyramidConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+@dataclass
+class PrefillServiceConfig:
+    """`baton prefill`: one rank of a KV-Runahead prefill chain."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    chain: ChainConfig = field(default_factory=ChainConfig)
+    pyramid: PyramidConfig = field(default_factory=PyramidConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+@dataclass
+class GatewayServiceConfig:
+    """`baton gateway`: the client-facing router."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    gateway: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)

@@ -1,0 +1,197 @@
+"""The paged KV pool: fixed-size blocks, one block table per (sequence, layer).
+
+Design: K and V for all layers share one pool of blocks ([num_blocks,
+block_size, Hkv, D] each); a block belongs to one (sequence, layer). Layers
+hold different numbers of tokens once PyramidInfer has pruned them, so each
+(sequence, layer) has its own block table and length. Every stored token keeps
+its original position (RoPE was applied with it; masks compare it).
+
+The pool is what admission control counts: ``blocks_needed`` and ``reserve``
+let an engine check and claim room for a whole step up front (all layers or
+none), so a forward never runs out half way; running out raises
+``KVPoolExhausted`` and never crashes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.kv.dense import LayerKV
+
+
+class KVPoolExhausted(RuntimeError):
+    """The pool has too few free blocks for a request (names both numbers)."""
+
+    def __init__(self, blocks_needed: int, blocks_free: int) -> None:
+        super().__init__(f"KV pool exhausted: need {blocks_needed} blocks, {blocks_free} free")
+        self.blocks_needed = blocks_needed
+        self.blocks_free = blocks_free
+
+
+@dataclass
+class _LayerTable:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 num_blocks: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, "
+                             f"got {num_blocks} and {block_size}")
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions = torch.zeros((num_blocks, block_size), dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._tables: dict[str, list[_LayerTable]] = {}
+
+    # --- accounting ------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.k_cache[0].numel() * self.k_cache.element_size()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_used_blocks * self.bytes_per_block
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def blocks_needed(self, seq_id: str, new_tokens_per_layer: list[int] | int) -> int:
+        """Free blocks that storing these new tokens would take (0 for a sequence that has room)."""
+        if isinstance(new_tokens_per_layer, int):
+            new_tokens_per_layer = [new_tokens_per_layer] * self.num_layers
+        tables = self._tables.get(seq_id)
+        needed = 0
+        for layer, extra in enumerate(new_tokens_per_layer):
+            table = tables[layer] if tables else _LayerTable()
+            needed += max(0, self.blocks_for(table.length + extra) - len(table.blocks))
+        return needed
+
+    def can_fit(self, seq_id: str, new_tokens_per_layer: list[int] | int) -> bool:
+        return self.blocks_needed(seq_id, new_tokens_per_layer) <= self.num_free_blocks
+
+    # --- sequences -------------------------------------------------------------------------
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def sequence_ids(self) -> list[str]:
+        return list(self._tables)
+
+    def lengths(self, seq_id: str) -> list[int]:
+        return [table.length for table in self._tables[seq_id]]
+
+    def blocks_of(self, seq_id: str) -> int:
+        return sum(len(table.blocks) for table in self._tables.get(seq_id, []))
+
+    def reserve(self, seq_id: str, new_tokens_per_layer: list[int] | int) -> None:
+        """Claim blocks for new tokens in every layer, all or none (raises KVPoolExhausted)."""
+        if isinstance(new_tokens_per_layer, int):
+            new_tokens_per_layer = [new_tokens_per_layer] * self.num_layers
+        needed = self.blocks_needed(seq_id, new_tokens_per_layer)
+        if needed > self.num_free_blocks:
+            raise KVPoolExhausted(needed, self.num_free_blocks)
+        tables = self._tables.setdefault(seq_id, [_LayerTable() for _ in range(self.num_layers)])
+        for table, extra in zip(tables, new_tokens_per_layer):
+            while len(table.blocks) < self.blocks_for(table.length + extra):
+                table.blocks.append(self._free.pop())
+
+    def free(self, seq_id: str) -> int:
+        """Return every block of a sequence to the pool; returns how many."""
+        tables = self._tables.pop(seq_id, [])
+        count = 0
+        for table in tables:
+            self._free.extend(reversed(table.blocks))
+            count += len(table.blocks)
+        return count
+
+    # --- data ------------------------------------------------------------------------------
+
+    def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> None:
+        """Store new tokens of one layer (k, v: [T, Hkv, D]); claims blocks if not reserved."""
+        table = self._tables.get(seq_id, [None] * self.num_layers)[layer]
+        count = k.shape[0]
+        if table is None or len(table.blocks) < self.blocks_for(table.length + count):
+            extra = [0] * self.num_layers
+            extra[layer] = count
+            self.reserve(seq_id, extra)
+            table = self._tables[seq_id][layer]
+        start = table.length
+        offset = 0
+        while offset < count:
+            block = table.blocks[(start + offset) // self.block_size]
+            slot = (start + offset) % self.block_size
+            take = min(self.block_size - slot, count - offset)
+            self.k_cache[block, slot:slot + take] = k[offset:offset + take]
+            self.v_cache[block, slot:slot + take] = v[offset:offset + take]
+            self.positions[block, slot:slot + take] = positions[offset:offset + take]
+            offset += take
+        table.length += count
+
+    def gather(self, seq_id: str, layer: int) -> LayerKV:
+        """One layer of one sequence as contiguous tensors (a copy)."""
+        table = self._tables[seq_id][layer]
+        if not table.blocks:
+            empty = self.k_cache.new_zeros((0,) + self.k_cache.shape[2:])
+            return LayerKV(empty, empty.clone(), self.positions.new_zeros(0))
+        index = torch.tensor(table.blocks, device=self.k_cache.device)
+        n = table.length
+        shape = (-1,) + self.k_cache.shape[2:]
+        return LayerKV(self.k_cache[index].reshape(shape)[:n], self.v_cache[index].reshape(shape)[:n],
+                       self.positions[index].reshape(-1)[:n])
+
+    def store(self, seq_id: str, layers: list[LayerKV]) -> None:
+        """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds KV in this pool")
+        if len(layers) != self.num_layers:
+            raise ValueError(f"cache has {len(layers)} layers, the pool {self.num_layers}")
+        self.reserve(seq_id, [layer.num_tokens for layer in layers])
+        for index, layer in enumerate(layers):
+            self.append(seq_id, index, layer.k, layer.v, layer.positions)
+
+    def retain(self, seq_id: str, layer: int, keep: torch.Tensor) -> None:
+        """Keep only the tokens at sorted indices ``keep`` of one layer; frees emptied blocks."""
+        current = self.gather(seq_id, layer)
+        table = self._tables[seq_id][layer]
+        surplus = table.blocks[self.blocks_for(keep.numel()):]
+        del table.blocks[self.blocks_for(keep.numel()):]
+        self._free.extend(reversed(surplus))
+        table.length = 0
+        self.append(seq_id, layer, current.k[keep], current.v[keep], current.positions[keep])
+
+    def view(self, seq_id: str) -> "PagedSequenceKV":
+        return PagedSequenceKV(self, seq_id)
+
+
+class PagedSequenceKV:
+    """``SequenceKV`` over one sequence in a ``KVPool``."""
+
+    def __init__(self, pool: KVPool, seq_id: str) -> None:
+        self.pool = pool
+        self.seq_id = seq_id
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        self.pool.append(self.seq_id, layer, k, v, positions)
+        stored = self.pool.gather(self.seq_id, layer)
+        return stored.k, stored.v, stored.positions

@@ -1,0 +1,174 @@
+"""The architecture of a Llama-family checkpoint, read from its ``config.json``.
+
+Supports Hugging Face's LlamaForCausalLM, MistralForCausalLM and
+Qwen2ForCausalLM, both the transformers-4 layout (``rope_theta`` +
+``rope_scaling``) and the transformers-5 layout (``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from baton.model.errors import CheckpointError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
+    attention_bias: bool = False  # q/k/v biases (always on for Qwen2)
+    sliding_window: int | None = None  # Mistral: a key older than this many positions is masked
+    rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.architecture!r}; "
+                             f"supported: {sorted(ARCHITECTURES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads {self.num_key_value_heads}")
+        if self.rope.get("rope_type", "default") not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope.get('rope_type')!r}; "
+                             f"supported: {ROPE_TYPES}")
+
+    @property
+    def family(self) -> str:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of K and V for one token in one layer."""
+        return 2 * self.num_key_value_heads * self.head_dim * element_size
+
+    def num_parameters(self) -> int:
+        h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers * per_layer + embeddings + h
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` that both baton and transformers read."""
+        rope = dict(self.rope)
+        theta = rope.pop("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", "default")
+        data = {
+            "architectures": [self.architecture],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_theta": theta,
+            "rope_scaling": None if rope_type == "default" else rope,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.family == "llama":
+            data["attention_bias"] = self.attention_bias
+        if self.family == "mistral":
+            data["sliding_window"] = self.sliding_window
+        return data
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        architectures = data.get("architectures") or []
+        if not architectures:
+            raise CheckpointError(source, "architectures", "is missing")
+        architecture = architectures[0]
+        if architecture not in ARCHITECTURES:
+            raise CheckpointError(source, "architectures",
+                                  f"{architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        for name in required:
+            if not isinstance(data.get(name), int):
+                raise CheckpointError(source, name, f"must be an integer, got {data.get(name)!r}")
+        family = ARCHITECTURES[architecture]
+        rope = dict(data.get("rope_parameters") or {})
+        if not rope:
+            rope = dict(data.get("rope_scaling") or {})
+            rope["rope_theta"] = data.get("rope_theta", 10000.0)
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope.setdefault("rope_type", "default")
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise CheckpointError(source, "rope_scaling.rope_type",
+                                  f"{rope['rope_type']!r} is not supported; supported: {ROPE_TYPES}")
+        sliding = None
+        if family == "mistral":
+            sliding = data.get("sliding_window")
+        if family == "qwen2" and data.get("use_sliding_window"):
+            raise CheckpointError(source, "use_sliding_window", "Qwen2 sliding-window attention is not supported")
+        try:
+            return cls(
+                vocab_size=data["vocab_size"],
+                hidden_size=data["hidden_size"],
+                intermediate_size=data["intermediate_size"],
+                num_hidden_layers=data["num_hidden_layers"],
+                num_attention_heads=data["num_attention_heads"],
+                num_key_value_heads=data.get("num_key_value_heads") or data["num_attention_heads"],
+                head_dim=data.get("head_dim") or 0,
+                rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+                max_position_embeddings=data.get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+                architecture=architecture,
+                attention_bias=True if family == "qwen2" else bool(data.get("attention_bias", False)),
+                sliding_window=sliding,
+                rope=rope,
+                bos_token_id=data.get("bos_token_id"),
+                eos_token_id=data.get("eos_token_id"),
+            )
+        except ValueError as e:
+            raise CheckpointError(source, "config", str(e)) from e
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        if not path.is_file():
+            raise CheckpointError(str(path), "config.json", "file not found")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(str(path), "config.json", f"is not valid JSON: {e}") from e
+        return cls.from_hf_dict(data, str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

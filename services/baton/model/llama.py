@@ -1,0 +1,218 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) with one forward for every use.
+
+Design: the linear layers run once over a flat batch of N tokens that may come
+from several sequences (SARATHI's ``[prefill chunk | decode tokens]``), while
+attention runs per sequence ("segment") against that sequence's KV. Each
+segment brings a ``SequenceKV`` that stores the new keys/values of a layer and
+returns everything the new tokens attend to: a paged pool on a decode pod, a
+dense list in a single-process prefill, or the previous rank's cache received
+over torch.distributed in a KV-Runahead chain. An optional observer sees each
+layer's queries and keys (PyramidInfer scores tokens with it).
+
+Parameter names equal Hugging Face's, so a checkpoint loads as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.model.attention import attend, attend_decode_batch
+from baton.model.config import ModelConfig
+from baton.model.rope import RotaryEmbedding, apply_rotary
+
+
+class SequenceKV(Protocol):
+    """The KV cache of one sequence, as the model sees it during a forward."""
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store layer ``layer``'s new k, v ([T, Hkv, D]) at ``positions`` ([T]) and return
+        (keys [S, Hkv, D], values, key_positions [S]): the cached prefix, then the new ones."""
+        ...
+
+
+class AttentionObserver(Protocol):
+    """Sees every layer's queries and keys of one segment (PyramidInfer scores with it)."""
+
+    def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
+                k: torch.Tensor, key_positions: torch.Tensor) -> None:
+        ...
+
+
+@dataclass
+class Segment:
+    """``length`` consecutive tokens of the flat batch that belong to one sequence."""
+
+    length: int
+    kv: SequenceKV
+    observer: AttentionObserver | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [N, hidden] -> q [N, H, D], k, v [N, Hkv, D], RoPE applied to q and k."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    """Hugging Face's ``model.*`` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                segments: Sequence[Segment], output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the model over a flat batch and return the final hidden states of ``output_rows``.
+
+        token_ids, positions: [N]; ``segments`` partition the N tokens in order.
+        output_rows: indices into N whose hidden states are wanted (default: none,
+        as on non-tail ranks of a prefill chain). Returns [len(output_rows), hidden]
+        after the final norm; ``logits()`` turns them into vocabulary scores.
+        """
+        assert sum(s.length for s in segments) == token_ids.shape[0], "segments must cover the batch"
+        hidden = self.model.embed_tokens(token_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        all_decode = len(segments) > 1 and all(s.length == 1 for s in segments)
+        for layer_index, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
+            if all_decode:
+                out = self._attend_decodes(layer_index, q, k, v, positions, segments)
+            else:
+                out = self._attend_segments(layer_index, q, k, v, positions, segments)
+            hidden = hidden + attn.o_proj(out.reshape(out.shape[0], -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if output_rows is None:
+            return hidden[:0]
+        return self.model.norm(hidden[output_rows])
+
+    def _attend_segments(self, layer_index, q, k, v, positions, segments) -> torch.Tensor:
+        outputs = []
+        start = 0
+        for segment in segments:
+            end = start + segment.length
+            k_all, v_all, key_positions = segment.kv.extend(layer_index, k[start:end], v[start:end],
+                                                            positions[start:end])
+            outputs.append(attend(q[start:end], k_all, v_all, positions[start:end], key_positions,
+                                  self.config.sliding_window))
+            if segment.observer is not None:
+                segment.observer.observe(layer_index, q[start:end], positions[start:end], k_all,
+                                         key_positions)
+            start = end
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _attend_decodes(self, layer_index, q, k, v, positions, segments) -> torch.Tensor:
+        keys, values, key_positions = [], [], []
+        for b, segment in enumerate(segments):
+            k_all, v_all, kpos = segment.kv.extend(layer_index, k[b:b + 1], v[b:b + 1],
+                                                   positions[b:b + 1])
+            keys.append(k_all)
+            values.append(v_all)
+            key_positions.append(kpos)
+            if segment.observer is not None:
+                segment.observer.observe(layer_index, q[b:b + 1], positions[b:b + 1], k_all, kpos)
+        return attend_decode_batch(q, keys, values, positions, key_positions, self.config.sliding_window)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] final hidden states -> [R, vocab] logits in fp32."""
+        return self.lm_head(hidden).float()
+
+
+# --- The two entry points the engines call -------------------------------------------------
+
+
+def prefill(model: CausalLM, token_ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV,
+            observer: AttentionObserver | None = None, want_logits: bool = True) -> torch.Tensor | None:
+    """Prefill one slice of a prompt at absolute ``positions`` over ``kv``'s prefix.
+
+    Returns the logits of the slice's last token ([vocab], fp32), or None when
+    ``want_logits`` is False (a non-tail rank of a chain).
+    """
+    rows = torch.tensor([token_ids.shape[0] - 1], device=token_ids.device) if want_logits else None
+    hidden = model(token_ids, positions, [Segment(token_ids.shape[0], kv, observer)], rows)
+    return model.logits(hidden)[0] if want_logits else None
+
+
+def decode_step(model: CausalLM, token_ids: torch.Tensor, positions: torch.Tensor,
+                kvs: Sequence[SequenceKV]) -> torch.Tensor:
+    """One new token for each of B sequences of different lengths -> logits [B, vocab]."""
+    rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+    hidden = model(token_ids, positions, [Segment(1, kv) for kv in kvs], rows)
+    return model.logits(hidden)

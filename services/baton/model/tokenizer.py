@@ -1,0 +1,69 @@
+"""The tokenizer of a checkpoint (``tokenizer.json`` through the `tokenizers` package)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from baton.model.errors import CheckpointError
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> "Tokenizer":
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(str(path), "tokenizer.json", "file not found")
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # the tokenizers package raises a bare Exception
+            raise CheckpointError(str(path), "tokenizer.json", f"cannot be parsed: {e}") from e
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Byte-level BPE can split one UTF-8 character over several tokens; a delta
+    is released only once it no longer ends in a replacement character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._token_ids: list[int] = []
+        self._emitted = ""
+
+    @property
+    def text(self) -> str:
+        return self._emitted
+
+    def push(self, token_id: int) -> str:
+        self._token_ids.append(token_id)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        text = self._tokenizer.decode(self._token_ids)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
+        self._emitted = text if text.startswith(self._emitted) else self._emitted
+        return delta
