@@ -1,0 +1,53 @@
+# baton — `make help` lists the targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+# torch's CPU build lies on disk on the development machines; pip finds it there.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup run test proto lint bench helm-lint clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v python3 >/dev/null || { echo "python3 (3.11+) is required"; exit 1; }
+	[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(FIND_LINKS) torch==2.13.0
+	$(PIP) install -q $(FIND_LINKS) -e '.[test,dev]'
+	@touch $(STAMP)
+
+redis: # the redis-server binary, from the system's package manager when missing
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
+
+setup: $(STAMP) redis ## create the virtualenv, install packages and redis-server
+
+run: setup ## run the whole service locally (gateway, prefill chain, decode) and stream a generation
+	$(PY) -m baton.cli up --demo
+
+test: setup ## run the test suite
+	$(PY) -m pytest -q
+
+proto: $(STAMP) ## regenerate services/baton/api from proto/
+	$(PY) -m baton.api.generate
+
+lint: $(STAMP) ## ruff over the code
+	$(VENV)/bin/ruff check services operator tests bench
+
+bench: setup ## run the benchmarks; reports and plots land in docs/benchmarks/
+	$(PY) bench/engine.py
+	$(PY) bench/runahead.py
+	$(PY) bench/pyramid_quality.py
+	$(PY) bench/sarathi.py
+	$(PY) bench/serve.py
+
+helm-lint: $(STAMP) ## lint and render the Helm chart with the real Helm library
+	$(PY) -m pytest -q tests/helm
+
+clean: ## remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache
