@@ -53,7 +53,7 @@ def test_reserve_is_all_or_nothing_and_typed():
     assert pool.num_free_blocks == 5 and not pool.has("a")
     pool.reserve("a", 4)  # 3 blocks: fits
     with pytest.raises(KVPoolExhausted):
-        pool.append("a", 0, *random_kv(9, start=4))  # would need 3 more blocks in layer 0
+        pool.append("a", 0, *random_kv(13))  # layer 0 would need 3 more blocks, 2 are free
     assert pool.lengths("a") == [0, 0, 0]
 
 
