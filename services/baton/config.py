@@ -65,10 +65,17 @@ class SchedulerConfig:
         require(self.max_running >= 1, f"scheduler max_running must be >= 1, got {self.max_running}")
 
 
+PYRAMID_POLICIES = ("pyramid", "uniform", "local")
+
+
 @dataclass
 class PyramidConfig:
     enabled: bool = setting(True, "compress KV caches with PyramidInfer")
     keep_ratio: float = setting(0.5, "target fraction of the full KV cache kept over all layers")
+    policy: str = setting("pyramid", "pyramid = per-layer budgets falling with depth, tokens chosen by "
+                          "recent-query attention; uniform = same budget in every layer, same "
+                          "selector; local = same budget, most recent tokens only (StreamingLLM)",
+                          choices=PYRAMID_POLICIES)
     recent_ratio: float = setting(0.2, "recent window: this fraction of the prompt is always kept and scores the rest")
     num_sinks: int = setting(4, "attention-sink tokens at the start always kept")
     min_context: int = setting(64, "a layer that would keep fewer tokens than this keeps all")
@@ -80,6 +87,8 @@ class PyramidConfig:
 
     def __post_init__(self) -> None:
         require(0.0 < self.keep_ratio <= 1.0, f"pyramid keep_ratio must be in (0, 1], got {self.keep_ratio}")
+        require(self.policy in PYRAMID_POLICIES,
+                f"pyramid policy {self.policy!r} is not one of {PYRAMID_POLICIES}")
         require(0.0 < self.recent_ratio < 1.0,
                 f"pyramid recent_ratio must be in (0, 1), got {self.recent_ratio}")
         require(self.num_sinks >= 0, f"pyramid num_sinks must be >= 0, got {self.num_sinks}")
@@ -185,3 +194,62 @@ class GatewayServiceConfig:
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     gateway: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+@dataclass
+class TrainConfig:
+    """`baton train`: the shipped small model, trained on the Python standard library."""
+
+    output_dir: str = setting("", "where the checkpoint goes; empty = models/baton-pystdlib")
+    corpus_dir: str = setting("", "directory of *.py files; empty = this interpreter's stdlib")
+    held_out_percent: int = setting(5, "percent of files (by a hash of their path) held out")
+    vocab_size: int = setting(4096, "byte-level BPE vocabulary, end-of-text token included")
+    hidden_size: int = setting(256, "model width")
+    num_layers: int = setting(6, "decoder layers")
+    num_heads: int = setting(8, "query heads")
+    num_kv_heads: int = setting(2, "key/value heads (fewer than num_heads: GQA)")
+    intermediate_size: int = setting(688, "SwiGLU hidden width")
+    context_length: int = setting(1024, "max_position_embeddings and the final training sequence length")
+    short_context_length: int = setting(256, "sequence length of the first phase (cheaper attention)")
+    short_context_fraction: float = setting(0.5, "fraction of steps trained at short_context_length")
+    batch_tokens: int = setting(8192, "tokens per optimizer step (sequences x length)")
+    steps: int = setting(600, "optimizer steps (a fixed count, not a wall-clock budget)")
+    warmup_steps: int = setting(30, "linear learning-rate warmup steps")
+    learning_rate: float = setting(2e-3, "peak AdamW learning rate (cosine decay after warmup)")
+    min_learning_rate: float = setting(1e-4, "learning rate at the end of the cosine")
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices")
+    grad_clip: float = setting(1.0, "global gradient-norm clip")
+    eval_every: int = setting(100, "steps between held-out evaluations and checkpoint saves")
+    eval_windows: int = setting(16, "held-out windows scored at each periodic evaluation (0 = all)")
+    seed: int = setting(0, "seed of weights and batch sampling")
+    threads: int = setting(2, "torch intra-op threads")
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "context_length", "short_context_length", "batch_tokens",
+                     "steps", "eval_every", "threads"):
+            require(getattr(self, name) >= 1, f"train {name} must be >= 1, got {getattr(self, name)}")
+        require(self.vocab_size >= 257,
+                f"train vocab_size {self.vocab_size} must exceed 256 (bytes + end-of-text)")
+        require(self.hidden_size % self.num_heads == 0,
+                f"train hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        require(self.num_heads % self.num_kv_heads == 0,
+                f"train num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        require(self.short_context_length <= self.context_length,
+                f"train short_context_length {self.short_context_length} exceeds "
+                f"context_length {self.context_length}")
+        require(0.0 <= self.short_context_fraction < 1.0,
+                f"train short_context_fraction must be in [0, 1), got {self.short_context_fraction}")
+        require(self.batch_tokens >= self.context_length,
+                f"train batch_tokens {self.batch_tokens} must hold one sequence of "
+                f"context_length {self.context_length}")
+        require(0 <= self.warmup_steps < self.steps,
+                f"train warmup_steps {self.warmup_steps} must be in 0..steps-1 ({self.steps - 1})")
+        require(0 < self.min_learning_rate <= self.learning_rate,
+                f"train min_learning_rate {self.min_learning_rate} must be in (0, learning_rate "
+                f"{self.learning_rate}]")
+        require(0 < self.held_out_percent < 100,
+                f"train held_out_percent must be in 1..99, got {self.held_out_percent}")
+        require(self.weight_decay >= 0, f"train weight_decay must be >= 0, got {self.weight_decay}")
+        require(self.grad_clip > 0, f"train grad_clip must be > 0, got {self.grad_clip}")
+        require(self.eval_windows >= 0, f"train eval_windows must be >= 0, got {self.eval_windows}")

@@ -1,0 +1,134 @@
+"""Generation-phase PyramidInfer: keep long generations' KV bounded on the decode pod.
+
+During decoding every new token enters a sliding recent window of W tokens
+(W = the prompt's recent window, fixed for the request). Tokens that leave
+the window are held back until ``generation_update_every`` (16) of them have
+left; then the batch is scored by the attention of the recent decode queries
+(the last W queries seen by this sequence's decode steps, weighted like the
+prompt's: newest heaviest, all heads averaged) and each layer keeps its best
+``generation_keep_counts`` of them (0.9 of the batch at layer 0 falling to 0.1
+at the last layer). Everything else in the cache stays. A layer holding fewer
+than ``min_context`` tokens is left alone.
+
+So a layer grows by at most its keep fraction per generated token instead of
+one token: after n generated tokens layer l holds about
+``prefill_budget_l + W + keep_l / 16 * n`` tokens (+ < 16 not yet scored).
+
+How an engine uses it (one instance per decode pool):
+
+    observer = compressor.track(seq_id, prompt_length)   # once the prompt is in the pool
+    Segment(1, pool.view(seq_id), observer)               # on each decode step's segment
+    compressor.after_step(pool, seq_id)                   # after each decode step
+    compressor.forget(seq_id)                             # when the sequence finishes
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baton.config import PyramidConfig
+from baton.kv import KVPool
+from baton.model import ModelConfig
+from baton.pyramid.schedule import generation_keep_counts, recent_window
+from baton.pyramid.scoring import query_weights, recent_attention_scores, top_candidates
+
+
+class RecentQueries:
+    """Observer of one sequence's decode steps: a ring buffer of its last W queries per layer."""
+
+    def __init__(self, num_layers: int, window: int) -> None:
+        self.window = window
+        self.num_layers = num_layers
+        self._queries: list[torch.Tensor | None] = [None] * num_layers  # [W, H, D] per layer
+        self._positions: list[torch.Tensor | None] = [None] * num_layers  # [W], -1 = empty slot
+        self.newest_position = -1
+
+    def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
+                k: torch.Tensor, key_positions: torch.Tensor) -> None:
+        if self._queries[layer] is None:
+            self._queries[layer] = q.new_zeros((self.window,) + tuple(q.shape[1:]))
+            self._positions[layer] = torch.full((self.window,), -1, dtype=torch.int64,
+                                                device=q.device)
+        for row in range(q.shape[0]):
+            position = int(query_positions[row])
+            slot = position % self.window
+            self._queries[layer][slot] = q[row]
+            self._positions[layer][slot] = position
+            self.newest_position = max(self.newest_position, position)
+
+    def recent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [R, H, D], positions [R]) of the last W decode steps, R <= W."""
+        queries, positions = self._queries[layer], self._positions[layer]
+        if queries is None:
+            return torch.empty(0), torch.empty(0, dtype=torch.int64)
+        filled = (positions >= 0) & (positions > self.newest_position - self.window)
+        return queries[filled], positions[filled]
+
+
+class _Sequence:
+    def __init__(self, observer: RecentQueries, next_unscored: int) -> None:
+        self.observer = observer
+        self.next_unscored = next_unscored  # first position that has not been scored yet
+
+
+class GenerationCompressor:
+    """The generation-phase update for every sequence of one decode pool."""
+
+    def __init__(self, config: PyramidConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.num_layers = model_config.num_hidden_layers
+        self.sliding_window = model_config.sliding_window
+        self.batch = config.generation_update_every
+        self.keep_counts = generation_keep_counts(config, self.num_layers)
+        self._sequences: dict[str, _Sequence] = {}
+
+    def track(self, seq_id: str, prompt_length: int) -> RecentQueries:
+        """Start updating a sequence whose prompt (compressed or not) is in the pool."""
+        window = recent_window(self.config, prompt_length)
+        # The prompt's recent window was kept whole; it is the first to leave the sliding window.
+        first = max(prompt_length - window, self.config.num_sinks)
+        observer = RecentQueries(self.num_layers, window)
+        self._sequences[seq_id] = _Sequence(observer, first)
+        return observer
+
+    def observer(self, seq_id: str) -> RecentQueries | None:
+        tracked = self._sequences.get(seq_id)
+        return tracked.observer if tracked else None
+
+    def forget(self, seq_id: str) -> None:
+        self._sequences.pop(seq_id, None)
+
+    def after_step(self, pool: KVPool, seq_id: str) -> int:
+        """Prune every full batch that has left the window; returns the tokens dropped (all layers)."""
+        tracked = self._sequences.get(seq_id)
+        if tracked is None:
+            return 0
+        observer = tracked.observer
+        window_start = observer.newest_position - observer.window + 1
+        dropped = 0
+        while window_start - tracked.next_unscored >= self.batch:
+            dropped += self._prune_batch(pool, seq_id, tracked.observer, tracked.next_unscored)
+            tracked.next_unscored += self.batch
+        return dropped
+
+    def _prune_batch(self, pool: KVPool, seq_id: str, observer: RecentQueries, first: int) -> int:
+        dropped = 0
+        for layer in range(self.num_layers):
+            current = pool.gather(seq_id, layer)
+            if current.num_tokens < self.config.min_context:
+                continue
+            in_batch = (current.positions >= first) & (current.positions < first + self.batch)
+            queries, query_positions = observer.recent(layer)
+            if queries.shape[0] == 0:
+                continue
+            weights = query_weights(self.config, query_positions,
+                                    observer.newest_position - observer.window + 1, observer.window)
+            scores = recent_attention_scores(queries, query_positions, weights, current.k,
+                                             current.positions, self.sliding_window)
+            keep = ~in_batch
+            keep[top_candidates(scores, in_batch, self.keep_counts[layer])] = True
+            if bool(keep.all()):
+                continue
+            dropped += int((~keep).sum())
+            pool.retain(seq_id, layer, keep.nonzero().squeeze(1))
+        return dropped
