@@ -1,0 +1,205 @@
+"""One rank of a long-lived prefill chain: join the group, then serve request after request.
+
+The loop reads as verbs: rank 0 takes the next request from its source and
+broadcasts a header (operation, request id, mode, partition, start time) and
+the token ids; every rank computes its slice with ``baton.model.prefill`` over
+a chain transport (``RunaheadKV`` or ``AllGatherKV``); the tail hands the
+result to its sink. While idle, rank 0 broadcasts a keepalive every quarter of
+the timeout, so an idle chain never trips the backend's timeout and a dead
+peer is noticed even between requests.
+
+Seams for the services built on top: a ``RequestSource`` feeds rank 0 (a
+queue from the parent here, gRPC in the prefill service), a ``ChainSink``
+takes the tail's result and any rank's failure (a queue back to the parent
+here, a KV push to a decode pod in the service), and ``make_observer(C)``
+builds the tail's compression hook: an ``AttentionObserver`` with a
+``compress(layers) -> layers`` method (PyramidInfer) applied before delivery.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from baton.config import ChainConfig
+from baton.kv import LayerKV
+from baton.model import prefill
+from baton.model.llama import AttentionObserver
+from baton.runahead.errors import ChainError
+from baton.runahead.request import MODES, ChainRequest, ChainResult, ModelSource
+from baton.runahead.transport import AllGatherKV, RankCounters, RunaheadKV
+
+OP_STOP, OP_KEEPALIVE, OP_PREFILL = 0, 1, 2
+HEADER_FIELDS = 5  # op, request id, mode, return_kv, start time (ns); then the p+1 boundaries
+
+
+class StopChain(Exception):
+    """Raised by a ``RequestSource`` when the chain should shut down."""
+
+
+class RequestSource(Protocol):
+    def next_request(self, timeout_s: float) -> ChainRequest | None:
+        """The next validated request, None if none came within ``timeout_s``; raises StopChain."""
+        ...
+
+
+class CompressingObserver(AttentionObserver, Protocol):
+    def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
+        ...
+
+
+class ChainSink(Protocol):
+    def ready(self) -> None:
+        """Every rank has joined and loaded its model (called by rank 0)."""
+
+    def deliver(self, result: ChainResult) -> None:
+        """The tail's result of one request."""
+
+    def fail(self, rank: int, request_id: int, message: str) -> None:
+        """A rank gives up; the chain is broken after this."""
+
+
+def resolve_device(backend: str) -> torch.device:
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ChainRank:
+    def __init__(self, config: ChainConfig, model_source: ModelSource, sink: ChainSink,
+                 source: RequestSource | None = None,
+                 make_observer: Callable[[int], CompressingObserver] | None = None,
+                 cpu_threads: int = 1) -> None:
+        assert (source is not None) == (config.rank == 0), "rank 0, and only rank 0, has a source"
+        self.config = config
+        self.sink = sink
+        self.source = source
+        self.make_observer = make_observer
+        self.request_id = -1
+        self.pending: ChainRequest | None = None  # rank 0: the request being broadcast
+        self._init_device(cpu_threads)
+        self._init_group()
+        self._init_model(model_source)
+
+    def _init_model(self, model_source: ModelSource) -> None:
+        self.model = model_source.load(self.device)
+        dist.barrier()  # nobody times a request while a peer is still loading
+
+    def _init_device(self, cpu_threads: int) -> None:
+        self.device = resolve_device(self.config.backend)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads)
+
+    def _init_group(self) -> None:
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{self.config.master_addr}:{self.config.master_port}",
+            rank=self.config.rank, world_size=self.config.ranks,
+            timeout=timedelta(seconds=self.config.timeout_s))
+
+    @property
+    def is_tail(self) -> bool:
+        return self.config.rank == self.config.ranks - 1
+
+    def serve(self) -> None:
+        """Loop until rank 0's source stops; a failure is reported to the sink and re-raised."""
+        if self.config.rank == 0:
+            self.sink.ready()
+        try:
+            while True:
+                header, token_ids = self._next_request()
+                if header[0] == OP_STOP:
+                    break
+                if header[0] == OP_PREFILL:
+                    self._run(header, token_ids)
+        except Exception as e:
+            self.sink.fail(self.config.rank, self.request_id, f"rank {self.config.rank}: {e}")
+            raise
+        dist.destroy_process_group()
+
+    def _next_request(self) -> tuple[list[int], torch.Tensor | None]:
+        """Rank 0 reads its source and broadcasts; the others receive the header and ids."""
+        header = torch.zeros(HEADER_FIELDS + self.config.ranks + 1, dtype=torch.int64,
+                             device=self.device)
+        if self.config.rank == 0:
+            header[:] = self._encode_header()
+        self._broadcast(header, "the next request's header")
+        values = header.tolist()
+        if values[0] != OP_PREFILL:
+            return values, None
+        self.request_id = values[1]
+        token_ids = torch.empty(values[-1], dtype=torch.int64, device=self.device)
+        if self.config.rank == 0:
+            token_ids.copy_(self.pending.token_ids)
+        self._broadcast(token_ids, f"the token ids of request {self.request_id}")
+        return values, token_ids
+
+    def _encode_header(self) -> torch.Tensor:
+        padding = [0] * (self.config.ranks + 1)
+        try:
+            request = self.source.next_request(self.config.timeout_s / 4)
+        except StopChain:
+            return torch.tensor([OP_STOP, 0, 0, 0, 0] + padding)
+        if request is None:
+            return torch.tensor([OP_KEEPALIVE, 0, 0, 0, 0] + padding)
+        self.pending = request
+        return torch.tensor([OP_PREFILL, request.request_id, MODES.index(request.mode),
+                             int(request.return_kv), time.monotonic_ns()] + request.boundaries)
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        try:
+            dist.broadcast(tensor, src=0)
+        except RuntimeError as e:
+            raise ChainError(f"rank {self.config.rank}: no {what} from rank 0: {e}") from e
+
+    def _run(self, header: list[int], token_ids: torch.Tensor) -> None:
+        """Compute this rank's slice of one request; the tail delivers the result."""
+        _, request_id, mode_index, return_kv, start_ns = header[:HEADER_FIELDS]
+        boundaries = header[HEADER_FIELDS:]
+        mode = MODES[mode_index]
+        config = self.model.config
+        transport = (RunaheadKV if mode == "runahead" else AllGatherKV)(
+            self.config.rank, boundaries, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, self.model.dtype, self.device)
+        transport.post_receives()
+        start, end = transport.start, transport.end
+        observer = self.make_observer(end) if self.is_tail and self.make_observer else None
+        logits = None
+        if end > start:
+            logits = prefill(self.model, token_ids[start:end],
+                             torch.arange(start, end, device=self.device), transport,
+                             observer=observer, want_logits=self.is_tail)
+        else:
+            transport.pass_through()
+        if self.is_tail:
+            ttft_s = (time.monotonic_ns() - start_ns) / 1e9
+        transport.finish()
+        counters = self._gather_counters(transport.counters)
+        if not self.is_tail:
+            return
+        layers = None
+        if return_kv:
+            layers = transport.layers()
+            if observer is not None:
+                layers = observer.compress(layers)
+        self.sink.deliver(ChainResult(request_id, logits.cpu(), layers, boundaries, mode, ttft_s,
+                                      counters))
+
+    def _gather_counters(self, counters: RankCounters) -> list[RankCounters]:
+        """Every rank's counters, collected at the tail (others get an empty list)."""
+        local = torch.tensor(counters.as_list(), dtype=torch.int64, device=self.device)
+        tail = self.config.ranks - 1
+        gathered = [torch.empty_like(local) for _ in range(self.config.ranks)] if self.is_tail else None
+        try:
+            dist.gather(local, gathered, dst=tail)
+        except RuntimeError as e:
+            raise ChainError(f"rank {self.config.rank}: counter exchange with the tail "
+                             f"(rank {tail}) failed: {e}") from e
+        return [RankCounters(*row.tolist()) for row in gathered] if self.is_tail else []
