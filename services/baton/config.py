@@ -131,9 +131,18 @@ class RoutingConfig:
     heartbeat_s: float = setting(1.0, "seconds between worker heartbeats")
     worker_ttl_s: float = setting(5.0, "a worker without a heartbeat for this long leaves routing")
     request_ttl_s: float = setting(600.0, "how long the gateway remembers where a request lives")
+    namespace: str = setting("baton", "prefix of every routing key in Redis (one per deployment)")
+    redis_timeout_s: float = setting(1.0, "a Redis call taking longer counts as Redis being down")
+    view_refresh_s: float = setting(0.5, "the gateway re-reads the workers at most this often")
 
     def __post_init__(self) -> None:
         require(self.heartbeat_s > 0, f"routing heartbeat_s must be > 0, got {self.heartbeat_s}")
+        require(bool(self.namespace) and ":" not in self.namespace,
+                f"routing namespace {self.namespace!r} must be non-empty and without ':'")
+        require(self.redis_timeout_s > 0,
+                f"routing redis_timeout_s must be > 0, got {self.redis_timeout_s}")
+        require(self.view_refresh_s >= 0,
+                f"routing view_refresh_s must be >= 0, got {self.view_refresh_s}")
         require(self.worker_ttl_s > self.heartbeat_s,
                 f"routing worker_ttl_s {self.worker_ttl_s} must exceed heartbeat_s {self.heartbeat_s}")
         require(self.request_ttl_s > 0, f"routing request_ttl_s must be > 0, got {self.request_ttl_s}")

@@ -1,0 +1,211 @@
+"""The domain objects of baton's APIs: what a request asks for and what a server answers.
+
+Services and engines work with these; ``baton.api.convert`` is the only place they meet the
+protobuf messages of ``baton.api.v1``. Every constructor validates its values and raises
+``ValueError`` naming the value (the API edge turns that into INVALID_ARGUMENT). Nothing here
+imports gRPC or protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from baton.configtree import require
+from baton.kv.wire import KVHeader
+
+DEFAULT_MAX_TOKENS = 64  # what a request that names no max_tokens generates
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # None = a random seed per request
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        require(not math.isnan(self.temperature) and self.temperature >= 0,
+                 f"temperature must be >= 0, got {self.temperature}")
+        require(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.seed is None or self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        require(self.max_tokens > 0, f"max_tokens must be > 0, got {self.max_tokens}")
+        require(all(token >= 0 for token in self.stop_token_ids),
+                 f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        require(all(self.stop_strings), "stop_strings must not contain an empty string")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class CompressionParams:
+    """Per-request PyramidInfer settings; None = the server's configured default."""
+
+    enabled: bool | None = None
+    keep_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        require(self.keep_ratio is None or 0 < self.keep_ratio <= 1,
+                 f"compression keep_ratio must be in (0, 1], got {self.keep_ratio}")
+
+
+def check_prompt(token_ids: tuple[int, ...], sampling: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> None:
+    """Raise ValueError unless the prompt and its sampling fit a model with these limits."""
+    require(len(token_ids) > 0, "the prompt is empty")
+    bad = [token for token in token_ids if not 0 <= token < vocab_size]
+    require(not bad, f"prompt token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
+    bad = [token for token in sampling.stop_token_ids if token >= vocab_size]
+    require(not bad, f"stop token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
+    total = len(token_ids) + sampling.max_tokens
+    require(total <= max_model_len,
+             f"prompt of {len(token_ids)} tokens + max_tokens {sampling.max_tokens} = {total} "
+             f"exceeds the model's limit of {max_model_len} tokens")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A client's request: a prompt as text or as token ids (exactly one)."""
+
+    request_id: str = ""  # empty = the server assigns one
+    model: str = ""  # empty = the served model
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    compression: CompressionParams = field(default_factory=CompressionParams)
+
+    def __post_init__(self) -> None:
+        require((self.text is None) != (self.token_ids is None),
+                 "a request needs a prompt as text or as token ids (exactly one)")
+        require(bool(self.text) or bool(self.token_ids), "the prompt is empty")
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """The gateway's request to a chain: prefill, sample the first token, push the KV."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    compression: CompressionParams
+    decode_address: str
+
+    def __post_init__(self) -> None:
+        require(bool(self.request_id), "a prefill request needs a request_id")
+        require(len(self.prompt_token_ids) > 0, "the prompt is empty")
+        require(bool(self.decode_address), "a prefill request needs the decode pod's address")
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A prompt to prefill and generate on a decode pod."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    compression: CompressionParams
+
+    def __post_init__(self) -> None:
+        require(bool(self.request_id), "a decode request needs a request_id")
+        require(len(self.prompt_token_ids) > 0, "the prompt is empty")
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """What a decode pod needs to continue a request whose KV a chain pushed."""
+
+    kv: KVHeader
+    prompt_token_ids: tuple[int, ...]
+    first_token_id: int
+    sampling: SamplingParams
+    compression: CompressionParams
+
+    @property
+    def request_id(self) -> str:
+        return self.kv.request_id
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token, EOS or stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    kv_tokens_kept: int = 0  # KV entries kept over all layers after compression
+    kv_tokens_full: int = 0  # KV entries the uncompressed cache would hold
+    kv_bytes_shipped: int = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_push_s: float = 0.0
+    mean_time_between_tokens_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Route:
+    decode_address: str = ""
+    chain_id: str = ""  # empty for a prompt prefilled on the decode pod
+    partition: tuple[int, ...] = ()  # the chain's slice boundaries [0, b1, ..., C]
+
+
+@dataclass(frozen=True)
+class GenerationStep:
+    """One streamed message; the last has ``finish_reason`` and the summary fields set."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    route: Route | None = None
+
+
+@dataclass(frozen=True)
+class PrefillFirstToken:
+    request_id: str
+    token_id: int
+    ttft_s: float
+    partition: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefillShipped:
+    request_id: str
+    kv_bytes: int
+    kv_tokens_kept: int
+    kv_tokens_full: int
+    prefill_s: float
+    kv_push_s: float
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    revision: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    token_ids: tuple[int, ...]
+    pieces: tuple[str, ...]

@@ -1,0 +1,311 @@
+"""The KV cache on the wire (DESIGN.md §7): a header, then raw tensor bytes in ~1 MiB chunks.
+
+Design: a prefill chain's tail ships a (pyramid-shaped) cache to a decode pod. The sender
+describes the payload in a ``KVHeader`` and streams the bytes of the tensors themselves; no
+pickle, no per-element encoding. The payload is, in order:
+
+    positions of every layer   int64 [S_0] | int64 [S_1] | ... | int64 [S_{L-1}]
+    then for each layer l      K_l [S_l, Hkv, D] (dtype) | V_l [S_l, Hkv, D] (dtype)
+
+All positions come first so that every tensor starts at a multiple of its element size in
+one 64-byte-aligned receive buffer: the received layers are *views* into that buffer
+(no copy after the one from the network). The header keeps per-layer token counts, so it
+stays small at any context length (its size is independent of S).
+
+The receiver (``KVAssembler``) checks the header against what it serves (``KVSpec``)
+before allocating anything, checks the byte count and the CRC-32 after the last chunk,
+then the positions; only then does the cache exist for the caller. A stream that ends early
+or fails leaves nothing behind (``discard``). Errors say what was wrong with the numbers:
+
+* ``KVMalformed``     the header contradicts itself or the positions are not valid
+                      (gRPC INVALID_ARGUMENT)
+* ``KVIncompatible``  another model, revision, dtype or shape than the receiver's
+                      (gRPC FAILED_PRECONDITION)
+* ``KVDataLoss``      missing or surplus bytes, or a checksum mismatch (gRPC DATA_LOSS)
+
+This module knows nothing of gRPC: ``baton.api.convert`` maps headers to protobuf and these
+errors to status codes.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Self
+
+import torch
+
+from baton.kv.dense import LayerKV
+from baton.model.loader import DTYPES
+
+# 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
+# per-message cost vanishes (bench/kv_transfer.py measures it).
+CHUNK_BYTES = 1 << 20
+CHECKSUM_ALGORITHM = "crc32"  # zlib's CRC-32 runs at several GB/s here; blake2b at ~0.8
+BYTE_ORDERS = ("little", "big")
+POSITION_DTYPE = torch.int64
+POSITION_BYTES = 8
+
+
+class KVWireError(Exception):
+    """A pushed KV cache that cannot be accepted; the subclass says why."""
+
+
+class KVMalformed(KVWireError):
+    """The header contradicts itself, or the positions are not strictly increasing in range."""
+
+
+class KVIncompatible(KVWireError):
+    """The cache belongs to another model, revision, dtype or shape than the receiver's."""
+
+
+class KVDataLoss(KVWireError):
+    """Bytes are missing or surplus, or the checksum does not match."""
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    """Describes one pushed cache; ``layer_num_tokens[l]`` is S_l."""
+
+    request_id: str
+    model_id: str
+    model_revision: str
+    dtype: str
+    num_layers: int
+    layer_num_tokens: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    byte_order: str
+    total_bytes: int
+    checksum: int
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+
+    def payload_bytes(self) -> int:
+        """The payload size the layer counts imply (``total_bytes`` must equal it)."""
+        num_tokens = sum(self.layer_num_tokens)
+        tensor_bytes = 2 * num_tokens * self.num_kv_heads * self.head_dim * self.element_bytes
+        return num_tokens * POSITION_BYTES + tensor_bytes
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What a receiver serves: a pushed cache must match it exactly."""
+
+    model_id: str
+    model_revision: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_tokens: int  # positions must lie in [0, max_tokens): the model's context length
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, candidate in DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise ValueError(f"KV dtype {dtype} cannot be shipped; supported: {sorted(DTYPES)}")
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor as a flat memoryview (a copy only for GPU/strided input)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+# --- sender --------------------------------------------------------------------------------
+
+
+@dataclass
+class EncodedKV:
+    """A cache ready to ship: its header and the byte segments of its payload, in order."""
+
+    header: KVHeader
+    segments: list[memoryview]
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The payload in pieces of ``chunk_bytes`` (the last may be shorter).
+
+        A chunk may span segments; ``bytes.join`` over memoryview slices copies each byte
+        once, which is the one copy a protobuf ``bytes`` field needs anyway.
+        """
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        pieces: list[memoryview] = []
+        pending = 0
+        for segment in self.segments:
+            offset = 0
+            while offset < len(segment):
+                take = min(chunk_bytes - pending, len(segment) - offset)
+                pieces.append(segment[offset:offset + take])
+                pending += take
+                offset += take
+                if pending == chunk_bytes:
+                    yield b"".join(pieces)
+                    pieces, pending = [], 0
+        if pending:
+            yield b"".join(pieces)
+
+
+def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
+              model_revision: str) -> EncodedKV:
+    """Describe and checksum a cache for shipping (k, v: [S_l, Hkv, D]; positions: [S_l])."""
+    if not layers:
+        raise ValueError("cannot ship a KV cache with no layers")
+    first = layers[0].k
+    dtype, num_kv_heads, head_dim = first.dtype, first.shape[1], first.shape[2]
+    for index, layer in enumerate(layers):
+        for name, tensor in (("k", layer.k), ("v", layer.v)):
+            if tensor.dtype != dtype or tuple(tensor.shape[1:]) != (num_kv_heads, head_dim):
+                raise ValueError(f"layer {index} {name} is {tensor.dtype} {tuple(tensor.shape)}, "
+                                 f"layer 0 k is {dtype} [S, {num_kv_heads}, {head_dim}]")
+        if layer.v.shape[0] != layer.num_tokens or layer.positions.shape != (layer.num_tokens,):
+            raise ValueError(f"layer {index} has {layer.num_tokens} keys, {layer.v.shape[0]} values "
+                             f"and {tuple(layer.positions.shape)} positions")
+    segments = [_byte_view(layer.positions.to(POSITION_DTYPE)) for layer in layers]
+    for layer in layers:
+        segments += [_byte_view(layer.k), _byte_view(layer.v)]
+    checksum = 0
+    for segment in segments:
+        checksum = zlib.crc32(segment, checksum)
+    header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
+                      dtype=_dtype_name(dtype), num_layers=len(layers),
+                      layer_num_tokens=tuple(layer.num_tokens for layer in layers),
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, byte_order=sys.byteorder,
+                      total_bytes=sum(len(segment) for segment in segments), checksum=checksum)
+    return EncodedKV(header, segments)
+
+
+# --- receiver ------------------------------------------------------------------------------
+
+
+def check_header(header: KVHeader, spec: KVSpec) -> None:
+    """Raise KVMalformed / KVIncompatible unless ``header`` is sound and matches ``spec``."""
+    if header.dtype not in DTYPES:
+        raise KVMalformed(f"KV dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
+    if header.byte_order not in BYTE_ORDERS:
+        raise KVMalformed(f"KV byte_order {header.byte_order!r} is not one of {BYTE_ORDERS}")
+    if header.checksum_algorithm != CHECKSUM_ALGORITHM:
+        raise KVMalformed(f"KV checksum_algorithm {header.checksum_algorithm!r} is not "
+                          f"{CHECKSUM_ALGORITHM!r}")
+    if header.num_layers != len(header.layer_num_tokens):
+        raise KVMalformed(f"KV header says {header.num_layers} layers but gives token counts "
+                          f"for {len(header.layer_num_tokens)}")
+    if (header.model_id, header.model_revision) != (spec.model_id, spec.model_revision):
+        raise KVIncompatible(f"KV is for model {header.model_id!r} revision "
+                             f"{header.model_revision!r}; this server serves {spec.model_id!r} "
+                             f"revision {spec.model_revision!r}")
+    mine = (spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    theirs = (header.dtype, header.num_layers, header.num_kv_heads, header.head_dim)
+    if theirs != mine:
+        raise KVIncompatible(f"KV (dtype, layers, kv heads, head dim) = {theirs}; this server "
+                             f"expects {mine}")
+    for layer, num_tokens in enumerate(header.layer_num_tokens):
+        if not 0 < num_tokens <= spec.max_tokens:
+            raise KVMalformed(f"KV layer {layer} holds {num_tokens} tokens; "
+                              f"must be in 1..{spec.max_tokens}")
+    if header.total_bytes != header.payload_bytes():
+        raise KVMalformed(f"KV total_bytes {header.total_bytes} does not match the "
+                          f"{header.payload_bytes()} bytes the layer token counts imply")
+
+
+class KVAssembler:
+    """Receives one pushed cache chunk by chunk; ``finish()`` returns it once it checks out.
+
+    Use as a context manager so that a stream that fails half way frees its buffer::
+
+        with KVAssembler(header, spec) as assembler:
+            for chunk in chunks:
+                assembler.add(chunk)
+            layers = assembler.finish()
+    """
+
+    def __init__(self, header: KVHeader, spec: KVSpec) -> None:
+        check_header(header, spec)
+        self.header = header
+        self.spec = spec
+        self._init_buffer()
+
+    def _init_buffer(self) -> None:
+        self._buffer: torch.Tensor | None = torch.empty(self.header.total_bytes, dtype=torch.uint8)
+        self._writable = memoryview(self._buffer.numpy())
+        self.bytes_received = 0
+        self._checksum = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.discard()
+
+    def add(self, chunk: bytes | memoryview) -> None:
+        if self._buffer is None:
+            raise RuntimeError("this KV assembler is finished or discarded")
+        end = self.bytes_received + len(chunk)
+        if end > self.header.total_bytes:
+            raise KVDataLoss(f"KV stream for {self.header.request_id!r} sent more than the "
+                             f"{self.header.total_bytes} bytes its header announced")
+        self._writable[self.bytes_received:end] = chunk
+        self._checksum = zlib.crc32(chunk, self._checksum)
+        self.bytes_received = end
+
+    def finish(self) -> list[LayerKV]:
+        """The received cache (views into one buffer), after checking size, checksum, positions."""
+        if self._buffer is None:
+            raise RuntimeError("this KV assembler is finished or discarded")
+        if self.bytes_received != self.header.total_bytes:
+            raise KVDataLoss(f"KV stream for {self.header.request_id!r} ended after "
+                             f"{self.bytes_received} of {self.header.total_bytes} bytes")
+        if self._checksum != self.header.checksum:
+            raise KVDataLoss(f"KV stream for {self.header.request_id!r} has checksum "
+                             f"{self._checksum:#010x}, its header says {self.header.checksum:#010x}")
+        layers = self._unpack(self._buffer)
+        self._check_positions(layers)
+        self.discard()  # the layers keep the buffer alive; the assembler lets go of it
+        return layers
+
+    def discard(self) -> None:
+        """Forget whatever arrived (idempotent)."""
+        self._buffer = None
+        self._writable = memoryview(b"")
+
+    def _unpack(self, buffer: torch.Tensor) -> list[LayerKV]:
+        header = self.header
+        dtype = DTYPES[header.dtype]
+        swap = header.byte_order != sys.byteorder
+        offset = 0
+
+        def take(count: int, element_dtype: torch.dtype, element_bytes: int) -> torch.Tensor:
+            nonlocal offset
+            raw = buffer[offset:offset + count * element_bytes]
+            offset += count * element_bytes
+            if swap:  # reverse the bytes of every element (a copy; only across byte orders)
+                raw = raw.view(-1, element_bytes).flip(1).reshape(-1)
+            return raw.view(element_dtype)
+
+        positions = [take(count, POSITION_DTYPE, POSITION_BYTES) for count in header.layer_num_tokens]
+        layers = []
+        shape = (header.num_kv_heads, header.head_dim)
+        elements_per_token = header.num_kv_heads * header.head_dim
+        for count, layer_positions in zip(header.layer_num_tokens, positions):
+            k = take(count * elements_per_token, dtype, header.element_bytes).view(count, *shape)
+            v = take(count * elements_per_token, dtype, header.element_bytes).view(count, *shape)
+            layers.append(LayerKV(k, v, layer_positions))
+        assert offset == header.total_bytes, "check_header matched total_bytes to the layout"
+        return layers
+
+    def _check_positions(self, layers: list[LayerKV]) -> None:
+        for index, layer in enumerate(layers):
+            positions = layer.positions
+            first, last = int(positions[0]), int(positions[-1])
+            if first < 0 or last >= self.spec.max_tokens:
+                raise KVMalformed(f"KV layer {index} has positions {first}..{last}; "
+                                  f"must lie in 0..{self.spec.max_tokens - 1}")
+            if not bool((positions[1:] > positions[:-1]).all()):
+                raise KVMalformed(f"KV layer {index} positions are not strictly increasing")

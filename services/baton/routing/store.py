@@ -1,0 +1,123 @@
+"""The routing store: which workers exist, how loaded they are, and where each request lives.
+
+Design: routing state is disposable. Every worker writes its own record under a key with a
+TTL and refreshes it by heartbeat, so a dead worker disappears by itself; the gateway
+records where each request lives (for abort and recovery), also with a TTL. Records are
+JSON (never pickle), so anything that speaks Redis can read them.
+
+Two implementations share this interface and one test suite: ``RedisStore`` for a cluster
+and ``InMemoryStore`` for a single process. ``StoreUnavailable`` is the one error a caller
+has to handle: the store cannot be reached right now (callers keep their last view).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import asdict, dataclass, field
+
+ROLES = ("prefill", "decode", "gateway")
+
+
+class StoreUnavailable(RuntimeError):
+    """The routing store cannot be reached (Redis down or timing out)."""
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's live load, refreshed with every heartbeat."""
+
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    running_sequences: int = 0
+    queued_requests: int = 0
+    queued_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker's routing record; ``worker_id`` is its key (unique per deployment)."""
+
+    worker_id: str
+    role: str
+    address: str  # host:port its gRPC server is reachable at
+    model_id: str
+    model_revision: str
+    version: str  # the baton release the worker runs
+    chain_id: str = ""  # prefill ranks: the chain they belong to
+    rank: int = 0
+    num_ranks: int = 1
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker role {self.role!r} is not one of {ROLES}")
+        if not self.worker_id or not self.address:
+            raise ValueError(f"a worker needs an id and an address, got {self.worker_id!r} "
+                             f"and {self.address!r}")
+        if not 0 <= self.rank < self.num_ranks:
+            raise ValueError(f"worker rank {self.rank} is outside 0..{self.num_ranks - 1}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerInfo:
+        fields = json.loads(text)
+        fields["load"] = WorkerLoad(**fields.get("load", {}))
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """Where a request lives: every pod that holds state for it."""
+
+    request_id: str
+    decode_address: str
+    chain_id: str = ""  # empty when the prompt is prefilled on the decode pod
+    prefill_address: str = ""
+    created_at: float = 0.0  # wall-clock seconds (time.time()) when the gateway admitted it
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RequestRecord:
+        return cls(**json.loads(text))
+
+
+class RoutingStore(abc.ABC):
+    """Workers and requests with TTLs. Every method may raise ``StoreUnavailable``."""
+
+    @abc.abstractmethod
+    def register_worker(self, worker: WorkerInfo, ttl_s: float) -> None:
+        """Write (or refresh) a worker's record; it vanishes ``ttl_s`` after the last write."""
+
+    @abc.abstractmethod
+    def remove_worker(self, worker_id: str) -> None:
+        """Drop a worker's record now (a clean shutdown)."""
+
+    @abc.abstractmethod
+    def list_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """The live workers (of one role), sorted by worker_id."""
+
+    @abc.abstractmethod
+    def put_request(self, record: RequestRecord, ttl_s: float, if_absent: bool = False) -> bool:
+        """Record where a request lives; with ``if_absent`` only when no live record has its
+        id. Returns whether it was written."""
+
+    @abc.abstractmethod
+    def get_request(self, request_id: str) -> RequestRecord | None:
+        """The live record of a request, or None."""
+
+    @abc.abstractmethod
+    def remove_request(self, request_id: str) -> None:
+        """Forget a finished or aborted request."""
+
+    def close(self) -> None:
+        """Release connections (nothing to do by default)."""
+
+
+def check_ttl(ttl_s: float) -> None:
+    if not ttl_s > 0:
+        raise ValueError(f"a routing TTL must be > 0 seconds, got {ttl_s}")

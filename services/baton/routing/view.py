@@ -1,0 +1,71 @@
+"""``RoutingView``: the gateway's picture of the workers, which survives a store outage.
+
+The gateway asks ``snapshot()`` on every routing decision. The view re-reads the store at
+most every ``refresh_s``; when the store is unreachable it keeps answering from the last
+good read (marked ``stale``) and retries on the next refresh, so losing Redis never stops
+routing, and workers that appeared meanwhile show up on the first read after it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from baton.routing.store import RoutingStore, StoreUnavailable, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    workers: tuple[WorkerInfo, ...]
+    read_at: float  # clock time of the store read these workers come from (0 = never read)
+    stale: bool  # the latest attempt to re-read failed
+
+    def of_role(self, role: str) -> list[WorkerInfo]:
+        return [worker for worker in self.workers if worker.role == role]
+
+
+class RoutingView:
+    def __init__(self, store: RoutingStore, refresh_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if refresh_s < 0:
+            raise ValueError(f"routing view refresh_s must be >= 0, got {refresh_s}")
+        self.store = store
+        self.refresh_s = refresh_s
+        self._clock = clock
+        self._snapshot = RoutingSnapshot(workers=(), read_at=0.0, stale=True)
+        self._last_attempt = -float("inf")
+        self._refreshing = threading.Lock()
+
+    def snapshot(self) -> RoutingSnapshot:
+        """The current view; re-reads the store when the last attempt is older than refresh_s.
+
+        Concurrent callers never queue behind a slow store: while one thread re-reads, the
+        others get the previous snapshot.
+        """
+        due = self._clock() - self._last_attempt >= self.refresh_s
+        if due and self._refreshing.acquire(blocking=False):
+            try:
+                self._refresh()
+            finally:
+                self._refreshing.release()
+        return self._snapshot
+
+    def _refresh(self) -> None:
+        self._last_attempt = self._clock()
+        try:
+            workers = tuple(self.store.list_workers())
+        except StoreUnavailable as e:
+            if not self._snapshot.stale:
+                log.warning("routing from the last view of %d workers: %s",
+                            len(self._snapshot.workers), e)
+            self._snapshot = RoutingSnapshot(self._snapshot.workers, self._snapshot.read_at,
+                                             stale=True)
+            return
+        if self._snapshot.stale and self._snapshot.read_at:
+            log.info("routing store is back: %d workers", len(workers))
+        self._snapshot = RoutingSnapshot(workers, read_at=self._last_attempt, stale=False)
