@@ -24,19 +24,19 @@ each decode step, ``forget(seq_id)`` when the sequence ends.
 
 from baton.pyramid.generation import GenerationCompressor, RecentQueries
 from baton.pyramid.prefill import (
-                                   PromptCompressor,
-                                   compressor_factory,
-                                   prefill_compressed,
-                                   request_config,
+    PromptCompressor,
+    compressor_factory,
+    prefill_compressed,
+    request_config,
 )
 from baton.pyramid.schedule import (
-                                   BUDGET_POLICIES,
-                                   generation_keep_counts,
-                                   layer_budgets,
-                                   mandatory_tokens,
-                                   pyramid_budgets,
-                                   recent_window,
-                                   uniform_budgets,
+    BUDGET_POLICIES,
+    generation_keep_counts,
+    layer_budgets,
+    mandatory_tokens,
+    pyramid_budgets,
+    recent_window,
+    uniform_budgets,
 )
 
 __all__ = ["BUDGET_POLICIES", "GenerationCompressor", "PromptCompressor", "RecentQueries",
