@@ -1,0 +1,91 @@
+"""A small dict-in, dict-out client for the few kinds the operator touches.
+
+The generated typed APIs of the `kubernetes` package turn every object into a
+model class and back; the operator builds plain manifests and compares them
+with what the API server holds, so it talks JSON on the resource paths
+directly, through the `kubernetes` package's configured ApiClient (auth, TLS,
+in-cluster config all stay the package's business).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubernetes.client import ApiClient
+
+# kind -> (API prefix, plural); every kind here is namespaced.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "BatonService": ("/apis/baton.dev/v1alpha1", "batonservices"),
+    "BatonPool": ("/apis/baton.dev/v1alpha1", "batonpools"),
+}
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, method: str, path: str, text: str):
+        super().__init__(f"{method} {path} -> HTTP {status}: {text[:500]}")
+        self.status = status
+
+
+class Kube:
+    def __init__(self, api_client: ApiClient):
+        self._client = api_client
+
+    def _path(self, kind: str, namespace: str, name: str = "", subresource: str = "") -> str:
+        prefix, plural = RESOURCES[kind]
+        path = f"{prefix}/namespaces/{namespace}/{plural}"
+        return "/".join(p for p in (path, name, subresource) if p)
+
+    def _request(self, method: str, path: str, body: Any = None, content_type: str = "",
+                 query: dict | None = None) -> dict | None:
+        """The decoded response, or None for 404."""
+        headers = {"Accept": "application/json",
+                   "Content-Type": content_type or "application/json"}
+        method, url, headers, body, _ = self._client.param_serialize(
+            method, path, header_params=headers, body=body, auth_settings=["BearerToken"],
+            query_params=list((query or {}).items()))
+        response = self._client.call_api(method, url, header_params=headers, body=body)
+        text = response.read().decode()
+        if response.status == 404:
+            return None
+        if response.status >= 400:
+            raise KubeError(response.status, method, path, text)
+        return json.loads(text) if text else {}
+
+    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        return self._request("GET", self._path(kind, namespace, name))
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[dict]:
+        """Objects matching an equality selector ``k=v,k2=v2``."""
+        found = self._request("GET", self._path(kind, namespace),
+                              query={"labelSelector": label_selector})
+        wanted = dict(term.split("=", 1) for term in label_selector.split(","))
+        # Filtered again here: deleting by selector must stay safe on an API
+        # (or test emulator) that answers a list without applying the selector.
+        return [obj for obj in (found or {}).get("items", [])
+                if wanted.items() <= (obj["metadata"].get("labels") or {}).items()]
+
+    def create(self, obj: dict) -> dict:
+        namespace = obj["metadata"]["namespace"]
+        return self._request("POST", self._path(obj["kind"], namespace), body=obj)
+
+    def replace(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        return self._request("PUT", self._path(obj["kind"], meta["namespace"], meta["name"]),
+                             body=obj)
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict,
+              subresource: str = "") -> dict | None:
+        return self._request("PATCH", self._path(kind, namespace, name, subresource),
+                             body=patch, content_type=MERGE_PATCH)
+
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """True when the object existed."""
+        return self._request("DELETE", self._path(kind, namespace, name),
+                             body={"propagationPolicy": "Background"}) is not None

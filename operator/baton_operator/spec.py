@@ -1,0 +1,225 @@
+"""A `BatonService` custom resource's spec, read into typed values and checked.
+
+The CRD's OpenAPI schema rejects most bad input at the API server, but the
+operator never relies on it alone: an object written before a schema change,
+or by a client that skips validation, must still end in a `Degraded`
+condition that names the bad value, never in a crash loop. Every engine
+setting is checked by building the very configuration dataclasses the
+services validate themselves with (`baton.config`), so the operator and the
+services cannot disagree about what is valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.config import (
+    ChainConfig,
+    GatewayRoutingConfig,
+    KVPoolConfig,
+    ModelSourceConfig,
+    PyramidConfig,
+    SchedulerConfig,
+)
+
+REDIS_MODES = ("managed", "external")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+
+
+class InvalidSpec(ValueError):
+    """The resource asks for something the operator cannot build (a permanent error)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    claim_name: str = ""  # a PersistentVolumeClaim holding the checkpoint
+    sub_path: str = ""
+    host_path: str = ""  # or a directory on the node
+    config: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+
+    @property
+    def mounted(self) -> bool:
+        return bool(self.claim_name or self.host_path)
+
+
+@dataclass(frozen=True)
+class RedisSpec:
+    mode: str = "managed"
+    image: str = "redis:7.4-alpine"
+    secret_name: str = ""  # external: the Secret holding the URL, and its key
+    secret_key: str = "url"
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    replicas: int = 1
+    service_type: str = "ClusterIP"
+    tls_secret_name: str = ""
+    routing: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
+    resources: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    chains: int = 1
+    chain: ChainConfig = field(default_factory=ChainConfig)  # ranks and mode; rank comes per pod
+    partition_table: str = ""  # JSON text shipped in a ConfigMap; empty = the image's default
+    resources: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    replicas: int = 1
+    kv: KVPoolConfig = field(default_factory=KVPoolConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    resources: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    per_pod: int = 0
+    resource_name: str = "nvidia.com/gpu"
+    nccl_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    image: str
+    image_pull_policy: str
+    model: ModelSource
+    prefill: PrefillSpec
+    decode: DecodeSpec
+    pyramid: PyramidConfig
+    redis: RedisSpec
+    gateway: GatewaySpec
+    gpu: GPUSpec
+    node_selector: dict[str, str]
+    tolerations: list[dict]
+
+
+def _section(spec: dict, name: str) -> dict:
+    value = spec.get(name) or {}
+    if not isinstance(value, dict):
+        raise InvalidSpec(f"spec.{name} must be an object, got {value!r}")
+    return value
+
+
+def _build(where: str, cls: type, **values: Any) -> Any:
+    """``cls(**values)`` without the unset ones; a ValueError names the spec section."""
+    try:
+        return cls(**{k: v for k, v in values.items() if v is not None})
+    except (TypeError, ValueError) as e:
+        raise InvalidSpec(f"spec.{where}: {e}") from e
+
+
+def _count(section: dict, where: str, key: str, default: int, minimum: int = 0) -> int:
+    value = section.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidSpec(f"spec.{where}.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _read_model(spec: dict) -> ModelSource:
+    model = _section(spec, "model")
+    source = model.get("source") or {}
+    pvc = source.get("pvc") or {}
+    host_path = source.get("hostPath", "")
+    if pvc and host_path:
+        raise InvalidSpec("spec.model.source: give either pvc or hostPath, not both")
+    if pvc and not pvc.get("claimName"):
+        raise InvalidSpec("spec.model.source.pvc.claimName is required when pvc is given")
+    if host_path and not host_path.startswith("/"):
+        raise InvalidSpec(f"spec.model.source.hostPath must be absolute, got {host_path!r}")
+    config = _build("model", ModelSourceConfig, revision=model.get("revision"),
+                    dtype=model.get("dtype"))
+    return ModelSource(claim_name=pvc.get("claimName", ""), sub_path=pvc.get("subPath", ""),
+                       host_path=host_path, config=config)
+
+
+def _read_redis(spec: dict) -> RedisSpec:
+    redis = _section(spec, "redis")
+    mode = redis.get("mode", RedisSpec.mode)
+    if mode not in REDIS_MODES:
+        raise InvalidSpec(f"spec.redis.mode {mode!r} is not one of {REDIS_MODES}")
+    secret = (redis.get("external") or {}).get("urlSecretRef") or {}
+    if mode == "external" and not secret.get("name"):
+        raise InvalidSpec("spec.redis.mode is external but spec.redis.external.urlSecretRef.name "
+                          "is empty: name the Secret that holds the Redis URL")
+    return RedisSpec(mode=mode, image=redis.get("image", RedisSpec.image),
+                     secret_name=secret.get("name", ""),
+                     secret_key=secret.get("key", RedisSpec.secret_key))
+
+
+def _read_prefill(spec: dict) -> PrefillSpec:
+    prefill = _section(spec, "prefill")
+    chain = _build("prefill", ChainConfig, ranks=prefill.get("ranksPerChain"),
+                   mode=prefill.get("mode"))
+    return PrefillSpec(chains=_count(prefill, "prefill", "chains", PrefillSpec.chains),
+                       chain=chain, partition_table=prefill.get("partitionTable", ""),
+                       resources=prefill.get("resources") or {})
+
+
+def _read_decode(spec: dict) -> DecodeSpec:
+    decode = _section(spec, "decode")
+    return DecodeSpec(
+        replicas=_count(decode, "decode", "replicas", DecodeSpec.replicas),
+        kv=_build("decode", KVPoolConfig, memory_mib=decode.get("kvMemoryMiB"),
+                  block_size=decode.get("kvBlockSize")),
+        scheduler=_build("decode", SchedulerConfig, token_budget=decode.get("tokenBudget"),
+                         max_running=decode.get("maxRunning"), policy=decode.get("policy")),
+        resources=decode.get("resources") or {})
+
+
+def _read_pyramid(spec: dict) -> PyramidConfig:
+    compression = _section(spec, "compression")
+    return _build("compression", PyramidConfig, enabled=compression.get("enabled"),
+                  keep_ratio=compression.get("keepRatio"),
+                  recent_ratio=compression.get("recentRatio"),
+                  num_sinks=compression.get("numSinks"),
+                  min_context=compression.get("minContext"))
+
+
+def _read_gateway(spec: dict) -> GatewaySpec:
+    gateway = _section(spec, "gateway")
+    routing = _section(spec, "routing")
+    service_type = gateway.get("serviceType", GatewaySpec.service_type)
+    if service_type not in SERVICE_TYPES:
+        raise InvalidSpec(f"spec.gateway.serviceType {service_type!r} is not one of {SERVICE_TYPES}")
+    return GatewaySpec(
+        replicas=_count(gateway, "gateway", "replicas", GatewaySpec.replicas, minimum=1),
+        service_type=service_type,
+        tls_secret_name=(gateway.get("tls") or {}).get("secretName", ""),
+        routing=_build("routing", GatewayRoutingConfig,
+                       prefill_threshold_tokens=routing.get("prefillThresholdTokens")),
+        resources=gateway.get("resources") or {})
+
+
+def _read_gpu(spec: dict) -> GPUSpec:
+    gpu = _section(spec, "gpu")
+    nccl_env = gpu.get("ncclEnv") or {}
+    for name in nccl_env:
+        if not name.startswith("NCCL_"):
+            raise InvalidSpec(f"spec.gpu.ncclEnv: {name!r} is not an NCCL_* variable")
+    return GPUSpec(per_pod=_count(gpu, "gpu", "perPod", GPUSpec.per_pod),
+                   resource_name=gpu.get("resourceName", GPUSpec.resource_name),
+                   nccl_env={k: str(v) for k, v in nccl_env.items()})
+
+
+def read_spec(spec: dict, default_image: str) -> ServiceSpec:
+    """The typed spec of a `BatonService`; raises InvalidSpec naming the first bad value."""
+    image = _section(spec, "image")
+    repository, tag = image.get("repository", ""), image.get("tag", "")
+    return ServiceSpec(
+        image=f"{repository}:{tag}" if repository and tag else repository or default_image,
+        image_pull_policy=image.get("pullPolicy", "IfNotPresent"),
+        model=_read_model(spec),
+        prefill=_read_prefill(spec),
+        decode=_read_decode(spec),
+        pyramid=_read_pyramid(spec),
+        redis=_read_redis(spec),
+        gateway=_read_gateway(spec),
+        gpu=_read_gpu(spec),
+        node_selector=dict(spec.get("nodeSelector") or {}),
+        tolerations=list(spec.get("tolerations") or []),
+    )

@@ -1,0 +1,328 @@
+"""The Kubernetes objects one `BatonService` becomes (pure functions of its spec).
+
+    <name>-prefill-<i>   StatefulSet + headless Service per chain: p pods, rank = pod ordinal,
+                         rank 0's stable DNS name is the torch.distributed rendezvous
+    <name>-decode        Deployment of SARATHI decode workers
+    <name>-gateway       Deployment + Service: the client endpoint
+    <name>-redis         Deployment + Service, only when Redis is managed
+    <name>-partitions    ConfigMap with the KV-Runahead partition table, when one is given
+
+Prefill and decode pods mirror each other: one pod template builder, a role
+label, and container arguments derived from the same configuration dataclasses
+the services parse (``baton.config``), so a manifest cannot ask for a flag the
+service does not know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+from baton.config import (
+    DecodeServiceConfig,
+    GatewayServiceConfig,
+    ModelSourceConfig,
+    PrefillServiceConfig,
+    RoutingConfig,
+    ServerConfig,
+)
+from baton.configtree import flag_names
+
+from baton_operator.spec import ServiceSpec
+
+GATEWAY_PORT = 50051
+DECODE_PORT = 50061
+PREFILL_PORT = 50071
+METRICS_PORT = 9090
+RENDEZVOUS_PORT = 29500
+REDIS_PORT = 6379
+RUN_AS_USER = 10001  # the image's non-root user
+MODEL_DIR = "/models/current"
+PARTITIONS_DIR = "/etc/baton/partitions"
+PARTITIONS_FILE = "partitions.json"
+TLS_DIR = "/etc/baton/tls"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
+
+
+def labels(name: str, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "baton",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": "baton-operator",
+        "baton.dev/service": name,
+        "baton.dev/role": role,
+    }
+
+
+def selector(name: str, role: str) -> dict[str, str]:
+    return {"baton.dev/service": name, "baton.dev/role": role}
+
+
+def chain_name(name: str, index: int) -> str:
+    return f"{name}-prefill-{index}"
+
+
+def _leaves(config: Any):
+    """Leaf values of a configuration tree, in the order `flag_names` walks it."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value)
+        else:
+            yield value
+
+
+def config_arguments(config: Any) -> list[str]:
+    """``--flag value`` for every setting that differs from the service's own default."""
+    defaults = _leaves(type(config)())
+    args = []
+    for flag, value, default in zip(flag_names(type(config)), _leaves(config), defaults):
+        if value == default:
+            continue
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        elif isinstance(value, list):
+            value = ",".join(map(str, value))
+        args += [flag, str(value)]
+    return args
+
+
+def _model_config(spec: ServiceSpec) -> ModelSourceConfig:
+    device = "cuda" if spec.gpu.per_pod else "cpu"
+    path = MODEL_DIR if spec.model.mounted else ""
+    return dataclasses.replace(spec.model.config, path=path, device=device)
+
+
+def _server(port: int, advertise_host: str) -> ServerConfig:
+    # $(VAR) is expanded by the kubelet from the container's env (see _env).
+    return ServerConfig(listen=f"0.0.0.0:{port}", advertise=f"{advertise_host}:{port}",
+                        metrics_port=METRICS_PORT)
+
+
+def _routing(name: str, namespace: str, spec: ServiceSpec) -> RoutingConfig:
+    if spec.redis.mode == "managed":
+        return RoutingConfig(redis_url=f"redis://{name}-redis.{namespace}.svc:{REDIS_PORT}/0")
+    return RoutingConfig()  # external: BATON_ROUTING_REDIS_URL comes from the Secret
+
+
+def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> PrefillServiceConfig:
+    chain = chain_name(name, index)
+    table = f"{PARTITIONS_DIR}/{PARTITIONS_FILE}" if spec.prefill.partition_table else ""
+    return PrefillServiceConfig(
+        server=_server(PREFILL_PORT, f"$(POD_NAME).{chain}.{namespace}.svc"),
+        model=_model_config(spec),
+        chain=dataclasses.replace(
+            spec.prefill.chain, chain_id=chain, master_addr=f"{chain}-0.{chain}.{namespace}.svc",
+            master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",
+            partition_table=table),
+        pyramid=spec.pyramid,
+        routing=_routing(name, namespace, spec))
+
+
+def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
+    return DecodeServiceConfig(
+        server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec), kv=spec.decode.kv,
+        scheduler=spec.decode.scheduler, pyramid=spec.pyramid,
+        routing=_routing(name, namespace, spec))
+
+
+def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServiceConfig:
+    return GatewayServiceConfig(
+        server=_server(GATEWAY_PORT, "$(POD_IP)"), model=dataclasses.replace(
+            _model_config(spec), device="cpu"),  # the gateway only tokenizes
+        gateway=spec.gateway.routing, routing=_routing(name, namespace, spec))
+
+
+def _field_env(name: str, path: str) -> dict:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _env(spec: ServiceSpec, role: str) -> list[dict]:
+    env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP"),
+           {"name": "HOME", "value": "/tmp"}]  # caches land in the writable emptyDir
+    if spec.redis.mode == "external":
+        env.append({"name": "BATON_ROUTING_REDIS_URL", "valueFrom": {"secretKeyRef": {
+            "name": spec.redis.secret_name, "key": spec.redis.secret_key}}})
+    if role == "prefill":
+        env.append(_field_env("BATON_CHAIN_RANK", f"metadata.labels['{POD_INDEX_LABEL}']"))
+        if spec.gpu.per_pod:
+            env += [{"name": k, "value": v} for k, v in sorted(spec.gpu.nccl_env.items())]
+    return env
+
+
+def container_security() -> dict:
+    """The restricted Pod Security profile, for every container baton runs."""
+    return {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _volumes(name: str, spec: ServiceSpec, role: str) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.claim_name:
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model.claim_name, "readOnly": True}})
+    elif spec.model.host_path:
+        volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path,
+                                                      "type": "Directory"}})
+    if spec.model.mounted:
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True,
+                       **({"subPath": spec.model.sub_path} if spec.model.sub_path else {})})
+    if role in ("prefill", "decode") and spec.gpu.per_pod:
+        # NCCL's shared-memory transport needs more than the runtime's 64 MiB /dev/shm.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if role == "prefill" and spec.prefill.partition_table:
+        volumes.append({"name": "partitions", "configMap": {"name": f"{name}-partitions"}})
+        mounts.append({"name": "partitions", "mountPath": PARTITIONS_DIR, "readOnly": True})
+    if role == "gateway" and spec.gateway.tls_secret_name:
+        volumes.append({"name": "tls", "secret": {"secretName": spec.gateway.tls_secret_name}})
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def _resources(spec: ServiceSpec, role: str, requested: dict) -> dict:
+    resources = {k: dict(v) for k, v in requested.items()}
+    if role in ("prefill", "decode") and spec.gpu.per_pod:
+        resources.setdefault("limits", {})[spec.gpu.resource_name] = spec.gpu.per_pod
+    return resources
+
+
+def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port: int,
+                 resources: dict, extra_labels: dict | None = None) -> dict:
+    """The pod every baton role runs in; roles differ only in arguments, ports and volumes."""
+    volumes, mounts = _volumes(name, spec, role)
+    ports = [{"name": "grpc", "containerPort": port}, {"name": "metrics",
+                                                       "containerPort": METRICS_PORT}]
+    if role == "prefill":
+        ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT})
+    annotations = {}
+    if role == "prefill" and spec.prefill.partition_table:
+        # A new table must restart the chains that read it at startup.
+        digest = hashlib.sha256(spec.prefill.partition_table.encode()).hexdigest()[:16]
+        annotations["baton.dev/partition-table-sha256"] = digest
+    pod_spec = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
+                            "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,
+        "containers": [{
+            "name": role, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
+            "args": [role, *args], "env": _env(spec, role), "ports": ports,
+            "volumeMounts": mounts, "resources": _resources(spec, role, resources),
+            "securityContext": container_security(),
+            "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5},
+            "startupProbe": {"grpc": {"port": port}, "periodSeconds": 5,
+                             "failureThreshold": 120},  # large models take minutes to load
+        }],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = spec.node_selector
+    if spec.tolerations:
+        pod_spec["tolerations"] = spec.tolerations
+    metadata: dict[str, Any] = {"labels": {**labels(name, role), **(extra_labels or {})}}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def _service(name: str, role: str, object_name: str, ports: list[dict], **spec: Any) -> dict:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": object_name, "labels": labels(name, role)},
+            "spec": {"selector": selector(name, role), "ports": ports, **spec}}
+
+
+def _port(port_name: str, port: int) -> dict:
+    return {"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
+
+
+def prefill_chain(name: str, namespace: str, spec: ServiceSpec, index: int) -> list[dict]:
+    chain = chain_name(name, index)
+    args = config_arguments(prefill_config(name, namespace, spec, index))
+    chain_labels = {"baton.dev/chain": chain}
+    template = pod_template(name, spec, "prefill", args, PREFILL_PORT, spec.prefill.resources,
+                            chain_labels)
+    headless = _service(name, "prefill", chain,
+                        [_port("grpc", PREFILL_PORT), _port("rendezvous", RENDEZVOUS_PORT)],
+                        clusterIP="None", publishNotReadyAddresses=True)  # ranks meet before ready
+    headless["spec"]["selector"] = {**selector(name, "prefill"), **chain_labels}
+    statefulset = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": chain, "labels": {**labels(name, "prefill"), **chain_labels}},
+        "spec": {"serviceName": chain, "replicas": spec.prefill.chain.ranks,
+                 "podManagementPolicy": "Parallel",  # every rank must be up for the rendezvous
+                 "selector": {"matchLabels": {**selector(name, "prefill"), **chain_labels}},
+                 "template": template}}
+    return [headless, statefulset]
+
+
+def _deployment(name: str, role: str, replicas: int, template: dict) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": f"{name}-{role}", "labels": labels(name, role)},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": selector(name, role)},
+                     "template": template}}
+
+
+def decode_workers(name: str, namespace: str, spec: ServiceSpec, replicas: int) -> list[dict]:
+    args = config_arguments(decode_config(name, namespace, spec))
+    template = pod_template(name, spec, "decode", args, DECODE_PORT, spec.decode.resources)
+    return [_deployment(name, "decode", replicas, template)]
+
+
+def gateway(name: str, namespace: str, spec: ServiceSpec) -> list[dict]:
+    args = config_arguments(gateway_config(name, namespace, spec))
+    template = pod_template(name, spec, "gateway", args, GATEWAY_PORT, spec.gateway.resources)
+    return [_deployment(name, "gateway", spec.gateway.replicas, template),
+            _service(name, "gateway", f"{name}-gateway", [_port("grpc", GATEWAY_PORT)],
+                     type=spec.gateway.service_type)]
+
+
+def redis(name: str, spec: ServiceSpec) -> list[dict]:
+    # Routing state is disposable (workers re-register by heartbeat): no persistence.
+    container = {
+        "name": "redis", "image": spec.redis.image,
+        "args": ["--save", "", "--appendonly", "no", "--port", str(REDIS_PORT)],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "securityContext": container_security(),
+        "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                      "limits": {"memory": "512Mi"}}}
+    template = {"metadata": {"labels": labels(name, "redis")}, "spec": {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "runAsGroup": 999,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,
+        "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}}
+    if spec.node_selector:
+        template["spec"]["nodeSelector"] = spec.node_selector
+    if spec.tolerations:
+        template["spec"]["tolerations"] = spec.tolerations
+    return [_deployment(name, "redis", 1, template),
+            _service(name, "redis", f"{name}-redis", [_port("redis", REDIS_PORT)])]
+
+
+def partition_table(name: str, spec: ServiceSpec) -> list[dict]:
+    if not spec.prefill.partition_table:
+        return []
+    return [{"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": f"{name}-partitions", "labels": labels(name, "prefill")},
+             "data": {PARTITIONS_FILE: spec.prefill.partition_table}}]
+
+
+def children(name: str, namespace: str, spec: ServiceSpec, num_chains: int,
+             num_decode: int) -> list[dict]:
+    """Every object the service needs, for the pools' current sizes."""
+    objects = partition_table(name, spec) if num_chains else []
+    if spec.redis.mode == "managed":
+        objects += redis(name, spec)
+    for index in range(num_chains):
+        objects += prefill_chain(name, namespace, spec, index)
+    objects += decode_workers(name, namespace, spec, num_decode)
+    objects += gateway(name, namespace, spec)
+    for obj in objects:
+        obj["metadata"]["namespace"] = namespace
+    return objects
