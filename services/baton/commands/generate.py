@@ -1,0 +1,117 @@
+"""`baton generate`: generate text locally on the SARATHI engine.
+
+    baton generate --model DIR "def fib(n):"              streams text to the terminal
+    baton generate --prompt-ids 1,2,3 --max-tokens 8 --temperature 0 --json
+                                                          {"token_ids": [...], "text": "..."}
+
+Several prompts run batched (continuous batching); with ``--json`` each prints
+one line, in the order given (text prompts first, then each ``--prompt-ids``).
+``--chain-ranks P`` prefills each prompt through a local KV-Runahead chain of P
+processes and decodes from the KV it hands over. Heavy imports (torch, the
+model) happen only in ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from baton.config import KVPoolConfig, SchedulerConfig
+from baton.configtree import add_arguments as add_config_arguments
+from baton.configtree import from_arguments
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from e
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="text prompts")
+    parser.add_argument("--model", default="", metavar="DIR",
+                        help="Hugging Face checkpoint directory (default: the shipped model)")
+    parser.add_argument("--prompt-ids", action="append", type=_token_ids, default=[],
+                        metavar="IDS", help="a prompt as comma-separated token ids (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"token_ids": [...], "text": "..."} per prompt, one line each')
+    parser.add_argument("--chain-ranks", type=int, default=0, metavar="P",
+                        help="prefill through a local KV-Runahead chain of P processes (0 = off)")
+    parser.add_argument("--server", default="", metavar="HOST:PORT",
+                        help="generate on a running baton gateway instead of locally")
+    add_config_arguments(parser, SchedulerConfig, "scheduler")
+    add_config_arguments(parser, KVPoolConfig, "kv")
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts = list(args.prompts) + list(args.prompt_ids)
+    if not prompts:
+        raise ValueError("give at least one PROMPT or --prompt-ids")
+    if args.chain_ranks < 0:
+        raise ValueError(f"--chain-ranks must be >= 0, got {args.chain_ranks}")
+    if args.server:
+        raise ValueError(f"--server {args.server}: generating through a gateway needs the gRPC "
+                         f"client, which this build does not include yet; drop --server to run locally")
+    from baton.model.loader import load_checkpoint
+    from baton.model.sampling import SamplingParams
+    from baton.sarathi.engine import Engine
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
+    loaded = load_checkpoint(args.model)
+    engine = Engine(loaded.model, loaded.tokenizer, scheduler=from_arguments(args, SchedulerConfig, "scheduler"),
+                    kv=from_arguments(args, KVPoolConfig, "kv"))
+    if args.chain_ranks:
+        request_ids = _add_chain_prefilled(engine, loaded.path, prompts, params, args.chain_ranks)
+    else:
+        request_ids = [engine.add_request(prompt, params) for prompt in prompts]
+    results = _drive(engine, request_ids, stream=not args.json and len(prompts) == 1)
+    if args.json:
+        for request_id in request_ids:
+            token_ids, text = results[request_id]
+            print(json.dumps({"token_ids": token_ids, "text": text}))
+    elif len(prompts) > 1:
+        for index, request_id in enumerate(request_ids):
+            print(f"--- [{index}] {prompts[index]!r}")
+            print(results[request_id][1])
+    return 0
+
+
+def _add_chain_prefilled(engine, model_dir, prompts, params, ranks: int) -> list[str]:
+    from baton.runahead.local import prefill_with_local_chain
+
+    request_ids = []
+    for prompt in prompts:
+        prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        result = prefill_with_local_chain(str(model_dir), prompt_ids, ranks)
+        request_ids.append(engine.add_prefilled_request(prompt_ids, result.layers,
+                                                        result.first_token_logits, params))
+    return request_ids
+
+
+def _drive(engine, request_ids: list[str], stream: bool) -> dict[str, tuple[list[int], str]]:
+    """Step the engine until every request finishes; with ``stream``, print text as it comes."""
+    results: dict[str, tuple[list[int], str]] = {rid: ([], "") for rid in request_ids}
+    pending = set(request_ids)
+    while pending:
+        for output in engine.step():
+            token_ids, text = results[output.request_id]
+            results[output.request_id] = (token_ids + output.new_token_ids, text + output.text_delta)
+            if stream:
+                sys.stdout.write(output.text_delta)
+                sys.stdout.flush()
+            if output.finished:
+                pending.discard(output.request_id)
+    if stream:
+        sys.stdout.write("\n")
+    return results

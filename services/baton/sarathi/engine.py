@@ -1,0 +1,325 @@
+"""The decode engine: continuous batching under a scheduling policy.
+
+Design: ``step()`` reads as its verbs — take new requests and aborts from the
+inbox, plan the iteration (``Scheduler``: policy, with ``KVManager`` for
+memory), run one forward (``ModelRunner``), then sample, stream text and
+retire finished sequences. Requests join and leave between iterations.
+
+Threads: one loop thread calls ``step()``; any thread may call
+``add_request``, ``add_prefilled_request`` and ``abort``: they validate at
+once (raising ValueError in the caller) and hand the work over through a
+thread-safe inbox that the next ``step()`` drains. ``generate()`` and
+``stream()`` drive ``step()`` themselves, so they are for callers that own the
+engine (the CLI, tests, benchmarks), not for use beside a loop thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from baton.config import KVPoolConfig, SchedulerConfig
+from baton.kv.dense import LayerKV
+from baton.kv.pool import KVPool
+from baton.model.llama import CausalLM
+from baton.model.sampling import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Sampler,
+    SamplingParams,
+    StopStringMatcher,
+)
+from baton.model.tokenizer import IncrementalDecoder, Tokenizer
+from baton.sarathi.hooks import CompressorFactory
+from baton.sarathi.memory import KVManager, build_pool
+from baton.sarathi.request import GenerationResult, RequestOutput, Sequence, Status
+from baton.sarathi.runner import ModelRunner
+from baton.sarathi.scheduler import SchedulerOutput, create_scheduler
+
+Prompt = str | SequenceOf[int]
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None,
+                 scheduler: SchedulerConfig | None = None, kv: KVPoolConfig | None = None,
+                 compressor_factory: CompressorFactory | None = None,
+                 pool: KVPool | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.compressor_factory = compressor_factory
+        self._init_pool(pool, kv or KVPoolConfig())
+        self._init_scheduler(scheduler or SchedulerConfig())
+        self._init_inbox()
+
+    def _init_pool(self, pool: KVPool | None, kv: KVPoolConfig) -> None:
+        self.pool = pool or build_pool(self.model.config, kv, self.model.dtype, self.model.device)
+        self.memory = KVManager(self.pool)
+        self.runner = ModelRunner(self.model, self.pool)
+
+    def _init_scheduler(self, config: SchedulerConfig) -> None:
+        self.scheduler = create_scheduler(config, self.memory)
+        self._sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.num_iterations = 0
+
+    def _init_inbox(self) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._live_ids: set[str] = set()  # accepted and not yet finished (guarded by _lock)
+        self._request_counter = itertools.count()
+
+    # --- the API (thread-safe) -------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids) for local prefill and decoding; returns its id."""
+        params = params or SamplingParams()
+        prompt_ids = self._prompt_ids(prompt)
+        request_id = self._claim_id(request_id)
+        self._put(("add", request_id, prompt_ids, params, None, None))
+        return request_id
+
+    def add_prefilled_request(self, prompt_ids: SequenceOf[int], kv: list[LayerKV],
+                              first_token: int | torch.Tensor, params: SamplingParams | None = None,
+                              request_id: str | None = None) -> str:
+        """Queue a request whose prompt KV came from a prefill chain (one LayerKV per layer,
+        possibly pyramid-shaped). ``first_token`` is the token the chain's tail sampled, or the
+        tail's logits ([vocab]) for this request's own sampler to sample (so a seeded request
+        draws the same stream as a local prefill would). It joins the running set directly;
+        its first output includes the first token."""
+        params = params or SamplingParams()
+        prompt_ids = self._prompt_ids(list(prompt_ids))
+        if len(kv) != self.pool.num_layers:
+            raise ValueError(f"prefilled KV has {len(kv)} layers, the model {self.pool.num_layers}")
+        if isinstance(first_token, torch.Tensor):
+            if first_token.shape != (self.model.config.vocab_size,):
+                raise ValueError(f"first-token logits have shape {tuple(first_token.shape)}, "
+                                 f"expected ({self.model.config.vocab_size},)")
+        else:
+            self._check_token(first_token, "first_token")
+        request_id = self._claim_id(request_id)
+        self._put(("add", request_id, prompt_ids, params, kv, first_token))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV; its last output has finish_reason "abort"."""
+        self._put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live_ids)
+
+    def wait_for_work(self, timeout_s: float | None = None) -> bool:
+        """Block the loop thread until a request or an abort arrives (or the timeout)."""
+        found = self._work.wait(timeout_s)
+        self._work.clear()
+        return found
+
+    # --- one iteration ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        self._drain_inbox(outputs)
+        plan = self.scheduler.schedule()
+        for seq in plan.out_of_room:
+            self._finish(seq, FINISH_LENGTH, outputs)
+        if not plan.is_empty:
+            self._run(plan, outputs)
+        return list(outputs.values())
+
+    def _run(self, plan: SchedulerOutput, outputs: dict[str, RequestOutput]) -> None:
+        for chunk in plan.prefills:
+            if chunk.seq.num_computed == 0:  # a fresh prefill (or a recompute) gets a fresh compressor
+                chunk.seq.compressor = self._new_compressor(chunk.seq)
+        completing = [chunk.seq for chunk in plan.prefills if chunk.completes]
+        sampling, logits = self.runner.execute(plan)
+        self.scheduler.update(plan)
+        self.num_iterations += 1
+        for seq in completing:
+            if seq.compressor is not None:
+                self._compress(seq)
+        for seq, row in zip(sampling, logits):
+            self._accept_token(seq, seq.sampler.sample(row), outputs)
+        for seq in plan.decodes:
+            if seq.compressor is not None and seq.status is Status.RUNNING:
+                seq.compressor.after_decode(self.pool, seq.request_id)
+
+    # --- convenience drivers ---------------------------------------------------------------
+
+    def stream(self, prompts: SequenceOf[Prompt],
+               params: SamplingParams | SequenceOf[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Add the prompts and step until all finish, yielding every output as it comes."""
+        per_prompt = self._params_per_prompt(prompts, params)
+        ids = {self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)}
+        while ids:
+            for output in self.step():
+                if output.request_id in ids:
+                    yield output
+                    if output.finished:
+                        ids.discard(output.request_id)
+
+    def generate(self, prompts: SequenceOf[Prompt],
+                 params: SamplingParams | SequenceOf[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Generate for every prompt (batched continuously); results in prompt order."""
+        per_prompt = self._params_per_prompt(prompts, params)
+        prompt_ids = {}
+        for prompt, sampling_params in zip(prompts, per_prompt):
+            ids = self._prompt_ids(prompt)
+            prompt_ids[self.add_request(ids, sampling_params)] = ids
+        order = list(prompt_ids)
+        token_ids: dict[str, list[int]] = {rid: [] for rid in order}
+        texts: dict[str, list[str]] = {rid: [] for rid in order}
+        reasons: dict[str, str] = {}
+        while len(reasons) < len(order):
+            for output in self.step():
+                if output.request_id in token_ids:
+                    token_ids[output.request_id] += output.new_token_ids
+                    texts[output.request_id].append(output.text_delta)
+                    if output.finished:
+                        reasons[output.request_id] = output.finish_reason
+        return [GenerationResult(rid, prompt_ids[rid], token_ids[rid], "".join(texts[rid]), reasons[rid])
+                for rid in order]
+
+    # --- inbox -----------------------------------------------------------------------------
+
+    def _put(self, message: tuple) -> None:
+        self._inbox.put(message)
+        self._work.set()
+
+    def _drain_inbox(self, outputs: dict[str, RequestOutput]) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                self._admit_message(*message[1:], outputs)
+            elif message[1] in self._sequences:
+                self._finish(self._sequences[message[1]], FINISH_ABORT, outputs)
+
+    def _admit_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       kv: list[LayerKV] | None, first_token: int | torch.Tensor | None,
+                       outputs: dict[str, RequestOutput]) -> None:
+        seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals),
+                       sampler=Sampler(params),
+                       decoder=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
+                       stop_matcher=StopStringMatcher(params.stop))
+        self._sequences[request_id] = seq
+        if kv is not None:
+            seq.arrived_kv = kv
+            seq.num_computed = len(prompt_ids)
+            seq.compressor = self._new_compressor(seq)
+            if isinstance(first_token, torch.Tensor):
+                first_token = seq.sampler.sample(first_token)
+            self._accept_token(seq, first_token, outputs)
+        if seq.status is not Status.FINISHED:
+            self.scheduler.add(seq)
+
+    # --- tokens, stops, retirement ---------------------------------------------------------
+
+    def _accept_token(self, seq: Sequence, token: int, outputs: dict[str, RequestOutput]) -> None:
+        seq.output_ids.append(token)
+        output = self._output_of(seq, outputs)
+        output.new_token_ids.append(token)
+        params = seq.params
+        stop_ids = params.stop_token_ids if params.ignore_eos else (
+            params.stop_token_ids + self.model.config.eos_token_ids)
+        if token in stop_ids:
+            output.text_delta += self._flush_text(seq)
+            self._finish(seq, FINISH_STOP, outputs)
+            return
+        delta = seq.decoder.push(token) if seq.decoder else ""
+        emitted, stopped = seq.stop_matcher.push(delta)
+        output.text_delta += emitted
+        if stopped:
+            self._finish(seq, FINISH_STOP, outputs)
+        elif (len(seq.output_ids) >= params.max_tokens
+              or seq.num_tokens >= self.model.config.max_position_embeddings):
+            output.text_delta += self._flush_text(seq)
+            self._finish(seq, FINISH_LENGTH, outputs)
+
+    def _flush_text(self, seq: Sequence) -> str:
+        tail = seq.decoder.flush() if seq.decoder else ""
+        emitted, stopped = seq.stop_matcher.push(tail)
+        return emitted if stopped else emitted + seq.stop_matcher.flush()
+
+    def _finish(self, seq: Sequence, reason: str, outputs: dict[str, RequestOutput]) -> None:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self._output_of(seq, outputs).finish_reason = reason
+        self._sequences.pop(seq.request_id, None)
+        with self._lock:
+            self._live_ids.discard(seq.request_id)
+
+    @staticmethod
+    def _output_of(seq: Sequence, outputs: dict[str, RequestOutput]) -> RequestOutput:
+        if seq.request_id not in outputs:
+            outputs[seq.request_id] = RequestOutput(seq.request_id, [], "")
+        return outputs[seq.request_id]
+
+    # --- compression seam ------------------------------------------------------------------
+
+    def _new_compressor(self, seq: Sequence):
+        if self.compressor_factory is None:
+            return None
+        return self.compressor_factory(seq.token_ids, seq.params)
+
+    def _compress(self, seq: Sequence) -> None:
+        layers = [self.pool.gather(seq.request_id, layer) for layer in range(self.pool.num_layers)]
+        kept = seq.compressor.compress(layers)
+        self.pool.free(seq.request_id)
+        self.pool.store(seq.request_id, kept)
+
+    # --- validation (caller's thread) ------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            for token in prompt_ids:
+                self._check_token(token, "prompt token id")
+        if not prompt_ids:
+            raise ValueError(f"prompt {prompt!r} has no tokens")
+        limit = min(self.model.config.max_position_embeddings, self.memory.capacity_tokens())
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; this engine takes at most "
+                             f"{limit - 1} (context {self.model.config.max_position_embeddings}, "
+                             f"KV pool {self.memory.capacity_tokens()} tokens)")
+        return prompt_ids
+
+    def _check_token(self, token: int, what: str) -> None:
+        if not 0 <= token < self.model.config.vocab_size:
+            raise ValueError(f"{what} {token} is outside the vocabulary [0, {self.model.config.vocab_size})")
+
+    def _claim_id(self, request_id: str | None) -> str:
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{next(self._request_counter)}"
+                while request_id in self._live_ids:
+                    request_id = f"req-{next(self._request_counter)}"
+            elif request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+        return request_id
+
+    @staticmethod
+    def _params_per_prompt(prompts, params) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return list(params)
+

@@ -1,0 +1,45 @@
+"""The seam where KV compression (baton.pyramid) plugs into the engine.
+
+The engine takes an optional ``CompressorFactory``; None turns compression
+off. For each sequence it asks the factory for a ``SequenceCompressor``
+(which may be None for that request, e.g. a per-request override):
+
+* while a prompt is prefilled locally, the compressor is the attention
+  observer of every chunk's ``Segment`` (it sees each layer's queries and keys);
+* after the final chunk, the engine gathers the sequence's KV from the pool,
+  calls ``compress(layers)`` and stores the (pyramid-shaped) result instead;
+* after every decode step of the sequence, ``after_decode(pool, seq_id)`` runs
+  the generation-phase update (it may prune with ``KVPool.retain``).
+
+A recompute after preemption starts with a fresh compressor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from baton.kv.dense import LayerKV
+from baton.kv.pool import KVPool
+from baton.model.sampling import SamplingParams
+
+
+class SequenceCompressor(Protocol):
+    def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
+                k: torch.Tensor, key_positions: torch.Tensor) -> None:
+        """One layer of one prefill chunk: q [T, H, D], k [S, Hkv, D] (all keys attended)."""
+        ...
+
+    def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
+        """The full prompt cache (one LayerKV per layer) -> the cache to keep."""
+        ...
+
+    def after_decode(self, pool: KVPool, seq_id: str) -> None:
+        """Generation phase: called after each decode step of the sequence."""
+        ...
+
+
+# (token ids of the sequence, its sampling params) -> a compressor, or None for no compression.
+CompressorFactory = Callable[[list[int], SamplingParams], SequenceCompressor | None]

@@ -1,0 +1,1 @@
+"""Scheduling policies, one per file; each registers itself with ``@register_policy``."""

@@ -1,0 +1,88 @@
+"""One request's life inside the engine, and the small results it hands out.
+
+A ``Sequence`` is the scheduler's unit. Its tokens are ``prompt_ids +
+output_ids``; ``num_computed`` of them have their KV in the pool (a logical
+count: PyramidInfer may keep fewer entries per layer, but positions keep
+counting). The next forward feeds ``token_ids[num_computed:]`` — several
+tokens while prefilling (in chunks), exactly one once decoding. A token is
+sampled only when a forward brings ``num_computed`` up to ``len(token_ids)``,
+which makes a chunked prefill, a decode and a recompute after preemption the
+same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from baton.kv.dense import LayerKV
+from baton.model.sampling import Sampler, SamplingParams, StopStringMatcher
+from baton.model.tokenizer import IncrementalDecoder
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted (new, or preempted and waiting to be recomputed)
+    PREFILLING = "prefilling"  # admitted, its prompt KV is being computed chunk by chunk
+    RUNNING = "running"  # decoding one token per iteration
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # engine-wide arrival counter: "newest" means the largest
+    sampler: Sampler
+    decoder: IncrementalDecoder | None
+    stop_matcher: StopStringMatcher
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    compressor: object | None = None  # a baton.sarathi.hooks.SequenceCompressor
+    # KV computed elsewhere (a prefill chain), stored into the pool on admission.
+    arrived_kv: list[LayerKV] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the next forwards must feed before the next sample (1 when decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is Status.RUNNING
+
+
+@dataclass
+class RequestOutput:
+    """What one ``Engine.step()`` produced for one request (streamed to clients)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None = None  # set on the request's last output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    """A whole generation, as ``Engine.generate()`` returns it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
