@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from baton.model import CausalLM
@@ -33,3 +35,24 @@ def model() -> CausalLM:
 def prompt() -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
     return torch.randint(0, 256, (PROMPT_LENGTH,), generator=generator)
+
+
+def hand_decode(model, token, position, layers):
+    """One decode step with attention written out over exactly the cached (selected) K, V."""
+    config = model.config
+    group = config.num_attention_heads // config.num_key_value_heads
+    with torch.no_grad():
+        x = model.model.embed_tokens.weight[token][None]  # [1, hidden]
+        cos, sin = model.rotary.cos_sin(torch.tensor([position]), x.dtype)
+        for index, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [1, H or Hkv, D]
+            keys = torch.cat([layers[index].k, k])
+            values = torch.cat([layers[index].v, v])
+            heads = []
+            for head in range(config.num_attention_heads):
+                logits = keys[:, head // group] @ q[0, head] / math.sqrt(config.head_dim)
+                heads.append(torch.softmax(logits, 0) @ values[:, head // group])
+            x = x + attn.o_proj(torch.cat(heads)[None])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.lm_head(model.model.norm(x))[0]

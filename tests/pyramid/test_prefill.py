@@ -11,7 +11,7 @@ from baton.kv import DenseKV, KVPool
 from baton.model import decode_step, prefill
 from baton.pyramid import compressor_factory, prefill_compressed, pyramid_budgets, recent_window
 from baton.pyramid.scoring import top_candidates
-from conftest import PROMPT_LENGTH, build_model
+from conftest import PROMPT_LENGTH, build_model, hand_decode
 
 
 class Recorder:
@@ -177,27 +177,6 @@ def test_local_policy_keeps_only_the_most_recent(model, prompt):
     budget = round(0.4 * PROMPT_LENGTH)
     expected = list(range(4)) + list(range(PROMPT_LENGTH - budget + 4, PROMPT_LENGTH))
     assert all(layer.positions.tolist() == expected for layer in layers)
-
-
-def hand_decode(model, token, position, layers):
-    """One decode step with attention written out over exactly the cached (selected) K, V."""
-    config = model.config
-    group = config.num_attention_heads // config.num_key_value_heads
-    with torch.no_grad():
-        x = model.model.embed_tokens.weight[token][None]  # [1, hidden]
-        cos, sin = model.rotary.cos_sin(torch.tensor([position]), x.dtype)
-        for index, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)  # [1, H or Hkv, D]
-            keys = torch.cat([layers[index].k, k])
-            values = torch.cat([layers[index].v, v])
-            heads = []
-            for head in range(config.num_attention_heads):
-                logits = keys[:, head // group] @ q[0, head] / math.sqrt(config.head_dim)
-                heads.append(torch.softmax(logits, 0) @ values[:, head // group])
-            x = x + attn.o_proj(torch.cat(heads)[None])
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.lm_head(model.model.norm(x))[0]
 
 
 def test_decoding_from_a_compressed_cache_attends_exactly_the_selected_keys(model, prompt):
