@@ -29,11 +29,11 @@ _IMPORT_FROM = re.compile(r"^from baton\.v1 import ", re.MULTILINE)
 _IMPORT_MODULE = re.compile(r"\bbaton\.v1\.(\w+_pb2)\b")
 
 
-def proto_files() -> list[Path]:
-    return sorted((PROTO_ROOT / PROTO_PACKAGE).glob("*.proto"))
+def proto_files(proto_root: Path = PROTO_ROOT) -> list[Path]:
+    return sorted((proto_root / PROTO_PACKAGE).glob("*.proto"))
 
 
-def _run_protoc(work_dir: Path) -> None:
+def _run_protoc(work_dir: Path, proto_root: Path) -> None:
     from grpc_tools import protoc  # dev dependency: only generation needs it
 
     include = Path(protoc.__file__).parent / "_proto"  # google/protobuf/*.proto
@@ -42,22 +42,22 @@ def _run_protoc(work_dir: Path) -> None:
     if not grpc_stub_plugin.is_file():
         raise FileNotFoundError(f"{grpc_stub_plugin} is missing: install the dev extras "
                                 f"(pip install -e '.[dev]')")
-    args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}",
+    args = ["grpc_tools.protoc", f"-I{proto_root}", f"-I{include}",
             f"--plugin=protoc-gen-mypy_grpc={grpc_stub_plugin}",
             f"--python_out={work_dir}", f"--pyi_out={work_dir}", f"--grpc_python_out={work_dir}",
             f"--mypy_grpc_out={work_dir}",
-            *[str(path.relative_to(PROTO_ROOT)) for path in proto_files()]]
+            *[str(path.relative_to(proto_root)) for path in proto_files(proto_root)]]
     status = protoc.main(args)
     if status != 0:
         raise RuntimeError(f"protoc failed with status {status}: {' '.join(args)}")
 
 
-def _has_content(path: Path) -> bool:
+def _has_content(path: Path, proto_root: Path) -> bool:
     """False for the empty _pb2_grpc modules and stubs of protos that declare no service."""
     stem, grpc_suffix, _ = path.name.partition("_pb2_grpc.")
     if not grpc_suffix:
         return True
-    proto = PROTO_ROOT / PROTO_PACKAGE / f"{stem}.proto"
+    proto = proto_root / PROTO_PACKAGE / f"{stem}.proto"
     return re.search(r"^service ", proto.read_text(), re.MULTILINE) is not None
 
 
@@ -66,15 +66,15 @@ def _fix_imports(text: str) -> str:
     return _IMPORT_MODULE.sub(r"baton.api.v1.\1", text)
 
 
-def generate(output_dir: Path = OUTPUT_DIR) -> list[Path]:
+def generate(output_dir: Path = OUTPUT_DIR, proto_root: Path = PROTO_ROOT) -> list[Path]:
     """Write the generated package into ``output_dir`` (replacing it); returns the files."""
-    if not proto_files():
-        raise FileNotFoundError(f"no .proto files under {PROTO_ROOT / PROTO_PACKAGE}")
+    if not proto_files(proto_root):
+        raise FileNotFoundError(f"no .proto files under {proto_root / PROTO_PACKAGE}")
     with tempfile.TemporaryDirectory() as work:
         work_dir = Path(work)
-        _run_protoc(work_dir)
+        _run_protoc(work_dir, proto_root)
         generated = [path for path in sorted((work_dir / PROTO_PACKAGE).iterdir())
-                     if _has_content(path)]
+                     if _has_content(path, proto_root)]
         if output_dir.exists():
             shutil.rmtree(output_dir)
         output_dir.mkdir(parents=True)

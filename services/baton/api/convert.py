@@ -1,0 +1,330 @@
+"""Protobuf messages of ``baton.api.v1`` <-> the domain objects of ``baton.api.requests``.
+
+The one module where ``_pb2`` messages are built or read field by field: servicers call
+``*_from_proto`` on what arrives, a pure function on the domain object, ``*_to_proto`` on
+what leaves. Reading a message validates it (the domain constructors raise ValueError
+naming the value); ``status_for`` gives the gRPC status code of any error a servicer
+catches. Unset ``optional`` proto fields become the domain defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from baton.api.requests import (
+    CompressionParams,
+    DecodeRequest,
+    FinishReason,
+    GenerateRequest,
+    GenerationStep,
+    KVHandoff,
+    ModelInfo,
+    PrefillFirstToken,
+    PrefillRequest,
+    PrefillShipped,
+    Route,
+    SamplingParams,
+    Timings,
+    Tokenization,
+    Usage,
+)
+from baton.api.v1 import api_pb2, common_pb2, decode_pb2, kv_pb2, prefill_pb2
+from baton.kv.pool import KVPoolExhausted
+from baton.kv.wire import KVDataLoss, KVHeader, KVIncompatible, KVMalformed
+from baton.routing.store import StoreUnavailable, WorkerLoad
+
+T = TypeVar("T")
+
+# --- flat messages: one proto field per dataclass field, same names ------------------------
+
+
+def _flat_to_proto(value: Any, message_type: type[T]) -> T:
+    return message_type(**dataclasses.asdict(value))
+
+
+def _flat_from_proto(message: Any, domain_type: type[T]) -> T:
+    names = [f.name for f in dataclasses.fields(domain_type)]  # type: ignore[arg-type]
+    return domain_type(**{name: getattr(message, name) for name in names})
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return _flat_to_proto(usage, common_pb2.Usage)
+
+
+def usage_from_proto(message: common_pb2.Usage) -> Usage:
+    return _flat_from_proto(message, Usage)
+
+
+def timings_to_proto(timings: Timings) -> common_pb2.Timings:
+    return _flat_to_proto(timings, common_pb2.Timings)
+
+
+def timings_from_proto(message: common_pb2.Timings) -> Timings:
+    return _flat_from_proto(message, Timings)
+
+
+def worker_load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
+    return _flat_to_proto(load, common_pb2.WorkerLoad)
+
+
+def worker_load_from_proto(message: common_pb2.WorkerLoad) -> WorkerLoad:
+    return _flat_from_proto(message, WorkerLoad)
+
+
+def model_info_to_proto(info: ModelInfo) -> api_pb2.ModelInfo:
+    return _flat_to_proto(info, api_pb2.ModelInfo)
+
+
+def model_info_from_proto(message: api_pb2.ModelInfo) -> ModelInfo:
+    return _flat_from_proto(message, ModelInfo)
+
+
+# --- request parameters ----------------------------------------------------------------------
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+        max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
+        stop_strings=params.stop_strings)
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; bad values raise ValueError."""
+    optional = {name: getattr(message, name)
+                for name in ("temperature", "top_p", "seed", "max_tokens")
+                if message.HasField(name)}
+    return SamplingParams(top_k=message.top_k, stop_token_ids=tuple(message.stop_token_ids),
+                          stop_strings=tuple(message.stop_strings), **optional)
+
+
+def compression_to_proto(params: CompressionParams) -> common_pb2.CompressionParams:
+    return common_pb2.CompressionParams(enabled=params.enabled, keep_ratio=params.keep_ratio)
+
+
+def compression_from_proto(message: common_pb2.CompressionParams) -> CompressionParams:
+    return CompressionParams(
+        enabled=message.enabled if message.HasField("enabled") else None,
+        keep_ratio=message.keep_ratio if message.HasField("keep_ratio") else None)
+
+
+# --- client API ------------------------------------------------------------------------------
+
+
+def generate_request_to_proto(request: GenerateRequest) -> api_pb2.GenerateRequest:
+    message = api_pb2.GenerateRequest(request_id=request.request_id, model=request.model,
+                                      sampling=sampling_to_proto(request.sampling),
+                                      compression=compression_to_proto(request.compression))
+    if request.text is not None:
+        message.text = request.text
+    else:
+        message.token_ids.ids.extend(request.token_ids or ())
+    return message
+
+
+def generate_request_from_proto(message: api_pb2.GenerateRequest) -> GenerateRequest:
+    prompt = message.WhichOneof("prompt")
+    return GenerateRequest(
+        request_id=message.request_id, model=message.model,
+        text=message.text if prompt == "text" else None,
+        token_ids=tuple(message.token_ids.ids) if prompt == "token_ids" else None,
+        sampling=sampling_from_proto(message.sampling),
+        compression=compression_from_proto(message.compression))
+
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORTED: common_pb2.FINISH_REASON_ABORTED,
+}
+_FINISH_FROM_PROTO = {code: reason for reason, code in _FINISH_TO_PROTO.items()}
+
+
+def route_to_proto(route: Route) -> common_pb2.Route:
+    return common_pb2.Route(decode_address=route.decode_address, chain_id=route.chain_id,
+                            partition=route.partition)
+
+
+def route_from_proto(message: common_pb2.Route) -> Route:
+    return Route(decode_address=message.decode_address, chain_id=message.chain_id,
+                 partition=tuple(message.partition))
+
+
+def step_to_proto(step: GenerationStep) -> common_pb2.GenerateResponse:
+    message = common_pb2.GenerateResponse(request_id=step.request_id, token_ids=step.token_ids,
+                                          text=step.text,
+                                          finish_reason=_FINISH_TO_PROTO[step.finish_reason])
+    if step.usage is not None:
+        message.usage.CopyFrom(usage_to_proto(step.usage))
+    if step.timings is not None:
+        message.timings.CopyFrom(timings_to_proto(step.timings))
+    if step.route is not None:
+        message.route.CopyFrom(route_to_proto(step.route))
+    return message
+
+
+def step_from_proto(message: common_pb2.GenerateResponse) -> GenerationStep:
+    return GenerationStep(
+        request_id=message.request_id, token_ids=tuple(message.token_ids), text=message.text,
+        finish_reason=_FINISH_FROM_PROTO[message.finish_reason],
+        usage=usage_from_proto(message.usage) if message.HasField("usage") else None,
+        timings=timings_from_proto(message.timings) if message.HasField("timings") else None,
+        route=route_from_proto(message.route) if message.HasField("route") else None)
+
+
+def tokenization_to_proto(tokenization: Tokenization) -> api_pb2.TokenizeResponse:
+    return api_pb2.TokenizeResponse(token_ids=tokenization.token_ids, pieces=tokenization.pieces)
+
+
+def tokenization_from_proto(message: api_pb2.TokenizeResponse) -> Tokenization:
+    return Tokenization(token_ids=tuple(message.token_ids), pieces=tuple(message.pieces))
+
+
+def models_to_proto(models: Iterable[ModelInfo]) -> api_pb2.ListModelsResponse:
+    return api_pb2.ListModelsResponse(models=[model_info_to_proto(model) for model in models])
+
+
+def models_from_proto(message: api_pb2.ListModelsResponse) -> list[ModelInfo]:
+    return [model_info_from_proto(model) for model in message.models]
+
+
+# --- prefill service ---------------------------------------------------------------------------
+
+
+def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request_id=request.request_id, model=request.model,
+        prompt_token_ids=request.prompt_token_ids, sampling=sampling_to_proto(request.sampling),
+        compression=compression_to_proto(request.compression),
+        decode_address=request.decode_address)
+
+
+def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRequest:
+    return PrefillRequest(
+        request_id=message.request_id, model=message.model,
+        prompt_token_ids=tuple(message.prompt_token_ids),
+        sampling=sampling_from_proto(message.sampling),
+        compression=compression_from_proto(message.compression),
+        decode_address=message.decode_address)
+
+
+def prefill_event_to_proto(event: PrefillFirstToken | PrefillShipped) -> prefill_pb2.PrefillResponse:
+    fields = dataclasses.asdict(event)
+    request_id = fields.pop("request_id")
+    if isinstance(event, PrefillFirstToken):
+        return prefill_pb2.PrefillResponse(request_id=request_id,
+                                           first_token=prefill_pb2.PrefillFirstToken(**fields))
+    return prefill_pb2.PrefillResponse(request_id=request_id,
+                                       shipped=prefill_pb2.PrefillShipped(**fields))
+
+
+def prefill_event_from_proto(message: prefill_pb2.PrefillResponse,
+                             ) -> PrefillFirstToken | PrefillShipped:
+    kind = message.WhichOneof("event")
+    if kind == "first_token":
+        first = message.first_token
+        return PrefillFirstToken(request_id=message.request_id, token_id=first.token_id,
+                                 ttft_s=first.ttft_s, partition=tuple(first.partition))
+    if kind == "shipped":
+        shipped = message.shipped
+        return PrefillShipped(request_id=message.request_id, kv_bytes=shipped.kv_bytes,
+                              kv_tokens_kept=shipped.kv_tokens_kept,
+                              kv_tokens_full=shipped.kv_tokens_full,
+                              prefill_s=shipped.prefill_s, kv_push_s=shipped.kv_push_s)
+    raise ValueError(f"prefill response for {message.request_id!r} carries no event")
+
+
+# --- decode service ----------------------------------------------------------------------------
+
+
+def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeGenerateRequest:
+    return decode_pb2.DecodeGenerateRequest(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_to_proto(request.sampling),
+        compression=compression_to_proto(request.compression))
+
+
+def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> DecodeRequest:
+    return DecodeRequest(request_id=message.request_id,
+                         prompt_token_ids=tuple(message.prompt_token_ids),
+                         sampling=sampling_from_proto(message.sampling),
+                         compression=compression_from_proto(message.compression))
+
+
+def kv_header_to_proto(header: KVHeader) -> kv_pb2.KVHeader:
+    return _flat_to_proto(header, kv_pb2.KVHeader)
+
+
+def kv_header_from_proto(message: kv_pb2.KVHeader) -> KVHeader:
+    header = _flat_from_proto(message, KVHeader)
+    return dataclasses.replace(header, layer_num_tokens=tuple(header.layer_num_tokens))
+
+
+def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
+    return decode_pb2.PushKVHeader(
+        kv=kv_header_to_proto(handoff.kv), prompt_token_ids=handoff.prompt_token_ids,
+        first_token_id=handoff.first_token_id, sampling=sampling_to_proto(handoff.sampling),
+        compression=compression_to_proto(handoff.compression))
+
+
+def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
+    return KVHandoff(kv=kv_header_from_proto(message.kv),
+                     prompt_token_ids=tuple(message.prompt_token_ids),
+                     first_token_id=message.first_token_id,
+                     sampling=sampling_from_proto(message.sampling),
+                     compression=compression_from_proto(message.compression))
+
+
+def push_kv_messages(handoff: KVHandoff, chunks: Iterable[bytes],
+                     ) -> Iterator[decode_pb2.PushKVRequest]:
+    """The PushKV request stream: the header, then one message per payload chunk."""
+    yield decode_pb2.PushKVRequest(header=handoff_to_proto(handoff))
+    for chunk in chunks:
+        yield decode_pb2.PushKVRequest(chunk=chunk)
+
+
+def read_push_kv(messages: Iterator[decode_pb2.PushKVRequest],
+                 ) -> tuple[KVHandoff, Iterator[bytes]]:
+    """Split a PushKV stream into its handoff and its payload chunks.
+
+    Raises KVMalformed when the stream does not open with a header or repeats it; an empty
+    stream is KVDataLoss (nothing arrived).
+    """
+    first = next(messages, None)
+    if first is None:
+        raise KVDataLoss("PushKV stream ended before its header")
+    if first.WhichOneof("part") != "header":
+        raise KVMalformed("PushKV stream must open with a header, got a chunk")
+
+    def chunks() -> Iterator[bytes]:
+        for message in messages:
+            if message.WhichOneof("part") != "chunk":
+                raise KVMalformed("PushKV stream sent a second header")
+            yield message.chunk
+
+    return handoff_from_proto(first.header), chunks()
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+_STATUS_BY_ERROR: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (KVDataLoss, grpc.StatusCode.DATA_LOSS),
+    (KVIncompatible, grpc.StatusCode.FAILED_PRECONDITION),
+    (KVMalformed, grpc.StatusCode.INVALID_ARGUMENT),
+    (KVPoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+
+
+def status_for(error: BaseException) -> grpc.StatusCode:
+    """The gRPC status code an error maps to at the API edge (INTERNAL for anything else)."""
+    for error_type, code in _STATUS_BY_ERROR:
+        if isinstance(error, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,18 @@
+"""Fixtures shared by every test area."""
+
+from __future__ import annotations
+
+import pytest
+from redis_server import RedisServer, redis_server_binary
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free port, stopped after the test (skips when not installed)."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed; `make setup` installs it")
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()
