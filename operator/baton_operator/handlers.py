@@ -32,6 +32,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING  # Kubernetes Events only for trouble
+    # Discover resources once at startup instead of watching CRDs and namespaces:
+    # that would need cluster-wide read access the RBAC does not grant.
+    settings.scanning.disabled = True
 
 
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
