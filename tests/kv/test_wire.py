@@ -1,0 +1,180 @@
+"""The KV wire codec: pyramid-shaped caches arrive bit-exact, and bad streams never become KV."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import zlib
+
+import pytest
+import torch
+from baton.kv import KVPool
+from baton.kv.dense import LayerKV
+from baton.kv.wire import (
+    CHUNK_BYTES,
+    KVAssembler,
+    KVDataLoss,
+    KVIncompatible,
+    KVMalformed,
+    KVSpec,
+    encode_kv,
+)
+
+LAYERS, HEADS, DIM, MAX_TOKENS = 4, 2, 8, 512
+SPEC = KVSpec("tiny", "rev-1", "float32", LAYERS, HEADS, DIM, MAX_TOKENS)
+
+
+def pyramid_cache(dtype: torch.dtype = torch.float32, prompt: int = 300) -> list[LayerKV]:
+    """Fewer tokens in deeper layers, each layer keeping a different subset of positions."""
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for layer in range(LAYERS):
+        keep = prompt * (LAYERS - layer) // LAYERS
+        positions = torch.randperm(prompt, generator=generator)[:keep].sort().values
+        layers.append(LayerKV(torch.randn(keep, HEADS, DIM, generator=generator).to(dtype),
+                              torch.randn(keep, HEADS, DIM, generator=generator).to(dtype),
+                              positions))
+    return layers
+
+
+def receive(header, chunks, spec=SPEC) -> list[LayerKV]:
+    with KVAssembler(header, spec) as assembler:
+        for chunk in chunks:
+            assembler.add(chunk)
+        return assembler.finish()
+
+
+def assert_same(sent: list[LayerKV], received: list[LayerKV]) -> None:
+    assert len(sent) == len(received)
+    for a, b in zip(sent, received):
+        assert a.k.dtype == b.k.dtype and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        assert torch.equal(a.positions, b.positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk_bytes", [CHUNK_BYTES, 1000, 7])
+def test_pyramid_cache_round_trips_bit_exact(dtype, chunk_bytes):
+    layers = pyramid_cache(dtype)
+    encoded = encode_kv(layers, "req-1", "tiny", "rev-1")
+    header = encoded.header
+    assert header.layer_num_tokens == (300, 225, 150, 75)
+    assert header.total_bytes == sum(8 * n + 2 * n * HEADS * DIM * layers[0].k.element_size()
+                                     for n in header.layer_num_tokens)
+    chunks = list(encoded.chunks(chunk_bytes))
+    assert all(len(chunk) == chunk_bytes for chunk in chunks[:-1])
+    spec = dataclasses.replace(SPEC, dtype=header.dtype)
+    assert_same(layers, receive(header, chunks, spec))
+
+
+def test_received_cache_fits_the_pool():
+    layers = pyramid_cache()
+    encoded = encode_kv(layers, "req-1", "tiny", "rev-1")
+    pool = KVPool(LAYERS, HEADS, DIM, block_size=16, num_blocks=64)
+    pool.store("req-1", receive(encoded.header, encoded.chunks()))
+    assert pool.lengths("req-1") == [300, 225, 150, 75]
+    assert_same(layers, [pool.gather("req-1", layer) for layer in range(LAYERS)])
+
+
+def test_other_byte_order_is_swapped():
+    layers = pyramid_cache(torch.float16)
+    other = "big" if sys.byteorder == "little" else "little"
+    native = b"".join(encode_kv(layers, "r", "tiny", "rev-1").chunks())
+    # the same cache as a machine of the other byte order would send it
+    swapped = bytearray()
+    for tensors, width in (([layer.positions for layer in layers], 8),
+                           ([t for layer in layers for t in (layer.k, layer.v)], 2)):
+        for tensor in tensors:
+            raw = tensor.contiguous().view(torch.uint8).reshape(-1, width).flip(1)
+            swapped += raw.numpy().tobytes()
+    assert len(swapped) == len(native)
+    header = dataclasses.replace(encode_kv(layers, "r", "tiny", "rev-1").header, byte_order=other,
+                                 checksum=zlib.crc32(swapped))
+    assert_same(layers, receive(header, [bytes(swapped)], dataclasses.replace(SPEC, dtype="float16")))
+
+
+def test_truncated_stream_is_data_loss_and_leaves_nothing():
+    encoded = encode_kv(pyramid_cache(), "req-2", "tiny", "rev-1")
+    chunks = list(encoded.chunks(1000))
+    assembler = KVAssembler(encoded.header, SPEC)
+    with pytest.raises(KVDataLoss, match=f"ended after {1000 * (len(chunks) - 1)} of "
+                                         f"{encoded.header.total_bytes} bytes"), assembler:
+        for chunk in chunks[:-1]:
+            assembler.add(chunk)
+        assembler.finish()
+    with pytest.raises(RuntimeError, match="discarded"):
+        assembler.add(chunks[-1])
+
+
+def test_surplus_bytes_are_data_loss():
+    encoded = encode_kv(pyramid_cache(), "req-3", "tiny", "rev-1")
+    with pytest.raises(KVDataLoss, match="more than"):
+        receive(encoded.header, [*encoded.chunks(), b"\0"])
+
+
+def test_bad_checksum_is_data_loss():
+    encoded = encode_kv(pyramid_cache(), "req-4", "tiny", "rev-1")
+    chunks = [bytearray(chunk) for chunk in encoded.chunks(4096)]
+    chunks[1][17] ^= 0x40  # one flipped bit somewhere in the keys
+    with pytest.raises(KVDataLoss, match="checksum"):
+        receive(encoded.header, chunks)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_id": "other"}, "model 'other'"),
+    ({"model_revision": "rev-2"}, "revision 'rev-2'"),
+    ({"num_kv_heads": 4}, r"\('float32', 4, 4, 8\)"),
+    ({"head_dim": 16}, r"\('float32', 4, 2, 16\)"),
+    ({"dtype": "float16"}, r"\('float16', 4, 2, 8\)"),
+])
+def test_wrong_model_or_shape_is_incompatible(change, message):
+    encoded = encode_kv(pyramid_cache(), "req-5", "tiny", "rev-1")
+    with pytest.raises(KVIncompatible, match=message):
+        KVAssembler(dataclasses.replace(encoded.header, **change), SPEC)
+
+
+def test_layer_count_mismatch_is_incompatible():
+    layers = pyramid_cache()[:3]
+    encoded = encode_kv(layers, "req-6", "tiny", "rev-1")
+    with pytest.raises(KVIncompatible, match=r"\('float32', 3, 2, 8\).*\('float32', 4, 2, 8\)"):
+        KVAssembler(encoded.header, SPEC)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"total_bytes": 12}, "total_bytes 12 does not match"),
+    ({"layer_num_tokens": (300, 225, 150)}, "says 4 layers but gives token counts for 3"),
+    ({"layer_num_tokens": (300, 225, 150, 0)}, "layer 3 holds 0 tokens"),
+    ({"layer_num_tokens": (300, 225, 150, 10_000)}, "layer 3 holds 10000 tokens"),
+    ({"byte_order": "middle"}, "byte_order 'middle'"),
+    ({"dtype": "int8"}, "dtype 'int8'"),
+    ({"checksum_algorithm": "md5"}, "checksum_algorithm 'md5'"),
+])
+def test_malformed_header_is_rejected_before_allocating(change, message):
+    encoded = encode_kv(pyramid_cache(), "req-7", "tiny", "rev-1")
+    with pytest.raises(KVMalformed, match=message):
+        KVAssembler(dataclasses.replace(encoded.header, **change), SPEC)
+
+
+@pytest.mark.parametrize("positions, message", [
+    (torch.tensor([0, 2, 2, 5]), "layer 2 positions are not strictly increasing"),
+    (torch.tensor([0, 3, 2, 5]), "layer 2 positions are not strictly increasing"),
+    (torch.tensor([-1, 0, 1, 2]), "layer 2 has positions -1..2"),
+    (torch.tensor([0, 1, 2, MAX_TOKENS]), f"layer 2 has positions 0..{MAX_TOKENS}; must lie in"),
+])
+def test_bad_positions_are_malformed(positions, message):
+    layers = [LayerKV(torch.randn(4, HEADS, DIM), torch.randn(4, HEADS, DIM), torch.arange(4))
+              for _ in range(LAYERS)]
+    layers[2] = LayerKV(layers[2].k, layers[2].v, positions)
+    encoded = encode_kv(layers, "req-8", "tiny", "rev-1")
+    with pytest.raises(KVMalformed, match=message):
+        receive(encoded.header, encoded.chunks())
+
+
+def test_sender_rejects_inconsistent_layers():
+    layers = pyramid_cache()
+    layers[1] = LayerKV(layers[1].k, layers[1].v[:-1], layers[1].positions)
+    with pytest.raises(ValueError, match="layer 1 has 225 keys, 224 values"):
+        encode_kv(layers, "r", "tiny", "rev-1")
+    layers = pyramid_cache()
+    layers[2] = LayerKV(layers[2].k.double(), layers[2].v, layers[2].positions)
+    with pytest.raises(ValueError, match="layer 2 k is torch.float64"):
+        encode_kv(layers, "r", "tiny", "rev-1")
