@@ -75,11 +75,6 @@ class Kube:
         namespace = obj["metadata"]["namespace"]
         return self._request("POST", self._path(obj["kind"], namespace), body=obj)
 
-    def replace(self, obj: dict) -> dict:
-        meta = obj["metadata"]
-        return self._request("PUT", self._path(obj["kind"], meta["namespace"], meta["name"]),
-                             body=obj)
-
     def patch(self, kind: str, namespace: str, name: str, patch: dict,
               subresource: str = "") -> dict | None:
         return self._request("PATCH", self._path(kind, namespace, name, subresource),

@@ -80,11 +80,10 @@ class LeaseElector:
                 "leaseTransitions": transitions}
 
     def _write(self, lease: dict, spec: dict) -> None:
+        # The resourceVersion read makes the patch conditional: a racing write gets 409.
         meta = lease["metadata"]
-        self.kube.replace({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                           "metadata": {"name": meta["name"], "namespace": meta["namespace"],
-                                        "resourceVersion": meta.get("resourceVersion")},
-                           "spec": spec})
+        self.kube.patch("Lease", meta["namespace"], meta["name"], {
+            "metadata": {"resourceVersion": meta.get("resourceVersion")}, "spec": spec})
 
 
 async def run_as_leader(elector: LeaseElector, work: Callable[[asyncio.Event], Awaitable[None]],

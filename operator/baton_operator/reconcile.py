@@ -1,6 +1,6 @@
 """Reconcile one `BatonService` from the cluster's current state.
 
-    read spec -> size the pools -> build desired children -> create / replace / prune
+    read spec -> size the pools -> build desired children -> create / patch / prune
               -> read children's readiness -> write status (conditions + ready counts)
 
 Every step reads what is there now and writes only what differs, so running it
@@ -50,6 +50,20 @@ def _contains(actual, wanted) -> bool:
     # The server writes quantities back as strings ("cpu: 2" -> "2").
     return actual == wanted or (isinstance(wanted, (int, float)) and not isinstance(wanted, bool)
                                 and str(wanted) == actual)
+
+
+def merge_patch(live, desired):
+    """An RFC 7386 merge patch that turns ``live`` into exactly ``desired``.
+
+    Keys only ``live`` has become null (removed); lists are replaced whole. The
+    server re-adds its defaults, which is what a PUT of ``desired`` would do too.
+    """
+    if not isinstance(desired, dict) or not isinstance(live, dict):
+        return desired
+    patch = {key: None for key in live if key not in desired}
+    for key, value in desired.items():
+        patch[key] = merge_patch(live.get(key), value)
+    return patch
 
 
 def owner_reference(service: dict) -> dict:
@@ -125,7 +139,7 @@ class Reconciler:
     # ---- children -------------------------------------------------------------------------
 
     def apply(self, obj: dict) -> str:
-        """Create ``obj`` or replace it when it differs; 'created', 'updated' or 'unchanged'."""
+        """Create ``obj`` or patch it when it differs; 'created', 'updated' or 'unchanged'."""
         meta = obj["metadata"]
         live = self.kube.get(obj["kind"], meta["namespace"], meta["name"])
         if live is None:
@@ -133,12 +147,14 @@ class Reconciler:
             return "created"
         if _contains(live, obj):
             return "unchanged"
-        if obj["kind"] == "Service":
-            # A Service keeps its allocated clusterIP: merge rather than replace.
-            self.kube.patch("Service", meta["namespace"], meta["name"], obj)
-        else:
-            self.kube.replace({**obj, "metadata": {
-                **meta, "resourceVersion": live["metadata"].get("resourceVersion")}})
+        patch = {"metadata": {key: meta[key] for key in ("labels", "annotations", "ownerReferences")
+                              if key in meta}}
+        for key in ("spec", "data"):
+            if key in obj:
+                # A Service keeps the clusterIP the server allocated: merge, do not overwrite.
+                patch[key] = obj[key] if obj["kind"] == "Service" else merge_patch(
+                    live.get(key), obj[key])
+        self.kube.patch(obj["kind"], meta["namespace"], meta["name"], patch)
         return "updated"
 
     def prune(self, name: str, namespace: str, keep: set[tuple[str, str]]) -> list[str]:

@@ -1,0 +1,188 @@
+"""Reconcile against kmock's Kubernetes emulator: children, scaling, spec changes, errors, deletion."""
+
+from __future__ import annotations
+
+import pytest
+from baton_operator.reconcile import Reconciler
+from conftest import create_service
+
+NS = "serving"
+SPEC = {"prefill": {"chains": 2, "ranksPerChain": 3}, "decode": {"replicas": 2, "tokenBudget": 128}}
+
+
+@pytest.fixture
+def reconciler(cluster):
+    return Reconciler(cluster.kube, "registry.local/baton:test")
+
+
+def _reconcile(cluster, reconciler, name="demo"):
+    return reconciler.reconcile(cluster.kube.get("BatonService", NS, name))
+
+
+def _args(obj: dict) -> list[str]:
+    return obj["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _names(cluster, kind: str, name="demo") -> list[str]:
+    return sorted(o["metadata"]["name"] for o in cluster.kube.list(kind, NS, f"baton.dev/service={name}"))
+
+
+def test_create_builds_every_child_with_owner_references(cluster, reconciler):
+    service = create_service(cluster.kube, "demo", SPEC)
+    status = reconciler.reconcile(service)
+
+    assert _names(cluster, "StatefulSet") == ["demo-prefill-0", "demo-prefill-1"]
+    assert _names(cluster, "Deployment") == ["demo-decode", "demo-gateway", "demo-redis"]
+    assert _names(cluster, "Service") == ["demo-gateway", "demo-prefill-0", "demo-prefill-1",
+                                          "demo-redis"]
+    chain = cluster.kube.get("StatefulSet", NS, "demo-prefill-1")
+    assert chain["spec"]["replicas"] == 3 and chain["spec"]["serviceName"] == "demo-prefill-1"
+    args = _args(chain)
+    assert args[0] == "prefill"
+    assert _flag(args, "--chain-ranks") == "3"
+    assert _flag(args, "--chain-master-addr") == "demo-prefill-1-0.demo-prefill-1.serving.svc"
+    assert _flag(args, "--chain-backend") == "gloo"  # no GPUs asked for
+    assert "--chain-rank" not in args  # the pod ordinal comes in through the downward API
+    env = {e["name"]: e for e in chain["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["BATON_CHAIN_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    headless = cluster.kube.get("Service", NS, "demo-prefill-1")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"]["baton.dev/chain"] == "demo-prefill-1"
+
+    decode = cluster.kube.get("Deployment", NS, "demo-decode")
+    assert decode["spec"]["replicas"] == 2
+    assert _flag(_args(decode), "--scheduler-token-budget") == "128"
+    assert _flag(_args(decode), "--routing-redis-url") == "redis://demo-redis.serving.svc:6379/0"
+
+    uid = service["metadata"]["uid"]
+    for kind in ("StatefulSet", "Deployment", "Service"):
+        for obj in cluster.kube.list(kind, NS, "baton.dev/service=demo"):
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    pools = {r: cluster.kube.get("BatonPool", NS, f"demo-{r}") for r in ("prefill", "decode")}
+    assert pools["prefill"]["spec"]["replicas"] == 2 and pools["decode"]["spec"]["replicas"] == 2
+    assert pools["decode"]["status"]["selector"] == "baton.dev/service=demo,baton.dev/role=decode"
+    assert status["decode"]["ready"] == "0/2"
+
+
+def test_second_pass_writes_nothing(cluster, reconciler):
+    create_service(cluster.kube, "demo", SPEC)
+    _reconcile(cluster, reconciler)
+    writes = cluster.writes()
+    _reconcile(cluster, reconciler)
+    assert cluster.writes() == writes
+
+
+def test_scaling_pools_through_the_scale_subresource(cluster, reconciler):
+    create_service(cluster.kube, "demo", SPEC)
+    _reconcile(cluster, reconciler)
+
+    # What `kubectl scale batonpool/demo-decode --replicas=5` sends.
+    cluster.kube.patch("BatonPool", NS, "demo-decode", {"spec": {"replicas": 5}}, "scale")
+    cluster.kube.patch("BatonPool", NS, "demo-prefill", {"spec": {"replicas": 3}}, "scale")
+    _reconcile(cluster, reconciler)
+    assert cluster.kube.get("Deployment", NS, "demo-decode")["spec"]["replicas"] == 5
+    assert _names(cluster, "StatefulSet") == [f"demo-prefill-{i}" for i in range(3)]
+
+    cluster.kube.patch("BatonPool", NS, "demo-prefill", {"spec": {"replicas": 1}}, "scale")
+    status = _reconcile(cluster, reconciler)
+    assert _names(cluster, "StatefulSet") == ["demo-prefill-0"]
+    assert "demo-prefill-2" not in _names(cluster, "Service")
+    assert status["prefill"]["replicas"] == 1 and status["decode"]["replicas"] == 5
+
+    # Scaling does not get undone by a later pass that still sees the service's old numbers.
+    _reconcile(cluster, reconciler)
+    assert cluster.kube.get("Deployment", NS, "demo-decode")["spec"]["replicas"] == 5
+
+
+def test_spec_change_updates_children(cluster, reconciler):
+    create_service(cluster.kube, "demo", SPEC)
+    _reconcile(cluster, reconciler)
+    cluster.kube.patch("BatonService", NS, "demo", {"metadata": {"generation": 2}, "spec": {
+        "decode": {"replicas": 4, "tokenBudget": 512},
+        "redis": {"mode": "external", "external": {"urlSecretRef": {"name": "redis-url"}}},
+        "prefill": {"partitionTable": '{"entries": []}'}}})
+    status = _reconcile(cluster, reconciler)
+
+    decode = cluster.kube.get("Deployment", NS, "demo-decode")
+    assert decode["spec"]["replicas"] == 4  # the service's own value changed: it wins
+    assert _flag(_args(decode), "--scheduler-token-budget") == "512"
+    assert "--routing-redis-url" not in _args(decode)
+    env = {e["name"]: e for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["BATON_ROUTING_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-url", "key": "url"}
+    assert "demo-redis" not in _names(cluster, "Deployment")  # managed Redis pruned
+    table = cluster.kube.get("ConfigMap", NS, "demo-partitions")
+    assert table["data"]["partitions.json"] == '{"entries": []}'
+    chain_args = _args(cluster.kube.get("StatefulSet", NS, "demo-prefill-0"))
+    assert _flag(chain_args, "--chain-partition-table") == "/etc/baton/partitions/partitions.json"
+    assert all(c["observedGeneration"] == 2 for c in status["conditions"])
+
+
+def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "gpu": {
+        "perPod": 2, "ncclEnv": {"NCCL_DEBUG": "INFO"}}})
+    _reconcile(cluster, reconciler)
+    chain = cluster.kube.get("StatefulSet", NS, "demo-prefill-0")
+    container = chain["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert _flag(container["args"], "--chain-backend") == "nccl"
+    assert _flag(container["args"], "--model-device") == "cuda"
+    assert {"name": "NCCL_DEBUG", "value": "INFO"} in container["env"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"compression": {"keepRatio": 1.5}}, "keep_ratio"),
+    ({"redis": {"mode": "external"}}, "urlSecretRef"),
+    ({"decode": {"tokenBudget": 64, "replicas": -1}}, "decode.replicas"),
+    ({"prefill": {"ranksPerChain": 0}}, "chain ranks"),
+])
+def test_invalid_spec_sets_degraded_and_builds_nothing(cluster, reconciler, bad, says):
+    from baton_operator.spec import InvalidSpec
+
+    service = create_service(cluster.kube, "demo", bad)
+    with pytest.raises(InvalidSpec) as raised:
+        reconciler.reconcile(service)
+    reconciler.record_invalid(service, raised.value)
+
+    status = cluster.kube.get("BatonService", NS, "demo")["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert says in degraded["message"]
+    assert _names(cluster, "Deployment") == []
+
+
+def test_ready_condition_follows_children(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "prefill": {"chains": 1, "ranksPerChain": 2}})
+    status = _reconcile(cluster, reconciler)
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and "decode 0/2" in ready["message"]
+
+    # The emulator runs no controllers: play them.
+    for kind, name, count in (("StatefulSet", "demo-prefill-0", 2), ("Deployment", "demo-decode", 2),
+                              ("Deployment", "demo-gateway", 1)):
+        cluster.kube.patch(kind, NS, name, {"status": {"readyReplicas": count}}, "status")
+    status = _reconcile(cluster, reconciler)
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
+    assert cluster.kube.get("BatonPool", NS, "demo-decode")["status"]["readyReplicas"] == 2
+
+
+def test_delete_removes_children_and_pools(cluster, reconciler):
+    create_service(cluster.kube, "demo", SPEC)
+    create_service(cluster.kube, "other", {"prefill": {"chains": 0}})
+    _reconcile(cluster, reconciler)
+    _reconcile(cluster, reconciler, "other")
+
+    removed = reconciler.delete("demo", NS)
+    assert removed > 0
+    for kind in ("StatefulSet", "Deployment", "Service"):
+        assert _names(cluster, kind) == []
+    assert cluster.kube.get("BatonPool", NS, "demo-decode") is None
+    assert _names(cluster, "Deployment", "other") == ["other-decode", "other-gateway",
+                                                      "other-redis"]
