@@ -62,6 +62,8 @@ async def _main(args: argparse.Namespace) -> None:
     kube = Kube(_api_client())
     registry = kopf.OperatorRegistry()
     register(registry, Reconciler(kube, args.image))
+    # The same credentials as our own client: in-cluster service account, or kubeconfig.
+    kopf.on.login(registry=registry)(kopf.login_via_client)
     elector = LeaseElector(kube, args.lease_namespace, args.lease_name, args.identity,
                            args.lease_duration_s)
 

@@ -26,6 +26,11 @@ RESOURCES = {
     "v1/configmaps": ("ConfigMap", set()),
     "coordination.k8s.io/v1/leases": ("Lease", set()),
 }
+# Cluster-scoped kinds every API server has; kopf waits to discover them at startup.
+CLUSTER_RESOURCES = {
+    "v1/namespaces": "Namespace",
+    "apiextensions.k8s.io/v1/customresourcedefinitions": "CustomResourceDefinition",
+}
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 
@@ -50,6 +55,8 @@ class EmulatedCluster:
         for key, (kind, subresources) in RESOURCES.items():
             emulator.resources[key] = kmock.ResourceInfo(
                 kind=kind, namespaced=True, verbs=VERBS, subresources=subresources)
+        for key, kind in CLUSTER_RESOURCES.items():
+            emulator.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=False, verbs=VERBS)
         await emulator.__aenter__()
         server = kmock.Server(emulator)
         await server.__aenter__()
@@ -78,9 +85,10 @@ def cluster():
 
 
 def create_service(kube: Kube, name: str, spec: dict, namespace: str = "serving") -> dict:
-    """A BatonService as the API server would store it (uid and generation set)."""
+    """A BatonService as the API server would store it (uid, generation, resourceVersion set;
+    kopf's finalizer patch tests the resourceVersion, which the emulator does not invent)."""
     return kube.create({
         "apiVersion": "baton.dev/v1alpha1", "kind": "BatonService",
         "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()),
-                     "generation": 1},
+                     "generation": 1, "resourceVersion": "1"},
         "spec": spec})
