@@ -166,16 +166,21 @@ class LocalChain:
                 message = self.outbox.get(timeout=0.1)
             except queue.Empty:
                 if any(p.exitcode is not None for p in self.processes):
-                    self._fail([])
+                    self._fail({})
                 if deadline is not None and time.monotonic() > deadline:
-                    self._fail([f"the chain took longer than {deadline:.0f} s {what}"])
+                    self._fail({-1: f"the chain took too long {what}"})
                 continue
             if message[0] == "fail":
-                self._fail([message[2]])
+                self._fail({message[1]: message[2]})
             return message
 
-    def _fail(self, reports: list[str]) -> None:
-        """Collect what the other ranks say for a moment, shut the chain down and raise."""
+    def _fail(self, reports: dict[int, str]) -> None:
+        """Collect what the other ranks say for a moment, shut the chain down and raise.
+
+        A collective that times out cannot tell which peer is at fault, so the
+        diagnosis also names the ranks that died and those that are alive but
+        said nothing: the ones that stopped responding.
+        """
         until = time.monotonic() + FAILURE_GRACE_S
         while time.monotonic() < until:
             try:
@@ -183,11 +188,15 @@ class LocalChain:
             except queue.Empty:
                 continue
             if message[0] == "fail":
-                reports.append(message[2])
-        dead = [f"rank {rank} exited with code {p.exitcode}" for rank, p in enumerate(self.processes)
-                if p.exitcode not in (None, 1)]
-        self.down = "; ".join(dead + reports) or "a rank failed"
-        self._stop_processes()
+                reports[message[1]] = message[2]
+        culprits = []
+        for rank, process in enumerate(self.processes):
+            if process.exitcode not in (None, 1):
+                culprits.append(f"rank {rank} exited with code {process.exitcode}")
+            elif process.exitcode is None and rank not in reports:
+                culprits.append(f"rank {rank} stopped responding")
+        self.down = "; ".join(culprits + [reports[rank] for rank in sorted(reports)])
+        self._stop_processes(grace_s=0.0)  # the chain is broken: survivors may be stuck in a wait
         raise ChainError(f"prefill chain failed: {self.down}")
 
     # --- lifetime -----------------------------------------------------------------------

@@ -119,8 +119,11 @@ class ChainRank:
                     break
                 if header[0] == OP_PREFILL:
                     self._run(header, token_ids)
+        except ChainError as e:  # names the ranks involved already
+            self.sink.fail(self.config.rank, self.request_id, str(e))
+            raise
         except Exception as e:
-            self.sink.fail(self.config.rank, self.request_id, f"rank {self.config.rank}: {e}")
+            self.sink.fail(self.config.rank, self.request_id, f"rank {self.config.rank}: {e!r}")
             raise
         dist.destroy_process_group()
 
@@ -157,7 +160,8 @@ class ChainRank:
         try:
             dist.broadcast(tensor, src=0)
         except RuntimeError as e:
-            raise ChainError(f"rank {self.config.rank}: no {what} from rank 0: {e}") from e
+            raise ChainError(f"rank {self.config.rank}: broadcast of {what} from rank 0 failed "
+                             f"(a rank is gone or stuck): {e}") from e
 
     def _run(self, header: list[int], token_ids: torch.Tensor) -> None:
         """Compute this rank's slice of one request; the tail delivers the result."""
