@@ -1,0 +1,115 @@
+"""The container command lines the chart and the operator produce are ones the programs accept.
+
+Each container's args and env are taken from the manifests, the kubelet's part is
+played (downward-API values, `$(VAR)` expansion in args), and the result goes
+through the `baton` CLI's own parser and configuration validation, so a renamed
+flag or an out-of-range value in a manifest fails here, not in a crash-looping pod.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from baton_operator import __main__ as operator_main
+from baton_operator import workloads
+from baton_operator.spec import read_spec
+from conftest import NAMESPACE, objects
+
+# What the kubelet would resolve from the downward API and Secrets for one pod.
+FIELD_VALUES = {"metadata.name": "baton-prefill-0-1", "status.podIP": "10.1.2.3",
+                "metadata.namespace": NAMESPACE,
+                f"metadata.labels['{workloads.POD_INDEX_LABEL}']": "1"}
+SECRET_VALUE = "redis://:secret@redis.example:6379/0"
+
+
+def container_env(container: dict) -> dict[str, str]:
+    env = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "fieldRef" in var["valueFrom"]:
+            env[var["name"]] = FIELD_VALUES[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[var["name"]] = SECRET_VALUE
+    return env
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's `$(VAR)` substitution in container args."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), arg)
+
+
+def load_with_baton_cli(container: dict, monkeypatch):
+    """The validated configuration `baton <role> ...` would run with in this container."""
+    import importlib
+
+    from baton.cli import build_parser
+
+    env = container_env(container)
+    argv = [expand(arg, env) for arg in container["args"]]
+    args = build_parser().parse_args(argv)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return importlib.import_module(f"baton.commands.{argv[0]}").load_config(args)
+
+
+def operator_children(values: dict, num_chains=2, num_decode=2) -> list[dict]:
+    service = next(o for o in objects(values) if o["kind"] == "BatonService")
+    return workloads.children(service["metadata"]["name"], NAMESPACE,
+                              read_spec(service["spec"], "unused"), num_chains, num_decode)
+
+
+def test_operator_containers_parse_as_baton_commands(chart_values, monkeypatch):
+    configs = {}
+    for obj in operator_children(chart_values):
+        if obj["kind"] not in ("Deployment", "StatefulSet") or obj["metadata"]["name"].endswith(
+                "-redis"):
+            continue
+        container = obj["spec"]["template"]["spec"]["containers"][0]
+        configs[obj["metadata"]["name"]] = load_with_baton_cli(container, monkeypatch)
+
+    assert set(configs) == {"baton-prefill-0", "baton-prefill-1", "baton-decode", "baton-gateway"}
+    rank = configs["baton-prefill-1"]
+    assert rank.chain.rank == 1  # from the pod-index label through BATON_CHAIN_RANK
+    assert rank.chain.master_addr == "baton-prefill-1-0.baton-prefill-1.serving.svc"
+    assert rank.server.advertise == "baton-prefill-0-1.baton-prefill-1.serving.svc:50071"
+    assert rank.server.listen == f"0.0.0.0:{workloads.PREFILL_PORT}"
+    assert configs["baton-decode"].server.advertise == f"10.1.2.3:{workloads.DECODE_PORT}"
+    assert configs["baton-decode"].scheduler.token_budget == \
+        chart_values.get("service", {}).get("spec", {}).get("decode", {}).get("tokenBudget", 256)
+    gpu = bool(chart_values)
+    assert rank.chain.backend == ("nccl" if gpu else "gloo")
+    assert rank.model.device == ("cuda" if gpu else "cpu")
+    for config in configs.values():
+        assert config.routing.redis_url == "redis://baton-redis.serving.svc:6379/0"
+        assert config.server.metrics_port == workloads.METRICS_PORT
+
+
+def test_external_redis_url_reaches_every_role_from_the_secret(monkeypatch):
+    values = {"service": {"spec": {"redis": {"mode": "external", "external": {
+        "urlSecretRef": {"name": "routing-redis", "key": "url"}}}}}}
+    for obj in operator_children(values):
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            container = obj["spec"]["template"]["spec"]["containers"][0]
+            assert load_with_baton_cli(container, monkeypatch).routing.redis_url == SECRET_VALUE
+
+
+def test_a_value_the_service_rejects_is_rejected_before_any_manifest():
+    from baton_operator.spec import InvalidSpec
+
+    service = next(o for o in objects() if o["kind"] == "BatonService")
+    service["spec"]["decode"]["tokenBudget"] = 1
+    with pytest.raises(InvalidSpec, match="token_budget must be >= 2"):
+        read_spec(service["spec"], "unused")
+
+
+def test_operator_deployment_args_parse_as_the_operator_cli(chart_values):
+    for values in (chart_values, {"operator": {"allNamespaces": True}}):
+        deployment = next(o for o in objects(values) if o["kind"] == "Deployment")
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"] == ["python", "-m", "baton_operator"]
+        args = operator_main.build_parser().parse_args(container["args"])
+        operator_main.validate(args)
+        assert args.image == container["image"]
+        assert args.all_namespaces or args.namespace == [NAMESPACE]
