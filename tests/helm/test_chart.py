@@ -6,7 +6,7 @@ import helm_python
 import pytest
 from baton_operator import workloads
 from baton_operator.spec import read_spec
-from conftest import CHART, KUBE_VERSION, NAMESPACE, objects, render, validate
+from chart_render import CHART, KUBE_VERSION, NAMESPACE, objects, render, validate
 
 
 def test_chart_lints_without_findings(chart_values):
@@ -86,6 +86,11 @@ def test_rbac_is_least_privilege():
                 assert "*" not in rule[key], rule
             assert "secrets" not in rule["resources"], "the operator must not read Secrets"
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+    # The leader Lease: created once, then read and renewed by patches (baton_operator.leader).
+    leader = next(o for o in objects() if o["metadata"]["name"].endswith("-leader")
+                  and o["kind"] == "Role")
+    assert {(v, tuple(r.get("resourceNames", []))) for r in leader["rules"] for v in r["verbs"]} \
+        == {("create", ()), ("get", ("prod-baton-operator",)), ("patch", ("prod-baton-operator",))}
     watched = objects({"operator": {"watchNamespaces": ["team-a", "team-b"]}})
     role_namespaces = {o["metadata"]["namespace"] for o in watched
                        if o["kind"] == "Role" and not o["metadata"]["name"].endswith("-leader")}
@@ -94,7 +99,7 @@ def test_rbac_is_least_privilege():
 
 
 def test_gpu_values_schedule_on_gpus():
-    from conftest import GPU_VALUES, values_file
+    from chart_render import GPU_VALUES, values_file
 
     service = next(o for o in objects(values_file(GPU_VALUES)) if o["kind"] == "BatonService")
     spec = read_spec(service["spec"], "unused")

@@ -14,7 +14,7 @@ import pytest
 from baton_operator import __main__ as operator_main
 from baton_operator import workloads
 from baton_operator.spec import read_spec
-from conftest import NAMESPACE, objects
+from chart_render import NAMESPACE, objects
 
 # What the kubelet would resolve from the downward API and Secrets for one pod.
 FIELD_VALUES = {"metadata.name": "baton-prefill-0-1", "status.podIP": "10.1.2.3",

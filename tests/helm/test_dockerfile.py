@@ -8,7 +8,7 @@ import tomllib
 
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton_operator import workloads
-from conftest import ROOT
+from chart_render import ROOT
 
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 

@@ -10,7 +10,7 @@ import kopf
 import pytest
 from baton_operator.handlers import register
 from baton_operator.reconcile import Reconciler
-from conftest import create_service
+from emulated_cluster import create_service
 
 NS = "serving"
 
@@ -71,3 +71,16 @@ def test_operator_creates_scales_and_deletes(operator):
     for kind, name in (("Deployment", "demo-decode"), ("StatefulSet", "demo-prefill-1"),
                        ("Service", "demo-gateway"), ("BatonPool", "demo-decode")):
         assert kube.get(kind, NS, name) is None, f"{kind}/{name} outlived its service"
+
+
+def test_operator_reports_an_invalid_spec_as_degraded(operator):
+    kube = operator.kube
+    create_service(kube, "broken", {"compression": {"keepRatio": 2.0}})
+
+    def degraded():
+        conditions = kube.get("BatonService", NS, "broken")["status"]["conditions"]
+        return next(c for c in conditions if c["type"] == "Degraded")
+
+    condition = eventually(degraded)
+    assert condition["status"] == "True" and "keep_ratio" in condition["message"]
+    assert kube.get("Deployment", NS, "broken-decode") is None

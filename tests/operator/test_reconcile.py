@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from baton_operator.reconcile import Reconciler
-from conftest import create_service
+from emulated_cluster import create_service
 
 NS = "serving"
 SPEC = {"prefill": {"chains": 2, "ranksPerChain": 3}, "decode": {"replicas": 2, "tokenBudget": 128}}
@@ -186,3 +186,25 @@ def test_delete_removes_children_and_pools(cluster, reconciler):
     assert cluster.kube.get("BatonPool", NS, "demo-decode") is None
     assert _names(cluster, "Deployment", "other") == ["other-decode", "other-gateway",
                                                       "other-redis"]
+
+
+def test_everything_written_validates_against_the_schemas(cluster, reconciler):
+    from helm.chart_render import validate  # tests/ is on sys.path through its conftest
+
+    create_service(cluster.kube, "demo", {
+        **SPEC, "model": {"source": {"hostPath": "/data/models/llama"}, "revision": "r1"},
+        "prefill": {"chains": 1, "ranksPerChain": 2, "partitionTable": '{"entries": []}'},
+        "redis": {"mode": "external", "external": {"urlSecretRef": {"name": "redis-url"}}},
+        "gateway": {"tls": {"secretName": "gateway-tls"}, "serviceType": "LoadBalancer"},
+        "gpu": {"perPod": 1, "ncclEnv": {"NCCL_DEBUG": "WARN"}},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]})
+    _reconcile(cluster, reconciler)
+
+    written = [cluster.kube.get("BatonService", NS, "demo")]
+    written += [cluster.kube.get("BatonPool", NS, f"demo-{r}") for r in ("prefill", "decode")]
+    for kind in ("ConfigMap", "Service", "Deployment", "StatefulSet"):
+        written += cluster.kube.list(kind, NS, "baton.dev/service=demo")
+    assert {o["kind"] for o in written} == {"BatonService", "BatonPool", "ConfigMap", "Service",
+                                            "Deployment", "StatefulSet"}
+    for obj in written:
+        validate(obj)
