@@ -67,6 +67,7 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_iterations = 0
+        self.num_preemptions = 0
 
     def _init_inbox(self) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -128,6 +129,7 @@ class Engine:
         outputs: dict[str, RequestOutput] = {}
         self._drain_inbox(outputs)
         plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
         for seq in plan.out_of_room:
             self._finish(seq, FINISH_LENGTH, outputs)
         if not plan.is_empty:

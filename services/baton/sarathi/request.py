@@ -27,7 +27,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a sequence is one request, whatever its fields hold
 class Sequence:
     request_id: str
     prompt_ids: list[int]

@@ -28,11 +28,11 @@ from baton.sarathi.request import Sequence, Status
 class PrefillChunk:
     seq: Sequence
     num_tokens: int  # feeds seq.token_ids[seq.num_computed : seq.num_computed + num_tokens]
+    # The final chunk: the forward samples the sequence's next token (fixed when planned).
+    completes: bool = field(init=False)
 
-    @property
-    def completes(self) -> bool:
-        """The final chunk: the forward samples the sequence's next token."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.completes = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -110,9 +110,8 @@ class Scheduler(abc.ABC):
     def update(self, output: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens are computed; final chunks start decoding."""
         for chunk in output.prefills:
-            done = chunk.completes
             chunk.seq.num_computed += chunk.num_tokens
-            if done:
+            if chunk.completes:
                 self.prefilling.remove(chunk.seq)
                 chunk.seq.status = Status.RUNNING
                 self.running.append(chunk.seq)
