@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from baton.model.sampling import SamplingParams
-from conftest import make_engine, prompts_of_lengths
+from engine_fixtures import make_engine, prompts_of_lengths
 
 
 @pytest.mark.parametrize("prompt, message", [

@@ -11,7 +11,7 @@ from baton.model.sampling import SamplingParams
 from baton.sarathi.request import Sequence
 from baton.sarathi.runner import ModelRunner
 from baton.sarathi.scheduler import PrefillChunk, SchedulerOutput
-from conftest import make_engine, prompts_of_lengths
+from engine_fixtures import make_engine, prompts_of_lengths
 from hf_reference import save_random_hf_model, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
