@@ -1,0 +1,95 @@
+"""The sampler: validation naming the value, greedy, temperature/top-k/top-p, seeds, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.model.sampling import Sampler, SamplingParams, StopStringMatcher
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
+    ({"temperature": float("nan")}, "got nan"),
+    ({"top_k": -1}, r"top_k must be >= 0 \(0 = off\), got -1"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+    ({"top_p": 1.5}, "got 1.5"),
+    ({"seed": -3}, "seed must be in .*got -3"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ({"stop_token_ids": [2, -7]}, r"stop_token_ids must be >= 0, got \[-7\]"),
+    ({"stop": ["ok", ""]}, "stop strings must be non-empty"),
+])
+def test_bad_params_name_the_value(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def random_logits(seed: int = 0, vocab: int = 100) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_and_draws_nothing():
+    logits = random_logits()
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    assert sampler.sample(logits) == int(logits.argmax())
+
+
+def test_a_seed_reproduces_the_stream_whatever_else_is_sampled():
+    params = SamplingParams(temperature=1.0, seed=42)
+    first, second, other = Sampler(params), Sampler(params), Sampler(SamplingParams(seed=43))
+    stream_a, stream_b = [], []
+    for step in range(50):
+        logits = random_logits(step)
+        stream_a.append(first.sample(logits))
+        other.sample(logits)  # another request sampling in between changes nothing
+        stream_b.append(second.sample(logits))
+    assert stream_a == stream_b
+    assert len(set(stream_a)) > 5, "temperature 1 over spread logits samples more than one token"
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = random_logits()
+    probs = Sampler(SamplingParams(top_k=5, seed=0)).probabilities(logits)
+    assert set(torch.nonzero(probs).flatten().tolist()) == set(torch.topk(logits, 5).indices.tolist())
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_covering_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = Sampler(SamplingParams(top_p=0.7, seed=0)).probabilities(logits)
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    only_best = Sampler(SamplingParams(top_p=0.1, seed=0)).probabilities(logits)
+    assert only_best.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = random_logits()
+    cold = Sampler(SamplingParams(temperature=0.1, seed=0)).probabilities(logits)
+    hot = Sampler(SamplingParams(temperature=10.0, seed=0)).probabilities(logits)
+    assert cold.max() > 0.9 and hot.max() < 0.1
+
+
+def test_sampling_matches_the_distribution():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+    sampler = Sampler(SamplingParams(seed=5))
+    counts = torch.bincount(torch.tensor([sampler.sample(logits) for _ in range(3000)]), minlength=3)
+    assert torch.allclose(counts / 3000.0, torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
+
+
+def test_stop_string_split_over_deltas_is_found_and_never_emitted():
+    matcher = StopStringMatcher(["\n\n", "END"])
+    emitted = []
+    for delta in ["def f():", "\n", "    return 1", "\n", "\nmore"]:
+        text, stopped = matcher.push(delta)
+        emitted.append(text)
+        if stopped:
+            break
+    assert "".join(emitted) == "def f():\n    return 1"
+    assert stopped
+
+
+def test_text_that_only_starts_like_a_stop_string_is_released():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.push("a ST") == ("a ", False)
+    assert matcher.push("ART") == ("START", False)
+    assert matcher.push("x S") == ("x ", False)
+    assert matcher.flush() == "S"
