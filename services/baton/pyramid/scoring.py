@@ -51,20 +51,23 @@ def recent_attention_scores(q: torch.Tensor, query_positions: torch.Tensor, weig
     num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
-    keys = k.to(torch.float32).permute(1, 2, 0)  # [Hkv, D, S]
+    keys = k.to(torch.float32).permute(1, 2, 0).contiguous()  # [Hkv, D, S]
     scores = torch.zeros(num_keys, dtype=torch.float32, device=k.device)
     for start in range(0, num_queries, QUERY_ROWS_PER_BLOCK):
         rows = slice(start, start + QUERY_ROWS_PER_BLOCK)
-        block = q[rows].to(torch.float32)
+        block = q[rows].to(torch.float32) * head_dim ** -0.5
         count = block.shape[0]
         # Query head h reads KV head h // G: group the G heads of each KV head together.
         grouped = block.reshape(count, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
-        logits = grouped.reshape(num_kv_heads, count * group, head_dim) @ keys
-        logits = logits.view(num_kv_heads, count, group, num_keys) * head_dim ** -0.5
+        logits = grouped.reshape(num_kv_heads, count * group, head_dim) @ keys  # [Hkv, R*G, S]
         visible = visibility_mask(query_positions[rows], key_positions, sliding_window)  # [R, S]
-        logits = logits.masked_fill(~visible[None, :, None, :], float("-inf"))
-        per_query = logits.softmax(dim=-1).mean(dim=(0, 2))  # [R, S]: averaged over all H heads
-        scores += weights[rows].to(torch.float32) @ per_query
+        if not bool(visible.all()):
+            logits.view(num_kv_heads, count, group, num_keys).masked_fill_(
+                ~visible[None, :, None, :], float("-inf"))
+        probabilities = logits.softmax(dim=-1).view(-1, num_keys)  # rows ordered (Hkv, R, G)
+        # Weighted sum over queries and mean over all H heads, as one matrix-vector product.
+        row_weights = weights[rows].to(torch.float32)[None, :, None] / num_heads
+        scores += row_weights.expand(num_kv_heads, count, group).reshape(-1) @ probabilities
     return scores
 
 
