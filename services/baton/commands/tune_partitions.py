@@ -67,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
     model = source.load(torch.device("cpu"))
     with LocalChain(source, args.ranks, timeout_s=args.timeout_s) as chain, \
             tqdm(total=len(args.lengths), desc=f"tuning p={args.ranks}", unit="length") as progress:
-        tune(chain, model, args.lengths, settings, table, progress)
-    table.save(output)
+        tune(chain, model, args.lengths, settings, table, progress, on_entry=lambda t: t.save(output))
     for entry in sorted(table.entries, key=lambda e: (e.ranks, e.context_length)):
         if entry.ranks == args.ranks:
             print(f"p={entry.ranks} C={entry.context_length}: fractions {entry.fractions} "

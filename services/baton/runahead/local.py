@@ -33,12 +33,15 @@ FAILURE_GRACE_S = 1.0  # after the first failure, how long to collect the other 
 
 
 class QueueSource:
-    """Rank 0's requests from the parent; None on the queue stops the chain."""
+    """Rank 0's requests from the parent; None on the queue, or the parent's death, stops the chain."""
 
     def __init__(self, inbox) -> None:
         self.inbox = inbox
+        self.parent_pid = os.getppid()
 
     def next_request(self, timeout_s: float) -> ChainRequest | None:
+        if os.getppid() != self.parent_pid:  # orphaned: nobody is left to send requests
+            raise StopChain()
         try:
             request = self.inbox.get(timeout=timeout_s)
         except queue.Empty:

@@ -153,8 +153,13 @@ def single_process_ttft(model: CausalLM, token_ids: torch.Tensor, threads: int, 
 
 
 def tune(chain: LocalChain, model: CausalLM, lengths: list[int], settings: SearchSettings,
-         table: PartitionTable, progress=None) -> PartitionTable:
-    """Measure and search every length on ``chain``; fills ``table`` (entries and min_context)."""
+         table: PartitionTable, progress=None,
+         on_entry: Callable[[PartitionTable], None] | None = None) -> PartitionTable:
+    """Measure and search every length on ``chain``; fills ``table`` (entries and min_context).
+
+    ``on_entry`` sees the table after each length (the command saves it, so a long
+    run that is stopped keeps what it measured).
+    """
     num_ranks = chain.num_ranks
     generator = torch.Generator().manual_seed(0)
 
@@ -171,9 +176,11 @@ def tune(chain: LocalChain, model: CausalLM, lengths: list[int], settings: Searc
             num_ranks, context_length, [round(f, 4) for f in fractions_of(boundaries)], ttft_s,
             ttft_even_s=measure(even_boundaries(context_length, num_ranks)),
             ttft_single_s=single_process_ttft(model, token_ids, num_ranks, settings.repeats)))
+        table.min_context[num_ranks] = crossover(table, num_ranks)
+        if on_entry is not None:
+            on_entry(table)
         if progress is not None:
             progress.update(1)
-    table.min_context[num_ranks] = crossover(table, num_ranks)
     return table
 
 
