@@ -28,13 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_DIR, machine_description, markdown_table, write_report  # noqa: E402
-
-from baton.config import PyramidConfig  # noqa: E402
-from baton.kv import DenseKV, LayerKV  # noqa: E402
-from baton.model import CausalLM, Segment, load_checkpoint, prefill  # noqa: E402
-from baton.model.presets import random_model  # noqa: E402
-from baton.pyramid import compressor_factory, layer_budgets  # noqa: E402
+from baton.config import PyramidConfig
+from baton.kv import DenseKV, LayerKV
+from baton.model import CausalLM, Segment, load_checkpoint, prefill
+from baton.model.presets import random_model
+from baton.pyramid import compressor_factory, layer_budgets
+from common import REPORT_DIR, machine_description, markdown_table, write_report
 
 BUDGETS = (0.3, 0.45, 0.5, 0.6, 0.8)
 POLICIES = ("pyramid", "uniform", "local")
@@ -191,7 +190,7 @@ def plot_layers(path: Path, model: CausalLM, prompt_length: int) -> None:
     plt.close(figure)
 
 
-def report(args, model_name: str, model: CausalLM, samples, quality, timing, timing_model) -> str:
+def report(model_name: str, model: CausalLM, samples, quality, timing, timing_model) -> str:
     full = quality["full"]
     count = full["count"]
     full_ppl = math.exp(full["nll"] / count)
@@ -298,7 +297,7 @@ def main() -> None:
     else:
         timing_model, timed = "the ~50M random preset (random-50m)", random_model("random-50m")
     timing = selection_overhead(timed, TIMING_LENGTH)
-    write_report("pyramid.md", report(args, model_name, model, samples, quality, timing,
+    write_report("pyramid.md", report(model_name, model, samples, quality, timing,
                                       timing_model))
 
 
