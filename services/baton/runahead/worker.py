@@ -71,6 +71,8 @@ def resolve_device(backend: str) -> torch.device:
 
 
 class ChainRank:
+    """This process's rank: joins the group and loads the model on construction; ``serve()`` loops."""
+
     def __init__(self, config: ChainConfig, model_source: ModelSource, sink: ChainSink,
                  source: RequestSource | None = None,
                  make_observer: Callable[[int], CompressingObserver] | None = None,
