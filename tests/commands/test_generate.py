@@ -98,3 +98,12 @@ def test_a_missing_model_directory_is_named(tmp_path):
 def test_the_command_module_imports_cheaply():
     code = "import sys, baton.commands.generate; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60, check=False).returncode == 0
+
+
+@pytest.mark.slow
+def test_chain_ranks_prefill_through_a_local_chain_then_decode_the_same(checkpoint, reference, capsys):
+    prompt = list(range(1, 41))
+    run_generate(["--model", str(checkpoint), "--prompt-ids", ",".join(map(str, prompt)),
+                  "--max-tokens", "6", "--chain-ranks", "2", "--json"])
+    expected = reference(prompt, 6)
+    assert json.loads(capsys.readouterr().out) == {"token_ids": expected.token_ids, "text": expected.text}

@@ -68,6 +68,7 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_iterations = 0
         self.num_preemptions = 0
+        self.last_plan: SchedulerOutput | None = None  # what the latest step ran (metrics)
 
     def _init_inbox(self) -> None:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -130,6 +131,7 @@ class Engine:
         self._drain_inbox(outputs)
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
+        self.last_plan = plan
         for seq in plan.out_of_room:
             self._finish(seq, FINISH_LENGTH, outputs)
         if not plan.is_empty:
