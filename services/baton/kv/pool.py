@@ -180,6 +180,45 @@ class KVPool:
         table.length = 0
         self.append(seq_id, layer, current.k[keep], current.v[keep], current.positions[keep])
 
+    def append_tokens(self, seq_ids: list[str], layer: int, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor) -> None:
+        """Store one new token for each of B sequences in one layer (k, v: [B, Hkv, D]).
+
+        The batched form of ``append`` for decode steps: one indexed write for the batch.
+        """
+        blocks, slots = [], []
+        for seq_id in seq_ids:
+            table = self._tables.get(seq_id, [None] * self.num_layers)[layer]
+            if table is None or len(table.blocks) < self.blocks_for(table.length + 1):
+                extra = [0] * self.num_layers
+                extra[layer] = 1
+                self.reserve(seq_id, extra)
+                table = self._tables[seq_id][layer]
+            blocks.append(table.blocks[table.length // self.block_size])
+            slots.append(table.length % self.block_size)
+            table.length += 1
+        block_index = torch.tensor(blocks, device=self.k_cache.device)
+        slot_index = torch.tensor(slots, device=self.k_cache.device)
+        self.k_cache[block_index, slot_index] = k
+        self.v_cache[block_index, slot_index] = v
+        self.positions[block_index, slot_index] = positions
+
+    def gather_padded(self, seq_ids: list[str], layer: int):
+        """One layer of B sequences, padded to the longest: k, v [B, S, Hkv, D], positions [B, S]
+        and lengths [B]. Rows past a sequence's length hold stale data: mask them."""
+        tables = [self._tables[seq_id][layer] for seq_id in seq_ids]
+        max_blocks = max(len(table.blocks) for table in tables)
+        index = torch.zeros(len(tables), max_blocks, dtype=torch.long)
+        for row, table in enumerate(tables):
+            index[row, :len(table.blocks)] = torch.tensor(table.blocks)
+        index = index.to(self.k_cache.device)
+        batch, span = len(tables), max_blocks * self.block_size
+        k = self.k_cache[index].view(batch, span, *self.k_cache.shape[2:])
+        v = self.v_cache[index].view(batch, span, *self.v_cache.shape[2:])
+        positions = self.positions[index].view(batch, span)
+        lengths = torch.tensor([table.length for table in tables], device=self.k_cache.device)
+        return k, v, positions, lengths
+
     def view(self, seq_id: str) -> "PagedSequenceKV":
         return PagedSequenceKV(self, seq_id)
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kv.pool import PagedSequenceKV
 from baton.model.attention import attend, attend_decode_batch
 from baton.model.config import ModelConfig
 from baton.model.rope import RotaryEmbedding, apply_rotary
@@ -148,51 +149,69 @@ class CausalLM(nn.Module):
         assert sum(s.length for s in segments) == token_ids.shape[0], "segments must cover the batch"
         hidden = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        all_decode = len(segments) > 1 and all(s.length == 1 for s in segments)
+        plan = _AttentionPlan(segments)
         for layer_index, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
-            if all_decode:
-                out = self._attend_decodes(layer_index, q, k, v, positions, segments)
-            else:
-                out = self._attend_segments(layer_index, q, k, v, positions, segments)
+            out = plan.attend(layer_index, q, k, v, positions, self.config.sliding_window)
             hidden = hidden + attn.o_proj(out.reshape(out.shape[0], -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         if output_rows is None:
             return hidden[:0]
         return self.model.norm(hidden[output_rows])
 
-    def _attend_segments(self, layer_index, q, k, v, positions, segments) -> torch.Tensor:
-        outputs = []
-        start = 0
-        for segment in segments:
-            end = start + segment.length
-            k_all, v_all, key_positions = segment.kv.extend(layer_index, k[start:end], v[start:end],
-                                                            positions[start:end])
-            outputs.append(attend(q[start:end], k_all, v_all, positions[start:end], key_positions,
-                                  self.config.sliding_window))
-            if segment.observer is not None:
-                segment.observer.observe(layer_index, q[start:end], positions[start:end], k_all,
-                                         key_positions)
-            start = end
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-    def _attend_decodes(self, layer_index, q, k, v, positions, segments) -> torch.Tensor:
-        keys, values, key_positions = [], [], []
-        for b, segment in enumerate(segments):
-            k_all, v_all, kpos = segment.kv.extend(layer_index, k[b:b + 1], v[b:b + 1],
-                                                   positions[b:b + 1])
-            keys.append(k_all)
-            values.append(v_all)
-            key_positions.append(kpos)
-            if segment.observer is not None:
-                segment.observer.observe(layer_index, q[b:b + 1], positions[b:b + 1], k_all, kpos)
-        return attend_decode_batch(q, keys, values, positions, key_positions, self.config.sliding_window)
-
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] final hidden states -> [R, vocab] logits in fp32."""
         return self.lm_head(hidden).float()
+
+
+class _AttentionPlan:
+    """How one forward's attention is split: single-token segments of one paged pool are
+    attended together in one padded kernel call (the decode batch); every other segment
+    on its own."""
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        self.singles: list[tuple[int, Segment]] = []
+        self.others: list[tuple[int, Segment]] = []
+        row = 0
+        for segment in segments:
+            paged = isinstance(segment.kv, PagedSequenceKV)
+            (self.singles if segment.length == 1 and paged else self.others).append((row, segment))
+            row += segment.length
+        pools = {id(segment.kv.pool) for _, segment in self.singles}
+        if len(self.singles) < 2 or len(pools) > 1:
+            self.others = sorted(self.others + self.singles, key=lambda item: item[0])
+            self.singles = []
+        self.single_rows = torch.tensor([row for row, _ in self.singles], dtype=torch.long)
+        self.single_ids = [segment.kv.seq_id for _, segment in self.singles]
+
+    def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for row, segment in self.others:
+            end = row + segment.length
+            k_all, v_all, key_positions = segment.kv.extend(layer, k[row:end], v[row:end],
+                                                            positions[row:end])
+            out[row:end] = attend(q[row:end], k_all, v_all, positions[row:end], key_positions,
+                                  sliding_window)
+            if segment.observer is not None:
+                segment.observer.observe(layer, q[row:end], positions[row:end], k_all, key_positions)
+        if self.singles:
+            self._attend_singles(layer, q, k, v, positions, sliding_window, out)
+        return out
+
+    def _attend_singles(self, layer, q, k, v, positions, sliding_window, out) -> None:
+        rows = self.single_rows.to(q.device)
+        pool = self.singles[0][1].kv.pool
+        pool.append_tokens(self.single_ids, layer, k[rows], v[rows], positions[rows])
+        k_pad, v_pad, key_positions, lengths = pool.gather_padded(self.single_ids, layer)
+        out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, positions[rows], key_positions,
+                                        lengths, sliding_window)
+        for b, (row, segment) in enumerate(self.singles):
+            if segment.observer is not None:
+                n = int(lengths[b])
+                segment.observer.observe(layer, q[row:row + 1], positions[row:row + 1],
+                                         k_pad[b, :n], key_positions[b, :n])
 
 
 # --- The two entry points the engines call -------------------------------------------------
