@@ -33,7 +33,7 @@ from baton.kv.wire import KVDataLoss, KVIncompatible, KVMalformed, encode_kv
 from baton.routing.store import StoreUnavailable, WorkerLoad
 
 SAMPLING = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1234, max_tokens=17,
-                          stop_token_ids=(2, 7), stop_strings=("\n\n", "END"))
+                          stop_token_ids=[2, 7], stop=["\n\n", "END"])
 COMPRESSION = CompressionParams(enabled=True, keep_ratio=0.45)
 
 
@@ -88,7 +88,7 @@ def test_unset_sampling_fields_take_the_defaults():
 
 @pytest.mark.parametrize("fields, named", [
     ({"temperature": -0.5}, "-0.5"), ({"temperature": math.nan}, "nan"), ({"top_p": 0.0}, "0.0"),
-    ({"top_p": 1.5}, "1.5"), ({"max_tokens": 0}, "max_tokens must be > 0, got 0"),
+    ({"top_p": 1.5}, "1.5"), ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
     ({"max_tokens": -3}, "-3"), ({"top_k": -1}, "-1"),
 ])
 def test_bad_sampling_raises_naming_the_value(fields, named):

@@ -27,7 +27,6 @@ from baton.api.requests import (
     PrefillRequest,
     PrefillShipped,
     Route,
-    SamplingParams,
     Timings,
     Tokenization,
     Usage,
@@ -35,6 +34,7 @@ from baton.api.requests import (
 from baton.api.v1 import api_pb2, common_pb2, decode_pb2, kv_pb2, prefill_pb2
 from baton.kv.pool import KVPoolExhausted
 from baton.kv.wire import KVDataLoss, KVHeader, KVIncompatible, KVMalformed
+from baton.model.sampling import SamplingParams
 from baton.routing.store import StoreUnavailable, WorkerLoad
 
 T = TypeVar("T")
@@ -90,7 +90,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
         max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
-        stop_strings=params.stop_strings)
+        stop_strings=params.stop)
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -98,8 +98,8 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
     optional = {name: getattr(message, name)
                 for name in ("temperature", "top_p", "seed", "max_tokens")
                 if message.HasField(name)}
-    return SamplingParams(top_k=message.top_k, stop_token_ids=tuple(message.stop_token_ids),
-                          stop_strings=tuple(message.stop_strings), **optional)
+    return SamplingParams(top_k=message.top_k, stop_token_ids=list(message.stop_token_ids),
+                          stop=list(message.stop_strings), **optional)
 
 
 def compression_to_proto(params: CompressionParams) -> common_pb2.CompressionParams:

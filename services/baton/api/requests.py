@@ -3,45 +3,18 @@
 Services and engines work with these; ``baton.api.convert`` is the only place they meet the
 protobuf messages of ``baton.api.v1``. Every constructor validates its values and raises
 ``ValueError`` naming the value (the API edge turns that into INVALID_ARGUMENT). Nothing here
-imports gRPC or protobuf.
+imports gRPC or protobuf. Sampling parameters are the engine's own
+``baton.model.sampling.SamplingParams`` (one definition, validated there).
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from baton.configtree import require
 from baton.kv.wire import KVHeader
-
-DEFAULT_MAX_TOKENS = 64  # what a request that names no max_tokens generates
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    seed: int | None = None  # None = a random seed per request
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        require(not math.isnan(self.temperature) and self.temperature >= 0,
-                 f"temperature must be >= 0, got {self.temperature}")
-        require(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        require(self.seed is None or self.seed >= 0, f"seed must be >= 0, got {self.seed}")
-        require(self.max_tokens > 0, f"max_tokens must be > 0, got {self.max_tokens}")
-        require(all(token >= 0 for token in self.stop_token_ids),
-                 f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
-        require(all(self.stop_strings), "stop_strings must not contain an empty string")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from baton.model.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
