@@ -66,6 +66,18 @@ def test_chunk_is_budget_minus_running_decodes():
     assert chunks == [256 - 17] * 4 + [1000 - 4 * 239]
 
 
+def test_short_prompts_share_the_rest_of_the_budget():
+    """A prompt that ends inside the budget leaves the rest to the next one (Sarathi-Serve)."""
+    scheduler = make_scheduler(token_budget=64)
+    with_running_decodes(scheduler, 3)
+    for index in range(3):
+        scheduler.add(new_sequence(100 + index, 25))
+    plan = iterate(scheduler)
+    assert [chunk.num_tokens for chunk in plan.prefills] == [25, 25, 11]
+    assert [chunk.completes for chunk in plan.prefills] == [True, True, False]
+    assert plan.num_tokens == 64
+
+
 def test_tile_size_rounds_chunk_plus_decodes_to_whole_tiles():
     scheduler = make_scheduler(token_budget=100, tile_size=32)
     with_running_decodes(scheduler, 5)

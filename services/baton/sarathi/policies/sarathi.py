@@ -2,8 +2,9 @@
 
 Every iteration has a token budget C. All B-1 running decodes get their one
 token first (decodes are never starved by a long prompt); the remaining
-C-(B-1) tokens go to one chunk of one prompt — the partially prefilled one
-if there is one, else the oldest waiting prompt that the pool can hold. With
+C-(B-1) tokens go to one chunk of a prompt — the partially prefilled one if
+there is one, else the oldest waiting prompt that the pool can hold (and, if
+that prompt ends before the budget does, the next one). With
 a tile size the budget is first rounded down to a multiple of the tile, so
 that chunk + decodes fills whole tiles of the matmuls.
 """
@@ -20,11 +21,16 @@ class SarathiScheduler(Scheduler):
         self.admit_arrived()
         self.grant_decodes(output)
         room = self.tiled_budget() - len(output.decodes)
-        if room <= 0:
-            return output
-        seq = self.prefilling[0] if self.prefilling else self.admit_next(output)
-        if seq is not None:
-            output.prefills.append(PrefillChunk(seq, min(seq.num_uncomputed, room)))
+        # The partially prefilled prompt first; when a prompt ends inside the budget, the rest
+        # goes to the next prompt (Sarathi-Serve), so short prompts still fill the iteration.
+        queued = list(self.prefilling)
+        while room > 0:
+            seq = queued.pop(0) if queued else self.admit_next(output)
+            if seq is None:
+                break
+            chunk = PrefillChunk(seq, min(seq.num_uncomputed, room))
+            output.prefills.append(chunk)
+            room -= chunk.num_tokens
         return output
 
     def tiled_budget(self) -> int:
