@@ -163,13 +163,24 @@ class ServerConfig:
         require(self.grace_s >= 0, f"grace_s must be >= 0, got {self.grace_s}")
 
 
+GATEWAY_POLICIES = ("least-loaded",)
+
+
 @dataclass
 class GatewayRoutingConfig:
     prefill_threshold_tokens: int = setting(512, "prompts at least this long go through a prefill chain")
+    policy: str = setting("least-loaded", "how the gateway picks pods: least-loaded = the decode pod "
+                          "with the fewest sequences, then queued prompt tokens, then the most "
+                          "free KV blocks (none free = full); the chain with the fewest queued tokens",
+                          choices=GATEWAY_POLICIES)
+    kv_wait_s: float = setting(60.0, "how long a decode pod waits for the KV a chain pushes")
 
     def __post_init__(self) -> None:
         require(self.prefill_threshold_tokens >= 1,
                 f"gateway prefill_threshold_tokens must be >= 1, got {self.prefill_threshold_tokens}")
+        require(self.policy in GATEWAY_POLICIES,
+                f"gateway policy {self.policy!r} is not one of {GATEWAY_POLICIES}")
+        require(self.kv_wait_s > 0, f"gateway kv_wait_s must be > 0, got {self.kv_wait_s}")
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Gateway routing policies, one per file; each registers itself with ``@register_policy``."""

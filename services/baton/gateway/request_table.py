@@ -1,0 +1,131 @@
+"""Where each request lives: the gateway's live requests, mirrored into the routing store.
+
+Design: the gateway keeps its own table of the requests it is streaming (their downstream
+calls, so a client cancellation or an Abort can reach them) and writes a ``RequestRecord``
+per request into the routing store with a TTL, so that an Abort arriving at another gateway
+replica finds the pods that hold state. The store is disposable (DESIGN.md §8): when it is
+down the gateway goes on with its own table, logs once, and duplicate ids are then caught
+only among its own requests.
+
+``in_flight()`` sums the live requests per address for the routing policy: it covers what
+this gateway sent since the workers' last heartbeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from baton.gateway.routing_policy import InFlight
+from baton.routing import RequestRecord, RoutingStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class DuplicateRequest(ValueError):
+    """A live request already has this id (gRPC ALREADY_EXISTS)."""
+
+
+@dataclass
+class LiveRequest:
+    """One request this gateway is streaming; ``calls`` are its open downstream RPCs."""
+
+    record: RequestRecord
+    num_prompt_tokens: int
+    calls: list = field(default_factory=list)  # grpc.Call objects, cancelled on client cancel
+    aborted: threading.Event = field(default_factory=threading.Event)
+    completed: bool = False  # the last step was produced: nothing is left to abort
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    def watch(self, call) -> None:
+        """Track a downstream call; one opened after an abort is cancelled at once."""
+        with self.lock:
+            self.calls.append(call)
+        if self.aborted.is_set():
+            call.cancel()
+
+    def cancel_calls(self) -> None:
+        with self.lock:
+            calls = list(self.calls)
+        for call in calls:
+            call.cancel()
+
+    def addresses(self) -> list[str]:
+        """Every pod that may hold state for this request."""
+        return [address for address in (self.record.decode_address, self.record.prefill_address)
+                if address]
+
+
+class RequestTable:
+    def __init__(self, store: RoutingStore, ttl_s: float) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._live: dict[str, LiveRequest] = {}
+        self._store_reachable = True
+
+    def admit(self, record: RequestRecord, num_prompt_tokens: int) -> LiveRequest:
+        """Register a new request; raises DuplicateRequest when its id is live anywhere."""
+        record = dataclasses.replace(record, created_at=time.time())
+        live = LiveRequest(record, num_prompt_tokens)
+        with self._lock:
+            if record.request_id in self._live:
+                raise DuplicateRequest(f"request id {record.request_id!r} is already live")
+            self._live[record.request_id] = live
+        written = self._store_call(self.store.put_request, record, self.ttl_s, if_absent=True)
+        if written is False:
+            with self._lock:
+                del self._live[record.request_id]
+            raise DuplicateRequest(f"request id {record.request_id!r} is already live "
+                                   f"(recorded by another gateway)")
+        return live
+
+    def get(self, request_id: str) -> LiveRequest | None:
+        with self._lock:
+            return self._live.get(request_id)
+
+    def find_record(self, request_id: str) -> RequestRecord | None:
+        """Where a request lives: this gateway's table first, then the store."""
+        live = self.get(request_id)
+        if live is not None:
+            return live.record
+        return self._store_call(self.store.get_request, request_id)
+
+    def finish(self, request_id: str) -> None:
+        with self._lock:
+            self._live.pop(request_id, None)
+        self._store_call(self.store.remove_request, request_id)
+
+    def in_flight(self) -> dict[str, InFlight]:
+        totals: dict[str, InFlight] = {}
+        with self._lock:
+            live = list(self._live.values())
+        for request in live:
+            for address in request.addresses():
+                known = totals.get(address, InFlight())
+                totals[address] = InFlight(known.requests + 1,
+                                           known.prompt_tokens + request.num_prompt_tokens)
+        return totals
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def _store_call(self, method, *args, **kwargs):
+        """Call the store; None when it is unreachable (logged when an outage starts)."""
+        try:
+            result = method(*args, **kwargs)
+        except StoreUnavailable as e:
+            if self._store_reachable:
+                log.warning("request table continues without the routing store: %s", e)
+            self._store_reachable = False
+            return None
+        self._store_reachable = True
+        return result

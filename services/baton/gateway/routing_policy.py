@@ -1,0 +1,92 @@
+"""Where a request goes: the routing-policy interface, its result type and the registry.
+
+Design (after Sarathi-Serve's scheduler registry): a policy is a subclass of
+``RoutingPolicy`` registered under a name by ``@register_policy``; a new policy is one new
+file in ``baton/gateway/policies/``. A policy sees only the routing snapshot (the workers'
+heartbeat records, possibly stale while Redis is down) and the gateway's own in-flight
+counts, which cover the requests it sent since the workers' last heartbeat. It answers with
+a ``RouteDecision`` or raises ``NoLiveWorkers`` (gRPC UNAVAILABLE) or ``WorkersFull``
+(RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from baton.config import GatewayRoutingConfig
+from baton.routing import RoutingSnapshot, WorkerInfo
+
+
+class NoLiveWorkers(RuntimeError):
+    """No worker that could serve the request is registered (not ready: UNAVAILABLE)."""
+
+
+class WorkersFull(RuntimeError):
+    """Every live decode pod is out of KV blocks (RESOURCE_EXHAUSTED, answered at once)."""
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What this gateway has sent to one address and not yet seen finish."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    decode: WorkerInfo
+    chain: WorkerInfo | None = None  # rank 0 of the chain; None = prefill on the decode pod
+
+
+class RoutingPolicy(abc.ABC):
+    def __init__(self, config: GatewayRoutingConfig, model_id: str) -> None:
+        self.config = config
+        self.model_id = model_id
+
+    @abc.abstractmethod
+    def route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
+              in_flight: Mapping[str, InFlight]) -> RouteDecision:
+        """Pick the decode pod, and a chain for a long prompt; ``in_flight`` is keyed by address."""
+
+    def decode_workers(self, snapshot: RoutingSnapshot) -> list[WorkerInfo]:
+        """The live decode pods serving this gateway's model."""
+        return [w for w in snapshot.of_role("decode") if w.model_id == self.model_id]
+
+    def chain_heads(self, snapshot: RoutingSnapshot) -> list[WorkerInfo]:
+        """Rank 0 of every chain of this model whose ranks are all live (a chain missing a
+        rank cannot finish a prefill, so it takes no request)."""
+        ranks: dict[str, set[int]] = {}
+        heads: dict[str, WorkerInfo] = {}
+        for worker in snapshot.of_role("prefill"):
+            if worker.model_id != self.model_id:
+                continue
+            ranks.setdefault(worker.chain_id, set()).add(worker.rank)
+            if worker.rank == 0:
+                heads[worker.chain_id] = worker
+        return [head for chain_id, head in sorted(heads.items())
+                if ranks[chain_id] == set(range(head.num_ranks))]
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {}
+
+
+def register_policy(name: str):
+    def register(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
+        POLICIES[name] = cls
+        return cls
+
+    return register
+
+
+def create_policy(config: GatewayRoutingConfig, model_id: str) -> RoutingPolicy:
+    try:
+        importlib.import_module(f"baton.gateway.policies.{config.policy.replace('-', '_')}")
+    except ModuleNotFoundError:
+        pass  # reported below with the known names
+    if config.policy not in POLICIES:
+        raise ValueError(f"gateway policy {config.policy!r} is not registered; known: {sorted(POLICIES)}")
+    return POLICIES[config.policy](config, model_id)

@@ -1,0 +1,60 @@
+"""What the gateway knows of the model it serves: its card, its tokenizer and its limits.
+
+The gateway never loads weights: ``config.json`` and ``tokenizer.json`` are enough to answer
+Tokenize and ListModels locally and to check a prompt before it reaches any pod (an
+oversized or out-of-vocabulary prompt is INVALID_ARGUMENT here, with the numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from baton.api.requests import GenerateRequest, ModelInfo, Tokenization, check_prompt
+from baton.config import ModelSourceConfig
+from baton.model.config import ModelConfig
+from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    info: ModelInfo
+    tokenizer: Tokenizer
+    config: ModelConfig
+
+    @classmethod
+    def load(cls, source: ModelSourceConfig) -> ServedModel:
+        """Read a checkpoint directory's config and tokenizer (empty path = the shipped model);
+        raises ValueError naming a missing directory."""
+        directory = Path(source.path) if source.path else SHIPPED_MODEL_DIR
+        if not directory.is_dir():
+            raise ValueError(f"model directory {str(directory)!r} does not exist")
+        config = ModelConfig.from_file(directory / "config.json")
+        info = ModelInfo(id=directory.name, revision=source.revision or directory.name,
+                         vocab_size=config.vocab_size,
+                         max_model_len=config.max_position_embeddings,
+                         num_layers=config.num_hidden_layers)
+        return cls(info=info, tokenizer=Tokenizer.from_dir(directory), config=config)
+
+    def check_name(self, name: str) -> None:
+        if name and name != self.info.id:
+            raise ValueError(f"unknown model {name!r}; this gateway serves {self.info.id!r}")
+
+    def prompt_ids(self, request: GenerateRequest) -> tuple[int, ...]:
+        """The request's prompt as token ids, checked against the vocabulary and the context."""
+        self.check_name(request.model)
+        if request.text is not None:
+            token_ids = tuple(self.tokenizer.encode(request.text))
+            if not token_ids:
+                raise ValueError(f"the prompt {request.text!r} has no tokens")
+        else:
+            token_ids = tuple(request.token_ids or ())
+        check_prompt(token_ids, request.sampling, self.info.vocab_size, self.info.max_model_len)
+        return token_ids
+
+    def tokenize(self, model: str, text: str) -> Tokenization:
+        self.check_name(model)
+        token_ids = self.tokenizer.encode(text)
+        return Tokenization(token_ids=tuple(token_ids),
+                            pieces=tuple(self.tokenizer.decode([token]) for token in token_ids))

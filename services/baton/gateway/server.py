@@ -1,0 +1,90 @@
+"""`baton gateway`: the client-facing gRPC server (``create_server`` for tests, ``serve`` for
+the command).
+
+The gateway registers itself in the routing store with role ``gateway`` (its advertised
+address and model), refreshed by heartbeat like every worker, so ``baton up`` and the
+operator can find it, and reads the workers through a ``RoutingView`` that keeps the last
+view while the store is down. A graceful stop turns health NOT_SERVING, refuses new
+Generate calls with UNAVAILABLE and gives in-flight streams ``server.grace_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from prometheus_client import CollectorRegistry
+
+from baton.api.v1 import api_pb2, api_pb2_grpc
+from baton.config import GatewayServiceConfig
+from baton.gateway.relay import Channels, Relay
+from baton.gateway.request_table import RequestTable
+from baton.gateway.routing_policy import create_policy
+from baton.gateway.served_model import ServedModel
+from baton.gateway.servicer import BatonServicer
+from baton.metrics import GatewayMetrics, serve_metrics
+from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
+from baton.serving import GrpcServer, release_version, run_until_signalled
+
+log = logging.getLogger(__name__)
+
+
+class GatewayServer:
+    """A started gateway: its gRPC server, its registration and its downstream channels."""
+
+    def __init__(self, config: GatewayServiceConfig, store: RoutingStore | None = None) -> None:
+        self.config = config
+        self.store = store if store is not None else open_store(config.routing)
+        self.model = ServedModel.load(config.model)
+        self.metrics = GatewayMetrics(CollectorRegistry())
+        self.channels = Channels()
+        self.servicer = BatonServicer(
+            model=self.model,
+            view=RoutingView(self.store, config.routing.view_refresh_s),
+            policy=create_policy(config.gateway, self.model.info.id),
+            table=RequestTable(self.store, config.routing.request_ttl_s),
+            relay=Relay(self.channels, self.model.tokenizer, self.model.info.id,
+                        config.gateway.kv_wait_s),
+            metrics=self.metrics)
+        self.grpc = GrpcServer(config.server, self._register,
+                               [api_pb2.DESCRIPTOR.services_by_name["Baton"].full_name])
+        self.address = self.grpc.address
+        self.port = self.grpc.port
+        self.heartbeat = Heartbeat(self.store, self._describe, config.routing.heartbeat_s,
+                                   config.routing.worker_ttl_s).start()
+        self._stop_metrics = serve_metrics(config.server.metrics_port, self.metrics.registry)
+        self.grpc.set_serving(True)
+
+    def _register(self, server) -> None:
+        api_pb2_grpc.add_BatonServicer_to_server(self.servicer, server)
+
+    def _describe(self) -> WorkerInfo:
+        return WorkerInfo(worker_id=f"gateway-{socket.gethostname()}-{self.port}", role="gateway",
+                          address=self.address, model_id=self.model.info.id,
+                          model_revision=self.model.info.revision, version=release_version())
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain: NOT_SERVING and UNAVAILABLE for new calls, in-flight streams get ``grace_s``."""
+        self.servicer.draining = True
+        self.heartbeat.stop()
+        self.grpc.stop(grace_s)
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+        self.channels.close()
+        self.store.close()
+
+
+def create_server(config: GatewayServiceConfig, store: RoutingStore | None = None
+                  ) -> tuple[GatewayServer, int]:
+    """A started gateway (``store`` overrides the configured one: tests pass an in-memory
+    store) and the port it bound."""
+    server = GatewayServer(config, store)
+    return server, server.port
+
+
+def serve(config: GatewayServiceConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server, _ = create_server(config)
+    log.info("gateway for model %s on %s", server.model.info.id, server.address)
+    run_until_signalled(server.stop)
+    return 0

@@ -1,0 +1,188 @@
+"""The client API (``baton.v1.Baton``) served by the gateway: convert, route, relay, convert back.
+
+Generate: read and check the request (INVALID_ARGUMENT with the numbers), route it
+(UNAVAILABLE when no decode pod is live, RESOURCE_EXHAUSTED when all are full), record where
+it lives (ALREADY_EXISTS for a live duplicate id), then relay the pods' stream. A client that
+cancels, or an Abort naming the request, reaches every pod that holds state for it: the pods
+get Abort, the open downstream calls are cancelled, and an aborted stream still ends with a
+last message whose finish reason is ABORTED. Tokenize and ListModels are answered here.
+Nothing a request does can stop the server: every error becomes the call's status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from baton.api import convert
+from baton.api.requests import FinishReason, GenerationStep, Timings
+from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
+from baton.gateway.relay import ChainIncomplete, Relay
+from baton.gateway.request_table import DuplicateRequest, LiveRequest, RequestTable
+from baton.gateway.routing_policy import NoLiveWorkers, RoutingPolicy, WorkersFull
+from baton.gateway.served_model import ServedModel
+from baton.metrics import GatewayMetrics
+from baton.routing import RequestRecord, RoutingView
+
+_GATEWAY_ERRORS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
+    (NoLiveWorkers, grpc.StatusCode.UNAVAILABLE),
+    (WorkersFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ChainIncomplete, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    for error_type, code in _GATEWAY_ERRORS:
+        if isinstance(error, error_type):
+            return code
+    return convert.status_for(error)
+
+
+class StreamClock:
+    """The gateway's own timings of one stream: TTFT and the gaps between messages."""
+
+    def __init__(self, metrics: GatewayMetrics, path: str) -> None:
+        self.metrics = metrics
+        self.path = path
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at = self.arrival
+        self.num_gaps = 0
+
+    def stamp(self, step: GenerationStep) -> GenerationStep:
+        now = time.monotonic()
+        if step.token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.metrics.ttft_s.labels(path=self.path).observe(now - self.arrival)
+            else:
+                self.metrics.time_between_tokens_s.observe(now - self.last_token_at)
+                self.num_gaps += 1
+            self.last_token_at = now
+        if step.finish_reason is None:
+            return step
+        return dataclasses.replace(step, timings=self._summary(step.timings or Timings(), now))
+
+    def _summary(self, downstream: Timings, now: float) -> Timings:
+        ttft_s = (self.first_token_at or now) - self.arrival
+        decoding_s = self.last_token_at - (self.first_token_at or self.last_token_at)
+        return Timings(queue_s=downstream.queue_s, ttft_s=ttft_s, prefill_s=downstream.prefill_s,
+                       kv_push_s=downstream.kv_push_s,
+                       mean_time_between_tokens_s=decoding_s / self.num_gaps if self.num_gaps else 0.0,
+                       total_s=now - self.arrival)
+
+
+class BatonServicer(api_pb2_grpc.BatonServicer):
+    def __init__(self, model: ServedModel, view: RoutingView, policy: RoutingPolicy,
+                 table: RequestTable, relay: Relay, metrics: GatewayMetrics) -> None:
+        self.model = model
+        self.view = view
+        self.policy = policy
+        self.table = table
+        self.relay = relay
+        self.metrics = metrics
+        self.draining = False
+
+    # --- Generate ------------------------------------------------------------------------
+
+    def Generate(self, message: api_pb2.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[common_pb2.GenerateResponse]:
+        try:
+            live, request, prompt_ids, decision = self._admit(message)
+        except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
+            self.metrics.requests_finished.labels(path="none", outcome=status_of(e).name).inc()
+            context.abort(status_of(e), str(e))
+        path = "local" if decision.chain is None else "chain"
+        clock = StreamClock(self.metrics, path)
+        context.add_callback(lambda: self._on_call_done(live))
+        self.metrics.requests_in_flight.inc()
+        outcome = "INTERNAL"
+        try:
+            for step in self.relay.stream(live, request, prompt_ids, decision):
+                step = clock.stamp(step)
+                if step.finish_reason is not None:
+                    live.completed = True
+                    outcome = step.finish_reason.value
+                    self._record_usage(step)
+                yield convert.step_to_proto(step)
+        except grpc.RpcError as e:
+            if not live.aborted.is_set():
+                outcome = e.code().name
+                context.abort(e.code(), f"{live.request_id}: {e.details()}")
+            outcome = FinishReason.ABORTED.value
+            yield convert.step_to_proto(clock.stamp(
+                GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED)))
+        except ChainIncomplete as e:
+            outcome = status_of(e).name
+            context.abort(status_of(e), str(e))
+        finally:
+            self.table.finish(live.request_id)
+            self.metrics.requests_in_flight.dec()
+            self.metrics.requests_finished.labels(path=path, outcome=outcome).inc()
+
+    def _admit(self, message: api_pb2.GenerateRequest):
+        if self.draining:
+            raise NoLiveWorkers("the gateway is shutting down")
+        request = convert.generate_request_from_proto(message)
+        prompt_ids = self.model.prompt_ids(request)
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight())
+        record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
+                               chain_id=decision.chain.chain_id if decision.chain else "",
+                               prefill_address=decision.chain.address if decision.chain else "")
+        live = self.table.admit(record, len(prompt_ids))
+        return live, request, prompt_ids, decision
+
+    def _snapshot(self):
+        snapshot = self.view.snapshot()
+        self.metrics.routing_view_stale.set(1 if snapshot.stale else 0)
+        for role in ("decode", "prefill"):
+            self.metrics.live_workers.labels(role=role).set(len(snapshot.of_role(role)))
+        return snapshot
+
+    def _record_usage(self, step: GenerationStep) -> None:
+        if step.usage is None:
+            return
+        self.metrics.kv_bytes_shipped.inc(step.usage.kv_bytes_shipped)
+        if step.usage.kv_tokens_full:
+            self.metrics.compression_ratio.observe(step.usage.kv_tokens_kept / step.usage.kv_tokens_full)
+
+    def _on_call_done(self, live: LiveRequest) -> None:
+        """Runs when the client's call ends for any reason; a call that ends before its stream
+        did (the client cancelled or went away) aborts the request on its pods."""
+        if not live.completed and not live.aborted.is_set():
+            self._abort(live)
+
+    def _abort(self, live: LiveRequest) -> bool:
+        live.aborted.set()
+        found = self.relay.abort_pods(live.record)
+        live.cancel_calls()
+        return found
+
+    # --- Abort, Tokenize, ListModels ---------------------------------------------------------
+
+    def Abort(self, message: common_pb2.AbortRequest, context: grpc.ServicerContext
+              ) -> common_pb2.AbortResponse:
+        live = self.table.get(message.request_id)
+        if live is not None:
+            return common_pb2.AbortResponse(found=self._abort(live))
+        record = self.table.find_record(message.request_id)  # a request another gateway streams
+        if record is None:
+            return common_pb2.AbortResponse(found=False)
+        return common_pb2.AbortResponse(found=self.relay.abort_pods(record))
+
+    def Tokenize(self, message: api_pb2.TokenizeRequest, context: grpc.ServicerContext
+                 ) -> api_pb2.TokenizeResponse:
+        try:
+            return convert.tokenization_to_proto(self.model.tokenize(message.model, message.text))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def ListModels(self, message: api_pb2.ListModelsRequest, context: grpc.ServicerContext
+                   ) -> api_pb2.ListModelsResponse:
+        return convert.models_to_proto([self.model.info])

@@ -1,0 +1,83 @@
+"""The least-loaded routing policy over routing snapshots: decode pick, chains, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+from baton.config import GatewayRoutingConfig
+from baton.gateway.routing_policy import InFlight, NoLiveWorkers, WorkersFull, create_policy
+from baton.routing import RoutingSnapshot, WorkerInfo, WorkerLoad
+
+MODEL = "tiny"
+
+
+def decode(name: str, free: int = 100, running: int = 0, queued_tokens: int = 0,
+           model: str = MODEL) -> WorkerInfo:
+    return WorkerInfo(worker_id=name, role="decode", address=f"{name}:1", model_id=model,
+                      model_revision=model, version="dev",
+                      load=WorkerLoad(free_kv_blocks=free, total_kv_blocks=100,
+                                      running_sequences=running, queued_prompt_tokens=queued_tokens))
+
+
+def rank(chain: str, index: int, queued_tokens: int = 0, num_ranks: int = 2) -> WorkerInfo:
+    return WorkerInfo(worker_id=f"{chain}-{index}", role="prefill", address=f"{chain}-{index}:1",
+                      model_id=MODEL, model_revision=MODEL, version="dev", chain_id=chain,
+                      rank=index, num_ranks=num_ranks,
+                      load=WorkerLoad(queued_prompt_tokens=queued_tokens))
+
+
+def snapshot(*workers: WorkerInfo) -> RoutingSnapshot:
+    return RoutingSnapshot(workers=tuple(workers), read_at=1.0, stale=False)
+
+
+@pytest.fixture
+def policy():
+    return create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100), MODEL)
+
+
+def test_the_decode_pod_with_the_fewest_sequences_wins_then_queued_tokens_then_free_blocks(policy):
+    workers = snapshot(decode("a", running=3), decode("b", running=1, queued_tokens=50),
+                       decode("c", running=1, queued_tokens=10, free=5),
+                       decode("d", running=1, queued_tokens=10, free=50))
+    assert policy.route(10, workers, {}).decode.worker_id == "d"
+
+
+def test_in_flight_requests_spread_a_burst_between_heartbeats(policy):
+    workers = snapshot(decode("a"), decode("b"))
+    first = policy.route(10, workers, {}).decode
+    second = policy.route(10, workers, {first.address: InFlight(requests=1, prompt_tokens=10)})
+    assert {first.worker_id, second.decode.worker_id} == {"a", "b"}
+
+
+def test_full_pods_are_skipped_and_all_full_is_workers_full(policy):
+    assert policy.route(10, snapshot(decode("a", free=0), decode("b", free=1, running=9)),
+                        {}).decode.worker_id == "b"
+    with pytest.raises(WorkersFull, match="all 2 decode workers"):
+        policy.route(10, snapshot(decode("a", free=0), decode("b", free=0)), {})
+
+
+def test_no_decode_pod_of_this_model_is_no_live_workers(policy):
+    with pytest.raises(NoLiveWorkers, match="no decode worker of model 'tiny'"):
+        policy.route(10, snapshot(decode("a", model="other"), rank("c0", 0), rank("c0", 1)), {})
+
+
+def test_short_prompts_stay_local_and_long_ones_take_the_least_queued_chain(policy):
+    workers = snapshot(decode("a"), rank("c0", 0, queued_tokens=900), rank("c0", 1),
+                       rank("c1", 0, queued_tokens=100), rank("c1", 1))
+    assert policy.route(99, workers, {}).chain is None
+    chosen = policy.route(100, workers, {}).chain
+    assert chosen.chain_id == "c1" and chosen.rank == 0
+    busy_here = {"c1-0:1": InFlight(requests=2, prompt_tokens=2000)}
+    assert policy.route(100, workers, busy_here).chain.chain_id == "c0"
+
+
+def test_a_chain_missing_a_rank_takes_no_request_and_the_prompt_runs_locally(policy):
+    workers = snapshot(decode("a"), rank("c0", 0))
+    decision = policy.route(500, workers, {})
+    assert decision.chain is None and decision.decode.worker_id == "a"
+
+
+def test_an_unknown_policy_name_is_a_value_error():
+    config = GatewayRoutingConfig()
+    config.policy = "random"
+    with pytest.raises(ValueError, match="'random'"):
+        create_policy(config, MODEL)

@@ -1,0 +1,124 @@
+"""The gateway's client API on a real gRPC server (port 0, in-memory routing store): model
+card, tokenizer, validation codes with the numbers, routing errors, duplicate ids, health.
+
+Token streams through real worker processes are in tests/e2e."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from baton.api import convert
+from baton.api.requests import GenerateRequest, ModelInfo
+from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
+from baton.config import GatewayServiceConfig, ModelSourceConfig, ServerConfig
+from baton.gateway.server import create_server
+from baton.model.sampling import SamplingParams
+from baton.routing import InMemoryStore, RequestRecord
+from commands.cli_checkpoint import save_cli_checkpoint
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_policy import decode
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_cli_checkpoint(tmp_path_factory.mktemp("gateway-model"))
+
+
+@pytest.fixture(scope="module")
+def gateway(checkpoint):
+    store = InMemoryStore()
+    config = GatewayServiceConfig(server=ServerConfig(listen="127.0.0.1:0"),
+                                  model=ModelSourceConfig(path=str(checkpoint)))
+    server, port = create_server(config, store=store)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield server, store, api_pb2_grpc.BatonStub(channel), channel
+    channel.close()
+    server.stop(0)
+
+
+def first_status(stub, request: GenerateRequest) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(convert.generate_request_to_proto(request), timeout=10))
+    return error.value.code(), error.value.details()
+
+
+def test_list_models_and_tokenize_are_served_from_the_checkpoint(gateway, checkpoint):
+    server, _, stub, _ = gateway
+    models = convert.models_from_proto(stub.ListModels(api_pb2.ListModelsRequest()))
+    assert models == [ModelInfo(id=checkpoint.name, revision=checkpoint.name, vocab_size=256,
+                                max_model_len=1024, num_layers=3)]
+    answer = convert.tokenization_from_proto(stub.Tokenize(api_pb2.TokenizeRequest(text="def f")))
+    assert list(answer.token_ids) == server.model.tokenizer.encode("def f")
+    assert "".join(answer.pieces) == "def f"
+
+
+def test_the_health_service_reports_serving(gateway):
+    _, _, _, channel = gateway
+    health = health_pb2_grpc.HealthStub(channel)
+    answer = health.Check(health_pb2.HealthCheckRequest(service="baton.v1.Baton"))
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def raw(**fields) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(**fields)
+
+
+@pytest.mark.parametrize("message, words", [
+    (raw(text=""), "the prompt is empty"),
+    (raw(token_ids=api_pb2.TokenIds(ids=[1, 300])), "[300] are outside the vocabulary 0..255"),
+    (raw(text="x", sampling=common_pb2.SamplingParams(max_tokens=0)), "max_tokens must be >= 1, got 0"),
+    (raw(text="x", sampling=common_pb2.SamplingParams(temperature=-0.5)), "got -0.5"),
+    (raw(text="x", sampling=common_pb2.SamplingParams(temperature=math.nan)), "got nan"),
+    (raw(text="x", sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p must be in (0, 1], got 1.5"),
+    (raw(text="x", model="llama-70b"), "unknown model 'llama-70b'"),
+    (raw(token_ids=api_pb2.TokenIds(ids=[1] * 1000), sampling=common_pb2.SamplingParams(max_tokens=30)),
+     "1000 tokens + max_tokens 30 = 1030 exceeds the model's limit of 1024"),
+    (raw(text="x", compression=common_pb2.CompressionParams(keep_ratio=0)), "keep_ratio must be in (0, 1], got 0"),
+])
+def test_bad_input_is_invalid_argument_naming_the_value(gateway, message, words):
+    _, _, stub, _ = gateway
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(message, timeout=10))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in error.value.details()
+    assert stub.ListModels(api_pb2.ListModelsRequest()).models, "the server keeps serving"
+
+
+def test_routing_errors_no_decode_pod_is_unavailable_all_full_is_resource_exhausted(gateway):
+    server, store, stub, _ = gateway
+    request = GenerateRequest(text="x", sampling=SamplingParams(max_tokens=2))
+    code, details = first_status(stub, request)
+    assert code == grpc.StatusCode.UNAVAILABLE and "no decode worker" in details
+    full = decode("full-pod", free=0, model=server.model.info.id)
+    store.register_worker(full, ttl_s=60)
+    server.servicer.view.refresh_s = 0  # read the store on every request
+    try:
+        code, details = first_status(stub, request)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of KV blocks" in details
+    finally:
+        store.remove_worker(full.worker_id)
+
+
+def test_a_live_request_id_is_already_exists(gateway):
+    server, store, stub, _ = gateway
+    store.put_request(RequestRecord(request_id="taken", decode_address="elsewhere:1"), ttl_s=60)
+    store.register_worker(decode("pod", model=server.model.info.id), ttl_s=60)
+    server.servicer.view.refresh_s = 0
+    try:
+        code, details = first_status(stub, GenerateRequest(request_id="taken", text="x"))
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "'taken'" in details
+    finally:
+        store.remove_worker("pod")
+
+
+def test_abort_of_an_unknown_request_finds_nothing(gateway):
+    _, _, stub, _ = gateway
+    assert not stub.Abort(common_pb2.AbortRequest(request_id="never-seen")).found
+
+
+def test_the_gateway_registers_itself_for_discovery(gateway):
+    server, store, _, _ = gateway
+    (record,) = store.list_workers("gateway")
+    assert record.address == server.address and record.model_id == server.model.info.id
