@@ -1,0 +1,83 @@
+"""Receiving one pushed KV cache (Decode.PushKV): header first, bytes after, nothing visible
+until all of it checks out.
+
+Order of checks, cheapest first and all before the payload buffer is allocated: the stream
+opens with a header; the header matches this pod's model, dtype and shape
+(``baton.kv.wire.check_header``); the prompt, the first token and the sampling parameters fit
+the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
+sender can pick another pod). Then the bytes: ``KVAssembler`` counts them and checks the
+CRC-32 and the positions; a stream that ends early or fails half way frees its buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from baton.api import convert
+from baton.api.requests import KVHandoff, check_prompt
+from baton.kv.dense import LayerKV
+from baton.kv.pool import KVPool, KVPoolExhausted
+from baton.kv.wire import KVAssembler, KVMalformed, KVSpec, check_header
+from baton.model.config import ModelConfig
+
+
+@dataclass
+class PushedCache:
+    handoff: KVHandoff
+    layers: list[LayerKV]
+    num_bytes: int
+
+    @property
+    def request_id(self) -> str:
+        return self.handoff.request_id
+
+
+def kv_spec(model_config: ModelConfig, model_id: str, revision: str, dtype: str) -> KVSpec:
+    """What a pushed cache must match to enter this pod's pool."""
+    return KVSpec(model_id=model_id, model_revision=revision, dtype=dtype,
+                  num_layers=model_config.num_hidden_layers,
+                  num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
+                  max_tokens=model_config.max_position_embeddings)
+
+
+def check_handoff(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig) -> None:
+    """Raise (KVMalformed / KVIncompatible / ValueError) unless the handoff suits this pod."""
+    if not handoff.request_id:
+        raise KVMalformed("the pushed KV header has no request_id")
+    check_header(handoff.kv, spec)
+    check_prompt(handoff.prompt_token_ids, handoff.sampling, model_config.vocab_size,
+                 model_config.max_position_embeddings)
+    if not 0 <= handoff.first_token_id < model_config.vocab_size:
+        raise ValueError(f"first_token_id {handoff.first_token_id} is outside the vocabulary "
+                         f"0..{model_config.vocab_size - 1}")
+    longest = max(handoff.kv.layer_num_tokens)
+    if longest > len(handoff.prompt_token_ids):
+        raise KVMalformed(f"a KV layer holds {longest} tokens, more than the prompt's "
+                          f"{len(handoff.prompt_token_ids)}")
+
+
+def check_room(pool: KVPool, layer_num_tokens: tuple[int, ...]) -> None:
+    """RESOURCE_EXHAUSTED now, rather than a cache that waits in memory for blocks."""
+    needed = sum(pool.blocks_for(num_tokens) for num_tokens in layer_num_tokens)
+    free = pool.num_free_blocks
+    if needed > free:
+        raise KVPoolExhausted(needed, free)
+
+
+def receive_cache(messages: Iterator, spec: KVSpec, model_config: ModelConfig,
+                  pool: KVPool) -> PushedCache:
+    """Read a whole PushKV stream into a checked cache (views into one receive buffer)."""
+    handoff, chunks = convert.read_push_kv(messages)
+    check_handoff(handoff, spec, model_config)
+    check_room(pool, handoff.kv.layer_num_tokens)
+    with KVAssembler(handoff.kv, spec) as assembler:
+        for chunk in chunks:
+            assembler.add(chunk)
+        layers = assembler.finish()
+    last_position = len(handoff.prompt_token_ids) - 1
+    for index, layer in enumerate(layers):
+        if int(layer.positions[-1]) > last_position:
+            raise KVMalformed(f"KV layer {index} has position {int(layer.positions[-1])}, past the "
+                              f"prompt's last position {last_position}")
+    return PushedCache(handoff, layers, handoff.kv.total_bytes)

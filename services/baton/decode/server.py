@@ -1,0 +1,94 @@
+"""`baton decode`: the decode pod's gRPC server, from configuration to a serving process.
+
+Start-up order, each step observable from outside: the gRPC server binds and answers health
+NOT_SERVING (and every call UNAVAILABLE) -> the model loads and the engine loop starts ->
+the pod registers in the routing store (its heartbeat carries the live load) -> health
+turns SERVING. A graceful stop runs it backwards: leave routing, refuse new calls
+(UNAVAILABLE), give in-flight streams ``server.grace_s`` to finish, stop the engine loop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from baton.api.v1 import decode_pb2, decode_pb2_grpc
+from baton.config import DecodeServiceConfig
+from baton.decode.receiver import kv_spec
+from baton.decode.servicer import DecodeServicer
+from baton.decode.worker import DecodeWorker
+from baton.metrics import DecodeMetrics, serve_metrics
+from baton.model.loader import load_checkpoint
+from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
+from baton.sarathi.engine import Engine
+from baton.serving import GrpcServer, release_version, run_until_signalled
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+class DecodeServer:
+    def __init__(self, config: DecodeServiceConfig, store: RoutingStore | None = None) -> None:
+        self.config = config
+        self.store = store or open_store(config.routing)
+        self.registry = CollectorRegistry()
+        self.metrics = DecodeMetrics(self.registry)
+        self.servicer = DecodeServicer()
+        self.grpc = GrpcServer(config.server, self._register, [SERVICE_NAME])
+        self.port, self.address = self.grpc.port, self.grpc.address
+        self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)
+        self._init_worker()
+        self.heartbeat = Heartbeat(self.store, self.describe, config.routing.heartbeat_s,
+                                   config.routing.worker_ttl_s).start()
+        self.grpc.set_serving(True)
+
+    def _register(self, server) -> None:
+        decode_pb2_grpc.add_DecodeServicer_to_server(self.servicer, server)
+
+    def _init_worker(self) -> None:
+        model = self.config.model
+        if model.threads:
+            torch.set_num_threads(model.threads)
+        self.loaded = load_checkpoint(model.path, dtype=model.dtype, device=model.device,
+                                      revision=model.revision)
+        engine = Engine(self.loaded.model, self.loaded.tokenizer, scheduler=self.config.scheduler,
+                        kv=self.config.kv)
+        self.worker = DecodeWorker(engine, self.address, self.metrics)
+        self.worker.start()
+        spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
+                       str(self.loaded.model.dtype).removeprefix("torch."))
+        self.servicer.ready(self.worker, spec)
+        log.info("decode pod %s serves %s (revision %s), %d KV blocks", self.address,
+                 self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks)
+
+    def describe(self) -> WorkerInfo:
+        """This pod's routing record with its live load (called by every heartbeat)."""
+        return WorkerInfo(worker_id=f"decode-{self.address}", role="decode", address=self.address,
+                          model_id=self.loaded.model_id, model_revision=self.loaded.revision,
+                          version=release_version(), load=self.worker.load)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.heartbeat.stop()
+        self.servicer.drain()
+        self.grpc.stop(grace_s)
+        self.worker.stop()
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+
+
+def create_server(config: DecodeServiceConfig,
+                  store: RoutingStore | None = None) -> tuple[DecodeServer, int]:
+    """A started, SERVING decode server (``server.listen`` may name port 0) and its port."""
+    server = DecodeServer(config, store)
+    return server, server.port
+
+
+def serve(config: DecodeServiceConfig) -> int:
+    """Run until SIGTERM/SIGINT, then stop gracefully."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server, _ = create_server(config)
+    run_until_signalled(server.stop)
+    return 0

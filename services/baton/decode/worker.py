@@ -1,0 +1,231 @@
+"""The decode pod's engine loop and the table of the requests it serves.
+
+Design: one loop thread owns the SARATHI ``Engine`` and calls ``step()`` (the engine is not
+reentrant); gRPC handler threads only use the engine's thread-safe entry points
+(``add_request``, ``add_prefilled_request``, ``abort``) and read the ``RequestStream`` of
+their request. The loop reads as verbs: wait for work -> step -> publish every output to its
+stream -> publish the load (free blocks, running sequences, queued prompt tokens) that
+``Stats``, the heartbeat and the metrics read. Only the loop thread touches the scheduler,
+so the load is a snapshot it takes, never a read of its queues from another thread.
+
+Requests enter two ways: a prompt prefilled here (``submit_prompt``), or a cache a chain
+pushed (``submit_pushed``); a pushed request is read by ``attach``, which may come before
+the push has finished (it waits for it). A failing step fails the streams it touched, never
+the loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from baton.api.requests import DecodeRequest, Route, check_prompt
+from baton.decode.receiver import PushedCache
+from baton.decode.streams import PushedKVInfo, RequestStream
+from baton.kv.pool import KVPoolExhausted
+from baton.metrics import DecodeMetrics
+from baton.routing.store import WorkerLoad
+from baton.sarathi.engine import Engine
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.1  # how long the idle loop sleeps before checking that it should stop
+BLOCKED_WAIT_S = 0.01  # a plan with nothing to run (all waiting for KV): wait for a change
+ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
+
+
+class RequestExists(Exception):
+    """A live request already has this id (gRPC ALREADY_EXISTS)."""
+
+
+class RequestNotFound(Exception):
+    """No state for this request id (gRPC NOT_FOUND)."""
+
+
+class RequestAborted(Exception):
+    """The request was aborted before its cache arrived (gRPC ABORTED)."""
+
+
+class DecodeWorker:
+    def __init__(self, engine: Engine, address: str, metrics: DecodeMetrics) -> None:
+        self.engine = engine
+        self.address = address
+        self.metrics = metrics
+        self.model_config = engine.model.config
+        self._streams: dict[str, RequestStream] = {}
+        self._aborted_early: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._changed = threading.Condition()  # guards the two above; notified on every change
+        self._queued_prompt_tokens = 0  # local prompts accepted, not yet at their first token
+        self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
+                               total_kv_blocks=engine.pool.num_blocks)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        metrics.kv_blocks_total.set(engine.pool.num_blocks)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+    # --- requests (handler threads) ------------------------------------------------------
+
+    def submit_prompt(self, request: DecodeRequest) -> RequestStream:
+        """Queue a prompt for a local prefill; its stream is attached to the caller."""
+        check_prompt(request.prompt_token_ids, request.sampling, self.model_config.vocab_size,
+                     self.model_config.max_position_embeddings)
+        capacity = self.engine.memory.capacity_tokens()
+        num_prompt_tokens = len(request.prompt_token_ids)
+        stream = RequestStream(request.request_id, num_prompt_tokens, Route(self.address),
+                               attached=True, queued=True)
+        with self._changed:
+            self._claim(stream)
+            # A bounded queue: at most one pool's worth of prompt tokens waits for a prefill.
+            if self._queued_prompt_tokens + num_prompt_tokens > capacity and self._queued_prompt_tokens:
+                del self._streams[stream.request_id]
+                raise KVPoolExhausted(self.engine.pool.blocks_for(num_prompt_tokens),
+                                      self.engine.pool.num_free_blocks)
+            self._queued_prompt_tokens += num_prompt_tokens
+        self._enter(stream, lambda: self.engine.add_request(
+            list(request.prompt_token_ids), request.sampling, request.request_id),
+            queued_tokens=num_prompt_tokens)
+        return stream
+
+    def submit_pushed(self, cache: PushedCache) -> None:
+        """A checked cache from a chain joins the running set; ``attach`` reads its tokens."""
+        handoff = cache.handoff
+        full = len(handoff.prompt_token_ids) * len(cache.layers)
+        kept = sum(layer.num_tokens for layer in cache.layers)
+        stream = RequestStream(handoff.request_id, len(handoff.prompt_token_ids),
+                               Route(self.address), PushedKVInfo(cache.num_bytes, kept, full))
+        with self._changed:
+            if handoff.request_id in self._aborted_early:
+                raise RequestAborted(f"request {handoff.request_id!r} was aborted before its KV "
+                                     f"arrived")
+            self._claim(stream)
+        self._enter(stream, lambda: self.engine.add_prefilled_request(
+            list(handoff.prompt_token_ids), cache.layers, handoff.first_token_id,
+            handoff.sampling, handoff.request_id))
+        self.metrics.kv_bytes_received.inc(cache.num_bytes)
+        self.metrics.compression_ratio.observe(kept / full)
+
+    def attach(self, request_id: str, wait_s: float) -> RequestStream:
+        """The stream of a pushed request, waiting up to ``wait_s`` for its cache to arrive."""
+        with self._changed:
+            arrived = self._changed.wait_for(
+                lambda: request_id in self._streams or request_id in self._aborted_early, wait_s)
+            if not arrived:
+                raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
+                                      f"{wait_s:g} s for its KV)")
+            if request_id in self._aborted_early:
+                raise RequestAborted(f"request {request_id!r} was aborted")
+            stream = self._streams[request_id]
+            if stream.attached:
+                raise RequestExists(f"request {request_id!r} is already being streamed")
+            stream.attached = True
+            return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV; True when this pod held (or awaited) it."""
+        with self._changed:
+            if request_id in self._streams:
+                self.engine.abort(request_id)  # its stream ends with finish reason "aborted"
+                return True
+            self._aborted_early[request_id] = None  # a push or attach may still be on its way
+            while len(self._aborted_early) > ABORTED_MEMORY:
+                self._aborted_early.popitem(last=False)
+            self._changed.notify_all()
+        return False
+
+    def cancel(self, request_id: str) -> None:
+        """The caller went away: abort quietly (nothing to tell)."""
+        with self._changed:
+            live = request_id in self._streams
+        if live:
+            self.engine.abort(request_id)
+
+    def _claim(self, stream: RequestStream) -> None:
+        if stream.request_id in self._streams:
+            raise RequestExists(f"request id {stream.request_id!r} is already live on this pod")
+        self._streams[stream.request_id] = stream
+        self._changed.notify_all()
+
+    def _enter(self, stream: RequestStream, add, queued_tokens: int = 0) -> None:
+        """Hand the request to the engine; on refusal, forget the stream again."""
+        try:
+            add()
+        except Exception:
+            with self._changed:
+                self._streams.pop(stream.request_id, None)
+                self._queued_prompt_tokens -= queued_tokens
+            raise
+
+    # --- the loop thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.engine.has_unfinished():
+                self.engine.wait_for_work(IDLE_WAIT_S)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                log.exception("engine step failed")
+                self._fail_all(f"the decode engine failed: {e!r}")
+                continue
+            self._publish(outputs)
+            self._publish_load()
+            if not outputs and self.engine.last_plan is not None and self.engine.last_plan.is_empty:
+                self.engine.wait_for_work(BLOCKED_WAIT_S)
+
+    def _publish(self, outputs) -> None:
+        now_s = time.monotonic()
+        for output in outputs:
+            with self._changed:
+                stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            first = stream.first_token_s is None and bool(output.new_token_ids)
+            for gap_s in stream.publish(output, now_s):
+                self.metrics.time_between_tokens_s.observe(gap_s)
+            if first and stream.pushed is None:
+                self.metrics.ttft_s.observe(now_s - stream.arrival_s)
+            if (first or output.finished) and stream.pushed is None:
+                self._settle_queued(stream)
+            if output.finished:
+                self.metrics.requests_finished.labels(reason=output.finish_reason).inc()
+                with self._changed:
+                    self._streams.pop(output.request_id, None)
+
+    def _settle_queued(self, stream: RequestStream) -> None:
+        """A local prompt leaves the queue once (at its first token, or when it ends first)."""
+        if not stream.queued:
+            return
+        stream.queued = False
+        with self._changed:
+            self._queued_prompt_tokens -= stream.num_prompt_tokens
+
+    def _publish_load(self) -> None:
+        scheduler = self.engine.scheduler
+        pool = self.engine.pool
+        waiting = list(scheduler.waiting)
+        queued_tokens = sum(seq.num_uncomputed for seq in waiting + scheduler.prefilling)
+        self.load = WorkerLoad(free_kv_blocks=pool.num_free_blocks, total_kv_blocks=pool.num_blocks,
+                               running_sequences=scheduler.num_active,
+                               queued_requests=len(waiting), queued_prompt_tokens=queued_tokens)
+        self.metrics.queued_requests.set(len(waiting))
+        self.metrics.queued_prompt_tokens.set(queued_tokens)
+        self.metrics.running_sequences.set(scheduler.num_active)
+        self.metrics.kv_blocks_used.set(pool.num_used_blocks)
+
+    def _fail_all(self, message: str) -> None:
+        with self._changed:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._queued_prompt_tokens = 0
+        for stream in streams:
+            stream.fail(message)
+            self.engine.abort(stream.request_id)

@@ -1,0 +1,147 @@
+"""Prometheus metrics of every baton service, defined in one place, grouped per service.
+
+Each server builds its group on a registry of its own (``CollectorRegistry``), so several
+servers can live in one process (tests, ``baton up`` in one interpreter) without clashing
+names, and ``serve_metrics(port, registry)`` exposes it over HTTP when
+``server.metrics_port`` is non-zero. Names follow Prometheus conventions: a ``baton_``
+prefix, the service, base units in the name (``_seconds``, ``_bytes``), ``_total`` on
+counters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# Latency buckets in seconds: a token every few ms on a GPU up to a long CPU prefill.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0)
+# Kept / full KV entries: 1.0 = no compression.
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class DecodeMetrics:
+    """`baton decode`: latency of the token stream, load, the KV pool and pushed caches."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.ttft_s = Histogram(
+            "baton_decode_time_to_first_token_seconds",
+            "request arrival on this pod to its first token (local prefills; a pushed "
+            "request's first token comes from the chain)", buckets=LATENCY_BUCKETS_S,
+            registry=registry)
+        self.time_between_tokens_s = Histogram(
+            "baton_decode_time_between_tokens_seconds", "gap between consecutive streamed tokens "
+            "of one request", buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.queued_requests = Gauge(
+            "baton_decode_queued_requests", "requests waiting for admission", registry=registry)
+        self.queued_prompt_tokens = Gauge(
+            "baton_decode_queued_prompt_tokens", "prompt tokens waiting to be prefilled here",
+            registry=registry)
+        self.running_sequences = Gauge(
+            "baton_decode_running_sequences", "sequences prefilling or decoding", registry=registry)
+        self.kv_blocks_used = Gauge(
+            "baton_decode_kv_blocks_used", "KV pool blocks in use", registry=registry)
+        self.kv_blocks_total = Gauge(
+            "baton_decode_kv_blocks_total", "KV pool blocks in all", registry=registry)
+        self.kv_bytes_received = Counter(
+            "baton_decode_kv_bytes_received_total", "bytes of KV cache accepted through PushKV",
+            registry=registry)
+        self.kv_pushes_rejected = Counter(
+            "baton_decode_kv_pushes_rejected_total", "PushKV streams refused, by gRPC status",
+            ["code"], registry=registry)
+        self.compression_ratio = Histogram(
+            "baton_decode_kv_compression_ratio", "kept / full KV entries of each pushed cache",
+            buckets=RATIO_BUCKETS, registry=registry)
+        self.requests_finished = Counter(
+            "baton_decode_requests_finished_total", "finished requests, by finish reason",
+            ["reason"], registry=registry)
+
+
+class PrefillMetrics:
+    """`baton prefill` (rank 0 and the tail of a chain): queue, first tokens, shipped caches."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.ttft_s = Histogram(
+            "baton_prefill_time_to_first_token_seconds", "request arrival at rank 0 to the tail's "
+            "first token", buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.kv_push_s = Histogram(
+            "baton_prefill_kv_push_seconds", "shipping one cache to a decode pod",
+            buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.queued_requests = Gauge(
+            "baton_prefill_queued_requests", "requests accepted by rank 0 and not yet shipped",
+            registry=registry)
+        self.queued_prompt_tokens = Gauge(
+            "baton_prefill_queued_prompt_tokens", "prompt tokens of those requests",
+            registry=registry)
+        self.kv_bytes_shipped = Counter(
+            "baton_prefill_kv_bytes_shipped_total", "bytes of KV cache pushed to decode pods",
+            registry=registry)
+        self.compression_ratio = Histogram(
+            "baton_prefill_kv_compression_ratio", "kept / full KV entries of each shipped cache",
+            buckets=RATIO_BUCKETS, registry=registry)
+        self.partition_fraction = Gauge(
+            "baton_prefill_partition_fraction", "fraction of the last prompt each rank computed",
+            ["rank"], registry=registry)
+        self.requests_finished = Counter(
+            "baton_prefill_requests_finished_total", "finished prefill requests, by outcome",
+            ["outcome"], registry=registry)
+
+    def record_partition(self, boundaries: list[int] | tuple[int, ...]) -> None:
+        """The slices [b0=0, b1, ..., bp=C] of the latest request, as fractions of C."""
+        context_length = boundaries[-1]
+        for rank, (start, end) in enumerate(itertools.pairwise(boundaries)):
+            self.partition_fraction.labels(rank=str(rank)).set((end - start) / context_length)
+
+
+class GatewayMetrics:
+    """`baton gateway`: what clients see (latency from the gateway's clock) and where it routed."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.ttft_s = Histogram(
+            "baton_gateway_time_to_first_token_seconds", "request arrival at the gateway to its "
+            "first token, by path (chain or local prefill)", ["path"], buckets=LATENCY_BUCKETS_S,
+            registry=registry)
+        self.time_between_tokens_s = Histogram(
+            "baton_gateway_time_between_tokens_seconds", "gap between consecutive streamed "
+            "messages of one request", buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.requests_in_flight = Gauge(
+            "baton_gateway_requests_in_flight", "Generate streams open now", registry=registry)
+        self.requests_finished = Counter(
+            "baton_gateway_requests_finished_total", "finished Generate calls, by path and "
+            "outcome (a finish reason or a gRPC status)", ["path", "outcome"], registry=registry)
+        self.kv_bytes_shipped = Counter(
+            "baton_gateway_kv_bytes_shipped_total", "bytes of KV pushed from chains to decode "
+            "pods for this gateway's requests", registry=registry)
+        self.compression_ratio = Histogram(
+            "baton_gateway_kv_compression_ratio", "kept / full KV entries per finished request",
+            buckets=RATIO_BUCKETS, registry=registry)
+        self.live_workers = Gauge(
+            "baton_gateway_live_workers", "workers in the routing view, by role", ["role"],
+            registry=registry)
+        self.routing_view_stale = Gauge(
+            "baton_gateway_routing_view_stale", "1 while the routing store cannot be read and "
+            "the gateway routes from its last view", registry=registry)
+
+
+def serve_metrics(port: int, registry: CollectorRegistry) -> Callable[[], None] | None:
+    """Expose ``registry`` on http://0.0.0.0:port/metrics; returns a function that stops it
+    (None when ``port`` is 0: metrics off)."""
+    if port == 0:
+        return None
+    server, thread = start_http_server(port, registry=registry)
+    log.info("metrics on port %d", port)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+    return stop

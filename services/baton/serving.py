@@ -1,0 +1,105 @@
+"""What every baton gRPC server shares: binding (plaintext or TLS), the standard health
+service, the advertised address, the release version and a graceful stop on SIGTERM/SIGINT.
+
+A server starts NOT_SERVING (its model is still loading) and turns SERVING once it can take
+requests; during a graceful stop it is NOT_SERVING again, so load balancers and the gateway
+stop sending work while in-flight calls get ``grace_s`` to finish.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+# A pushed KV chunk is ~1 MiB (baton.kv.wire.CHUNK_BYTES); leave room for the framing and for
+# callers that send larger chunks, far below anything that could exhaust memory.
+MAX_MESSAGE_BYTES = 16 << 20
+GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def release_version() -> str:
+    """The installed baton release (``dev`` when run from a source tree without metadata)."""
+    try:
+        return importlib.metadata.version("baton")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
+
+class GrpcServer:
+    """A started gRPC server with the health service; servicers are added by ``register``."""
+
+    def __init__(self, config: ServerConfig, register: Callable[[grpc.Server], None],
+                 service_names: list[str]) -> None:
+        self.config = config
+        self.service_names = service_names
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.worker_threads,
+                                                             thread_name_prefix="grpc"),
+                                  options=GRPC_OPTIONS)
+        register(self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.set_serving(False)
+        self.port = self._bind()
+        self.server.start()
+        self.address = self._advertised_address()
+        log.info("gRPC server on %s (advertised as %s)", config.listen, self.address)
+
+    def _bind(self) -> int:
+        if not self.config.tls_cert:
+            port = self.server.add_insecure_port(self.config.listen)
+        else:
+            credentials = grpc.ssl_server_credentials([(Path(self.config.tls_key).read_bytes(),
+                                                        Path(self.config.tls_cert).read_bytes())])
+            port = self.server.add_secure_port(self.config.listen, credentials)
+        if port == 0:
+            raise ValueError(f"cannot bind the gRPC server to {self.config.listen!r}")
+        return port
+
+    def _advertised_address(self) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.config.listen.rpartition(":")[0]
+        if host in ("", "0.0.0.0", "[::]"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, then stop taking calls; in-flight ones get ``grace_s`` to finish."""
+        self.set_serving(False)
+        self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
+
+
+def run_until_signalled(stop: Callable[[], None]) -> None:
+    """Block the main thread until SIGTERM or SIGINT, then call ``stop`` (graceful)."""
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stopping.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    stop()

@@ -1,0 +1,75 @@
+"""Real decode servers on port 0 over a tiny random checkpoint, and the references they must
+match (the monolithic engine, a single-process prefill), for the decode and prefill tests."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+from baton.api import convert
+from baton.api.requests import CompressionParams, KVHandoff
+from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from baton.config import DecodeServiceConfig, KVPoolConfig, ModelSourceConfig, RoutingConfig
+from baton.decode.server import create_server
+from baton.kv import DenseKV
+from baton.kv.wire import encode_kv
+from baton.model import prefill
+from baton.model.loader import load_checkpoint
+from baton.model.sampling import SamplingParams
+from baton.routing import InMemoryStore
+from baton.sarathi.engine import Engine
+from commands.cli_checkpoint import save_cli_checkpoint
+
+KV_BLOCK_SIZE = 4
+KV_NUM_BLOCKS = 384  # 3 layers x 128 blocks of 4 tokens: a 512-token sequence fits
+
+
+def make_checkpoint(directory):
+    return save_cli_checkpoint(directory)
+
+
+def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS):
+    config = DecodeServiceConfig(
+        model=ModelSourceConfig(path=str(checkpoint)),
+        kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks),
+        routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0))
+    config.server.grace_s = 0.5
+    return create_server(config, store or InMemoryStore())
+
+
+def decode_stub(port: int) -> tuple[grpc.Channel, decode_pb2_grpc.DecodeStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    return channel, decode_pb2_grpc.DecodeStub(channel)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def reference_tokens(checkpoint, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """What the monolithic engine generates greedily in one process."""
+    loaded = load_checkpoint(checkpoint)
+    engine = Engine(loaded.model, loaded.tokenizer,
+                    kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=KV_NUM_BLOCKS))
+    return engine.generate([prompt_ids], greedy(max_tokens))[0].token_ids
+
+
+def prefilled_handoff(checkpoint, request_id: str, prompt_ids: list[int], max_tokens: int):
+    """A single-process prefill of the prompt, ready to push: (handoff, payload chunks)."""
+    loaded = load_checkpoint(checkpoint, with_tokenizer=False)
+    kv = DenseKV(loaded.config.num_hidden_layers)
+    token_ids = torch.tensor(prompt_ids)
+    logits = prefill(loaded.model, token_ids, torch.arange(len(prompt_ids)), kv)
+    encoded = encode_kv(kv.complete_layers(), request_id, loaded.model_id, loaded.revision)
+    handoff = KVHandoff(encoded.header, tuple(prompt_ids), int(torch.argmax(logits)),
+                        greedy(max_tokens), CompressionParams())
+    return handoff, list(encoded.chunks(chunk_bytes=4096))
+
+
+def push(stub, handoff, chunks) -> decode_pb2.PushKVResponse:
+    return stub.PushKV(convert.push_kv_messages(handoff, chunks), timeout=30)
+
+
+def collect(responses) -> tuple[list[int], list[common_pb2.GenerateResponse]]:
+    """All streamed token ids and the messages themselves."""
+    messages = list(responses)
+    return [token for message in messages for token in message.token_ids], messages

@@ -1,0 +1,261 @@
+"""The decode server over real gRPC on port 0: equivalence with the monolithic engine, every
+bad input's status code, abort and cancellation freeing the KV, health and routing."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import grpc
+import pytest
+from baton.api import convert
+from baton.api.v1 import common_pb2, decode_pb2
+from baton.routing import InMemoryStore
+from decode_servers import (
+    collect,
+    decode_stub,
+    make_checkpoint,
+    prefilled_handoff,
+    push,
+    reference_tokens,
+    start_decode_server,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 64, 128, 11, 200, 31]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("decode-model"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def store():
+    return InMemoryStore()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, store):
+    server, _ = start_decode_server(checkpoint, store)
+    yield server
+    server.stop(0)
+
+
+@pytest.fixture
+def stub(server):
+    channel, stub = decode_stub(server.port)
+    yield stub
+    channel.close()
+
+
+def generate_request(request_id, prompt=PROMPT, **sampling):
+    fields = {"temperature": 0.0, "max_tokens": MAX_TOKENS} | sampling
+    return decode_pb2.DecodeGenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                            sampling=common_pb2.SamplingParams(**fields))
+
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as error:
+        result = call()
+        if not isinstance(result, decode_pb2.PushKVResponse | common_pb2.AbortResponse):
+            list(result)
+    return error.value.code(), error.value.details()
+
+
+# --- equivalence ---------------------------------------------------------------------------
+
+
+def test_generate_streams_the_monolithic_engines_tokens(stub, reference):
+    tokens, messages = collect(stub.Generate(generate_request("local-1"), timeout=30))
+    assert tokens == reference
+    last = messages[-1]
+    assert last.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
+    assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert last.usage.prompt_tokens == len(PROMPT)
+    assert last.usage.completion_tokens == len(reference)
+    assert last.timings.ttft_s > 0 and last.timings.total_s >= last.timings.ttft_s
+
+
+def test_pushed_cache_then_attach_continues_like_the_monolithic_engine(stub, checkpoint, reference):
+    handoff, chunks = prefilled_handoff(checkpoint, "pushed-1", PROMPT, MAX_TOKENS)
+    assert len(chunks) > 1  # the payload really arrives in pieces
+    reply = push(stub, handoff, chunks)
+    assert reply.request_id == "pushed-1"
+    assert reply.bytes_received == handoff.kv.total_bytes
+    tokens, messages = collect(stub.Attach(decode_pb2.AttachRequest(request_id="pushed-1"),
+                                           timeout=30))
+    # The chain streamed the first token; Attach streams the rest.
+    assert [handoff.first_token_id] + tokens == reference
+    usage = messages[-1].usage
+    assert usage.kv_bytes_shipped == handoff.kv.total_bytes
+    assert usage.kv_tokens_kept == usage.kv_tokens_full == len(PROMPT) * handoff.kv.num_layers
+
+
+def test_attach_may_come_before_the_push(stub, checkpoint, reference):
+    handoff, chunks = prefilled_handoff(checkpoint, "early-attach", PROMPT, MAX_TOKENS)
+    stream = stub.Attach(decode_pb2.AttachRequest(request_id="early-attach", wait_s=20), timeout=30)
+    time.sleep(0.2)  # the Attach is waiting on the server
+    push(stub, handoff, chunks)
+    tokens, _ = collect(stream)
+    assert [handoff.first_token_id] + tokens == reference
+
+
+# --- bad input: a status code naming the value, and the server keeps serving -----------------
+
+
+@pytest.mark.parametrize(("request_fields", "code", "named"), [
+    ({"prompt": [1, 2, 300]}, grpc.StatusCode.INVALID_ARGUMENT, "300"),
+    ({"prompt": []}, grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ({"temperature": -0.5}, grpc.StatusCode.INVALID_ARGUMENT, "-0.5"),
+    ({"temperature": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "nan"),
+    ({"top_p": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "1.5"),
+    ({"max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ({"max_tokens": 2000}, grpc.StatusCode.INVALID_ARGUMENT, "1024"),
+])
+def test_bad_generate_requests_get_invalid_argument(stub, reference, request_fields, code, named):
+    prompt = request_fields.pop("prompt", PROMPT)
+    got, details = status_of(lambda: stub.Generate(generate_request("bad", prompt, **request_fields),
+                                                   timeout=10))
+    assert got == code
+    assert named in details
+    tokens, _ = collect(stub.Generate(generate_request("after-bad"), timeout=30))
+    assert tokens == reference
+
+
+def test_duplicate_live_request_id_is_already_exists(stub):
+    first = stub.Generate(generate_request("twice", max_tokens=200), timeout=30)
+    next(first)  # it is live now
+    code, details = status_of(lambda: stub.Generate(generate_request("twice"), timeout=10))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "twice" in details
+    first.cancel()
+
+
+def _header(handoff, **changes):
+    return dataclasses.replace(handoff, kv=dataclasses.replace(handoff.kv, **changes))
+
+
+@pytest.mark.parametrize(("change", "code", "named"), [
+    ({"model_id": "other-model"}, grpc.StatusCode.FAILED_PRECONDITION, "other-model"),
+    ({"num_kv_heads": 2}, grpc.StatusCode.FAILED_PRECONDITION, "2"),
+    ({"dtype": "float16"}, grpc.StatusCode.FAILED_PRECONDITION, "float16"),
+    ({"total_bytes": 123}, grpc.StatusCode.INVALID_ARGUMENT, "123"),
+    ({"checksum": 7}, grpc.StatusCode.DATA_LOSS, "checksum"),
+])
+def test_pushed_cache_for_another_model_or_shape_is_refused(stub, server, checkpoint, change,
+                                                            code, named):
+    handoff, chunks = prefilled_handoff(checkpoint, "bad-push", PROMPT, MAX_TOKENS)
+    free = server.worker.load.free_kv_blocks
+    got, details = status_of(lambda: push(stub, _header(handoff, **change), chunks))
+    assert got == code and named in details
+    assert server.worker.engine.pool.num_free_blocks == free  # nothing was allocated
+
+
+def test_truncated_push_is_data_loss_and_leaves_nothing(stub, server, checkpoint, reference):
+    handoff, chunks = prefilled_handoff(checkpoint, "truncated", PROMPT, MAX_TOKENS)
+    code, details = status_of(lambda: push(stub, handoff, chunks[:-1]))
+    assert code == grpc.StatusCode.DATA_LOSS and "ended after" in details
+    code, _ = status_of(lambda: stub.Attach(decode_pb2.AttachRequest(request_id="truncated",
+                                                                    wait_s=0.2), timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND
+    # The same id can be pushed whole afterwards.
+    push(stub, handoff, chunks)
+    tokens, _ = collect(stub.Attach(decode_pb2.AttachRequest(request_id="truncated"), timeout=30))
+    assert [handoff.first_token_id] + tokens == reference
+
+
+def test_push_with_a_bad_first_token_or_no_header(stub, checkpoint):
+    handoff, chunks = prefilled_handoff(checkpoint, "bad-first", PROMPT, MAX_TOKENS)
+    code, details = status_of(lambda: push(stub, dataclasses.replace(handoff, first_token_id=999),
+                                           chunks))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "999" in details
+    only_chunks = iter([decode_pb2.PushKVRequest(chunk=b"x")])
+    code, _ = status_of(lambda: stub.PushKV(only_chunks, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unknown_request_ids_are_not_found(stub):
+    code, details = status_of(lambda: stub.Attach(decode_pb2.AttachRequest(request_id="nobody",
+                                                                         wait_s=0.1), timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND and "nobody" in details
+    code, details = status_of(lambda: stub.Abort(common_pb2.AbortRequest(request_id="nobody"),
+                                                timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND and "nobody" in details
+
+
+def test_a_full_pool_refuses_a_push_at_once(checkpoint):
+    server, port = start_decode_server(checkpoint, num_blocks=6)  # 2 blocks per layer: 8 tokens
+    channel, stub = decode_stub(port)
+    try:
+        handoff, chunks = prefilled_handoff(checkpoint, "too-big", PROMPT, MAX_TOKENS)
+        code, details = status_of(lambda: push(stub, handoff, chunks))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "6 free" in details
+    finally:
+        channel.close()
+        server.stop(0)
+
+
+# --- abort, cancellation, load ------------------------------------------------------------
+
+
+def test_abort_mid_stream_returns_the_pool_to_its_free_blocks(stub, server):
+    wait_until(lambda: server.worker.load.running_sequences == 0)
+    initial = stub.Stats(common_pb2.StatsRequest(), timeout=10).free_kv_blocks
+    stream = stub.Generate(generate_request("to-abort", max_tokens=500), timeout=30)
+    next(stream)
+    assert stub.Stats(common_pb2.StatsRequest(), timeout=10).free_kv_blocks < initial
+    assert stub.Abort(common_pb2.AbortRequest(request_id="to-abort"), timeout=10).found
+    messages = list(stream)
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_ABORTED
+    load = stub.Stats(common_pb2.StatsRequest(), timeout=10)
+    assert load.free_kv_blocks == initial == load.total_kv_blocks
+    assert load.running_sequences == 0
+
+
+def test_a_cancelled_call_frees_its_kv(stub, server):
+    wait_until(lambda: server.worker.load.running_sequences == 0)
+    initial = server.worker.load.free_kv_blocks
+    stream = stub.Generate(generate_request("to-cancel", max_tokens=500), timeout=30)
+    next(stream)
+    stream.cancel()
+    wait_until(lambda: server.worker.load.free_kv_blocks == initial
+               and server.worker.load.running_sequences == 0)
+
+
+def test_health_serving_and_registered_with_live_load(server, store):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "baton.v1.Decode"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+    [worker] = store.list_workers("decode")
+    assert worker.address == server.address
+    assert worker.load.total_kv_blocks == server.worker.engine.pool.num_blocks
+    assert convert.worker_load_to_proto(worker.load).total_kv_blocks > 0
+
+
+def test_stop_deregisters_and_reports_not_serving(checkpoint):
+    store = InMemoryStore()
+    server, port = start_decode_server(checkpoint, store)
+    assert len(store.list_workers("decode")) == 1
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    server.grpc.set_serving(False)
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    channel.close()
+    server.stop(0)
+    assert store.list_workers("decode") == []
