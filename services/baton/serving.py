@@ -88,9 +88,10 @@ class GrpcServer:
         self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
 
 
-def run_until_signalled(stop: Callable[[], None]) -> None:
-    """Block the main thread until SIGTERM or SIGINT, then call ``stop`` (graceful)."""
-    stopping = threading.Event()
+def run_until_signalled(stop: Callable[[], None], stopping: threading.Event | None = None) -> None:
+    """Block the main thread until SIGTERM or SIGINT (or ``stopping`` is set by the server
+    itself), then call ``stop`` (graceful)."""
+    stopping = stopping or threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping", signum)

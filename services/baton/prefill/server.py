@@ -1,0 +1,174 @@
+"""`baton prefill`: one rank of a KV-Runahead prefill chain as a process.
+
+Every rank runs the same command with its own ``--chain-rank``. Rank 0 binds the Prefill
+gRPC service first (health NOT_SERVING, calls UNAVAILABLE), then joins the chain; once every
+rank has joined and loaded its model the chain turns rank 0 SERVING and registers it in the
+routing store (role prefill, the chain id, its queued work). The other ranks serve no gRPC:
+they join, loop on the chain's broadcasts and stop when rank 0 does. The last rank is the
+tail (``TailSink``): it ships each cache to the decode pod the request names. With one rank,
+rank 0 is also the tail.
+
+A broken chain is not repaired in place: rank 0 fails the requests in flight (UNAVAILABLE),
+leaves routing and exits non-zero, so that its pod restarts with the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
+from baton.config import PrefillServiceConfig
+from baton.metrics import PrefillMetrics, serve_metrics
+from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.prefill.exchange import ChainExchange
+from baton.prefill.frontend import PrefillFrontend
+from baton.prefill.tail import TailSink
+from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
+from baton.runahead.request import ModelSource
+from baton.runahead.table import PartitionTable
+from baton.runahead.worker import ChainRank
+from baton.serving import GrpcServer, release_version, run_until_signalled
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+class RankSink:
+    """A rank that is not the tail: reports readiness and failure, delivers nothing."""
+
+    def __init__(self, on_ready=lambda: None, on_fail=lambda message: None) -> None:
+        self.on_ready = on_ready
+        self.on_fail = on_fail
+
+    def ready(self) -> None:
+        self.on_ready()
+
+    def deliver(self, result) -> None:
+        raise AssertionError("only the tail delivers results")
+
+    def fail(self, rank: int, request_id: int, message: str) -> None:
+        log.error("prefill chain broken at rank %d: %s", rank, message)
+        self.on_fail(message)
+
+
+class PrefillServer:
+    """This process's rank; constructing it joins the chain (blocks until every rank has)."""
+
+    def __init__(self, config: PrefillServiceConfig, store: RoutingStore | None = None) -> None:
+        self.config = config
+        chain = config.chain
+        self.is_head, self.is_tail = chain.rank == 0, chain.rank == chain.ranks - 1
+        self.registry = CollectorRegistry()
+        self.metrics = PrefillMetrics(self.registry)
+        self.model_source = ModelSource(path=config.model.path, dtype=config.model.dtype)
+        self.model_config = self.model_source.config()
+        directory = Path(config.model.path or SHIPPED_MODEL_DIR)
+        self.model_id, self.revision = directory.name, config.model.revision or directory.name
+        self.exchange = ChainExchange(chain.master_addr, chain.master_port)
+        self.broken = threading.Event()  # the chain failed or stopped: the process should end
+        self.heartbeat: Heartbeat | None = None
+        self.store = store
+        self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)
+        if self.is_head:
+            self._init_frontend()
+        self._init_chain()
+
+    def _init_frontend(self) -> None:
+        table = None
+        if self.config.chain.ranks > 1:
+            table = PartitionTable.load(self.config.chain.partition_table)
+            if self.config.chain.ranks not in table.ranks():
+                log.warning("partition table %s has no entries for %d ranks: even slices",
+                            table.name, self.config.chain.ranks)
+                table = None
+        self.frontend = PrefillFrontend(self.exchange, self.model_config, self.model_id,
+                                        self.config.chain.ranks, self.config.chain.mode, table,
+                                        self.metrics, self.config.chain.timeout_s)
+        self.grpc = GrpcServer(self.config.server, self._register, [SERVICE_NAME])
+        self.port, self.address = self.grpc.port, self.grpc.address
+
+    def _register(self, server) -> None:
+        prefill_pb2_grpc.add_PrefillServicer_to_server(self.frontend, server)
+
+    def _init_chain(self) -> None:
+        on_ready = self._on_ready if self.is_head else (lambda: None)
+        on_fail = self._on_fail
+        if self.is_tail:
+            self.sink = TailSink(self.exchange, self.model_config, self.model_id, self.revision,
+                                 self.config.pyramid, self.metrics, lambda: self.rank.request_id,
+                                 self.config.chain.timeout_s, on_ready, on_fail)
+        else:
+            self.sink = RankSink(on_ready, on_fail)
+        self.rank = ChainRank(self.config.chain, self.model_source, self.sink,
+                              source=self.frontend if self.is_head else None,
+                              make_observer=self.sink.make_observer if self.is_tail else None,
+                              cpu_threads=self.config.model.threads or 1)
+
+    def _on_ready(self) -> None:
+        self.frontend.unavailable = None
+        self.store = self.store or open_store(self.config.routing)
+        self.heartbeat = Heartbeat(self.store, self.describe, self.config.routing.heartbeat_s,
+                                   self.config.routing.worker_ttl_s).start()
+        self.grpc.set_serving(True)
+        log.info("prefill chain %s of %d ranks serving at %s", self.config.chain.chain_id,
+                 self.config.chain.ranks, self.address)
+
+    def _on_fail(self, message: str) -> None:
+        if self.is_head:
+            self.grpc.set_serving(False)
+            self.frontend.fail_all(message)
+        self.broken.set()
+
+    def describe(self) -> WorkerInfo:
+        chain = self.config.chain
+        return WorkerInfo(worker_id=f"prefill-{chain.chain_id}", role="prefill",
+                          address=self.address, model_id=self.model_id,
+                          model_revision=self.revision, version=release_version(),
+                          chain_id=chain.chain_id, rank=0, num_ranks=chain.ranks,
+                          load=self.frontend.load)
+
+    def serve_chain(self) -> None:
+        """The chain loop (rank 0: in a thread beside gRPC; other ranks: the main thread)."""
+        try:
+            self.rank.serve()
+        finally:
+            self.broken.set()
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Rank 0: leave routing, finish in-flight calls, then stop the whole chain."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.is_head:
+            self.grpc.stop(grace_s)
+            self.frontend.stop_chain()
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+
+
+def serve(config: PrefillServiceConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = PrefillServer(config)
+    if not server.is_head:
+        try:
+            server.serve_chain()
+        except Exception:  # noqa: BLE001 - reported to the sink and logged; the exit code says it
+            return 1
+        return 0
+    failed = []
+
+    def chain_loop() -> None:
+        try:
+            server.serve_chain()
+        except Exception as e:  # noqa: BLE001 - the chain is broken; the process must end
+            failed.append(e)
+
+    thread = threading.Thread(target=chain_loop, name="prefill-chain", daemon=True)
+    thread.start()
+    run_until_signalled(server.stop, server.broken)
+    thread.join(config.chain.timeout_s)
+    return 1 if failed else 0

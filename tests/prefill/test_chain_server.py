@@ -1,0 +1,146 @@
+"""A 2-rank prefill chain as real `baton prefill` processes (gloo) whose tail pushes to a real
+decode server in this process: the streamed tokens equal the monolithic engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from baton.api.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from baton.runahead.local import free_port
+from decode.decode_servers import (
+    collect,
+    decode_stub,
+    make_checkpoint,
+    reference_tokens,
+    start_decode_server,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+PROMPT = list(range(3, 203, 2))  # 100 tokens: each rank computes a real slice
+MAX_TOKENS = 10
+START_TIMEOUT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("chain-model"))
+
+
+@pytest.fixture(scope="module")
+def decode_server(checkpoint):
+    server, _ = start_decode_server(checkpoint)
+    yield server
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def chain(checkpoint, tmp_path_factory):
+    """Rank 0 and rank 1 of chain-test, as `baton prefill` processes; yields rank 0's port."""
+    grpc_port, master_port = free_port(), free_port()
+    logs = tmp_path_factory.mktemp("chain-logs")
+    environment = os.environ | {"OMP_NUM_THREADS": "1"}
+    processes = []
+    for rank in (0, 1):
+        command = [sys.executable, "-m", "baton.cli", "prefill", "--model-path", str(checkpoint),
+                   "--chain-ranks", "2", "--chain-rank", str(rank), "--chain-chain-id", "chain-test",
+                   "--chain-master-port", str(master_port), "--chain-backend", "gloo",
+                   "--chain-timeout-s", "30", "--pyramid-enabled", "false",
+                   "--server-listen", f"127.0.0.1:{grpc_port}", "--server-grace-s", "1"]
+        log = open(logs / f"rank{rank}.log", "w")
+        processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                           env=environment), log))
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    try:
+        wait_serving(channel, processes, logs)
+        yield channel
+    finally:
+        channel.close()
+        for process, log in processes:
+            process.terminate()
+        for process, log in processes:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log.close()
+
+
+def wait_serving(channel, processes, logs) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for process, _ in processes:
+            if process.poll() is not None:
+                raise AssertionError(f"a rank exited: {[p.read_text() for p in logs.iterdir()]}")
+        try:
+            reply = health.Check(health_pb2.HealthCheckRequest(service="baton.v1.Prefill"),
+                                 timeout=2)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the chain did not start: {[p.read_text() for p in logs.iterdir()]}")
+
+
+def prefill_request(request_id, decode_address, prompt=PROMPT, **sampling):
+    fields = {"temperature": 0.0, "max_tokens": MAX_TOKENS} | sampling
+    return prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
+                                      sampling=common_pb2.SamplingParams(**fields),
+                                      decode_address=decode_address)
+
+
+def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_server, checkpoint):
+    reference = reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
+    stub = prefill_pb2_grpc.PrefillStub(chain)
+    decode_channel, decode = decode_stub(decode_server.port)
+    attach = decode.Attach(decode_pb2.AttachRequest(request_id="chain-1", wait_s=60), timeout=120)
+    events = list(stub.Prefill(prefill_request("chain-1", decode_server.address), timeout=120))
+    first, shipped = events[0].first_token, events[1].shipped
+    assert events[0].WhichOneof("event") == "first_token"
+    assert events[1].WhichOneof("event") == "shipped"
+    assert next(iter(first.partition)) == 0 and list(first.partition)[-1] == len(PROMPT)
+    assert len(first.partition) == 3
+    tokens, messages = collect(attach)
+    decode_channel.close()
+    assert [first.token_id] + tokens == reference
+    assert shipped.kv_tokens_kept == shipped.kv_tokens_full  # compression off
+    assert shipped.kv_bytes == messages[-1].usage.kv_bytes_shipped > 0
+
+
+def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_server, checkpoint):
+    stub = prefill_pb2_grpc.PrefillStub(chain)
+    address = decode_server.address
+    cases = [
+        (prefill_request("bad-1", address, prompt=[1, 2, 999]), grpc.StatusCode.INVALID_ARGUMENT, "999"),
+        (prefill_request("bad-2", address, top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (prefill_request("bad-3", ""), grpc.StatusCode.INVALID_ARGUMENT, "decode"),
+        (prefill_request("bad-4", address, max_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT, "1024"),
+    ]
+    for request, code, named in cases:
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Prefill(request, timeout=60))
+        assert error.value.code() == code and named in error.value.details()
+    # A decode pod that is not there: the tail's push fails, the caller hears why.
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Prefill(prefill_request("no-decode", f"127.0.0.1:{free_port()}"), timeout=120))
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Abort(common_pb2.AbortRequest(request_id="nobody"), timeout=10)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    # Still serving.
+    decode_channel, decode = decode_stub(decode_server.port)
+    events = list(stub.Prefill(prefill_request("after-bad", address), timeout=120))
+    assert events[-1].WhichOneof("event") == "shipped"
+    tokens, _ = collect(decode.Attach(decode_pb2.AttachRequest(request_id="after-bad"), timeout=60))
+    decode_channel.close()
+    assert [events[0].first_token.token_id] + tokens == reference_tokens(checkpoint, PROMPT,
+                                                                        MAX_TOKENS)
