@@ -22,6 +22,7 @@ Measures, per run:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -293,7 +294,8 @@ def main() -> None:
                                  if r.workload.decode_len == round(r.workload.prompt_len / balanced_ratio)]
     elapsed = time.perf_counter() - started
     sections.insert(1, goal_check(balanced_runs) + EXPLANATION)
-    sections.append(f"Total benchmark time: {elapsed:.0f} s.\n")
+    sections.append(f"Total benchmark time: {elapsed:.0f} s; load average {os.getloadavg()[0]:.1f} at the end "
+                    f"(above the core count, other jobs shared the CPU and every figure is noisy).\n")
     write_report("sarathi.md", "\n".join(sections))
 
 
