@@ -27,12 +27,14 @@ def make_checkpoint(directory):
     return save_cli_checkpoint(directory)
 
 
-def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS):
+def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
+                        metrics_port: int = 0):
     config = DecodeServiceConfig(
         model=ModelSourceConfig(path=str(checkpoint)),
         kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks),
         routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0))
     config.server.grace_s = 0.5
+    config.server.metrics_port = metrics_port
     return create_server(config, store or InMemoryStore())
 
 

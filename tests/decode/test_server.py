@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import urllib.request
 
 import grpc
 import pytest
 from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2
 from baton.routing import InMemoryStore
+from baton.runahead.local import free_port
 from decode_servers import (
     collect,
     decode_stub,
@@ -259,3 +261,19 @@ def test_stop_deregisters_and_reports_not_serving(checkpoint):
     channel.close()
     server.stop(0)
     assert store.list_workers("decode") == []
+
+
+def test_metrics_are_served_when_a_port_is_given(checkpoint):
+    metrics_port = free_port()
+    server, port = start_decode_server(checkpoint, metrics_port=metrics_port)
+    channel, stub = decode_stub(port)
+    try:
+        collect(stub.Generate(generate_request("measured"), timeout=30))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                      timeout=10).read().decode()
+    finally:
+        channel.close()
+        server.stop(0)
+    assert "baton_decode_time_to_first_token_seconds_count 1.0" in text
+    assert 'baton_decode_requests_finished_total{reason="length"} 1.0' in text
+    assert f"baton_decode_kv_blocks_total {server.worker.engine.pool.num_blocks}.0" in text

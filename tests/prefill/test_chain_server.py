@@ -3,6 +3,7 @@ decode server in this process: the streamed tokens equal the monolithic engine."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -46,38 +47,43 @@ def chain(checkpoint, tmp_path_factory):
     grpc_port, master_port = free_port(), free_port()
     logs = tmp_path_factory.mktemp("chain-logs")
     environment = os.environ | {"OMP_NUM_THREADS": "1"}
-    processes = []
-    for rank in (0, 1):
-        command = [sys.executable, "-m", "baton.cli", "prefill", "--model-path", str(checkpoint),
-                   "--chain-ranks", "2", "--chain-rank", str(rank), "--chain-chain-id", "chain-test",
-                   "--chain-master-port", str(master_port), "--chain-backend", "gloo",
-                   "--chain-timeout-s", "30", "--pyramid-enabled", "false",
-                   "--server-listen", f"127.0.0.1:{grpc_port}", "--server-grace-s", "1"]
-        log = open(logs / f"rank{rank}.log", "w")
-        processes.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                           env=environment), log))
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    try:
-        wait_serving(channel, processes, logs)
-        yield channel
-    finally:
-        channel.close()
-        for process, log in processes:
-            process.terminate()
-        for process, log in processes:
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            log.close()
+    with contextlib.ExitStack() as files:
+        processes = []
+        for rank in (0, 1):
+            command = [sys.executable, "-m", "baton.cli", "prefill", "--model-path", str(checkpoint),
+                       "--chain-ranks", "2", "--chain-rank", str(rank),
+                       "--chain-chain-id", "chain-test", "--chain-master-port", str(master_port),
+                       "--chain-backend", "gloo", "--chain-timeout-s", "30",
+                       "--pyramid-enabled", "false", "--server-listen", f"127.0.0.1:{grpc_port}",
+                       "--server-grace-s", "1"]
+            log = files.enter_context(open(logs / f"rank{rank}.log", "w"))
+            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                              env=environment))
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        try:
+            wait_serving(channel, processes, logs)
+            yield channel
+        finally:
+            channel.close()
+            stop_all(processes)
+
+
+def stop_all(processes) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def wait_serving(channel, processes, logs) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        for process, _ in processes:
+        for process in processes:
             if process.poll() is not None:
                 raise AssertionError(f"a rank exited: {[p.read_text() for p in logs.iterdir()]}")
         try:
