@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import grpc
 
 from baton.api import convert
-from baton.api.requests import FinishReason, GenerationStep, Timings
+from baton.api.requests import FinishReason, GenerationStep, Route, Timings
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.gateway.relay import ChainIncomplete, Relay
 from baton.gateway.request_table import DuplicateRequest, LiveRequest, RequestTable
@@ -115,8 +115,9 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
                 outcome = e.code().name
                 context.abort(e.code(), f"{live.request_id}: {e.details()}")
             outcome = FinishReason.ABORTED.value
+            route = Route(decode_address=live.record.decode_address, chain_id=live.record.chain_id)
             yield convert.step_to_proto(clock.stamp(
-                GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED)))
+                GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED, route=route)))
         except ChainIncomplete as e:
             outcome = status_of(e).name
             context.abort(status_of(e), str(e))

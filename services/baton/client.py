@@ -1,0 +1,141 @@
+"""The gRPC client of baton's API (``baton generate --server``, ``baton up --demo``, the
+end-to-end tests and the serving benchmark).
+
+``BatonClient`` speaks domain objects (``baton.api.requests``) and hides the protobuf
+messages; a server's error arrives as ``grpc.RpcError`` with the server's status code and
+message. ``generate_to_terminal`` is the ``baton generate --server`` path: the same output
+contract as a local run (streamed text, or one ``{"token_ids": [...], "text": "..."}`` line
+per prompt with ``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.api import convert
+from baton.api.requests import GenerateRequest, GenerationStep, ModelInfo, Tokenization
+from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
+from baton.model.sampling import SamplingParams
+
+SERVICE_NAME = "baton.v1.Baton"
+
+
+@dataclass
+class Completion:
+    """A whole generation as the client saw it: the steps joined, and when each arrived."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    last: GenerationStep | None = None  # finish reason, usage, timings, route
+    ttft_s: float = 0.0  # measured by the client: call start to the first token
+    token_times_s: list[float] = field(default_factory=list)  # arrival of each message with tokens
+
+    def add(self, step: GenerationStep, now_s: float, start_s: float) -> None:
+        self.request_id = step.request_id
+        if step.token_ids:
+            if not self.token_ids:
+                self.ttft_s = now_s - start_s
+            self.token_times_s.append(now_s)
+        self.token_ids.extend(step.token_ids)
+        self.text += step.text
+        if step.finish_reason is not None:
+            self.last = step
+
+
+class BatonClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = api_pb2_grpc.BatonStub(self.channel)
+
+    def wait_until_serving(self, timeout_s: float) -> None:
+        """Block until the server's health check says SERVING (TimeoutError after timeout_s)."""
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                answer = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.address} is not serving after {timeout_s:g} s")
+            time.sleep(0.1)
+
+    def stream(self, request: GenerateRequest, timeout_s: float | None = None):
+        """The streaming call; iterate it for GenerationSteps, ``cancel()`` it to stop."""
+        return _StepStream(self.stub.Generate(convert.generate_request_to_proto(request),
+                                              timeout=timeout_s))
+
+    def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> Completion:
+        completion = Completion()
+        start_s = time.monotonic()
+        for step in self.stream(request, timeout_s):
+            completion.add(step, time.monotonic(), start_s)
+        return completion
+
+    def tokenize(self, text: str, model: str = "") -> Tokenization:
+        return convert.tokenization_from_proto(
+            self.stub.Tokenize(api_pb2.TokenizeRequest(model=model, text=text)))
+
+    def list_models(self) -> list[ModelInfo]:
+        return convert.models_from_proto(self.stub.ListModels(api_pb2.ListModelsRequest()))
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id)).found
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class _StepStream:
+    """A Generate call that yields domain steps and can be cancelled."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def __iter__(self) -> Iterator[GenerationStep]:
+        for message in self.call:
+            yield convert.step_from_proto(message)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+def generate_to_terminal(address: str, prompts: Sequence[str | list[int]],
+                         params: SamplingParams, as_json: bool) -> int:
+    """Generate each prompt on the server at ``address``, printing as a local run would."""
+    client = BatonClient(address)
+    try:
+        for index, prompt in enumerate(prompts):
+            request = (GenerateRequest(text=prompt, sampling=params) if isinstance(prompt, str)
+                       else GenerateRequest(token_ids=tuple(prompt), sampling=params))
+            stream_text = not as_json and len(prompts) == 1
+            completion = Completion()
+            start_s = time.monotonic()
+            for step in client.stream(request):
+                completion.add(step, time.monotonic(), start_s)
+                if stream_text:
+                    sys.stdout.write(step.text)
+                    sys.stdout.flush()
+            if as_json:
+                print(json.dumps({"token_ids": completion.token_ids, "text": completion.text}))
+            elif stream_text:
+                sys.stdout.write("\n")
+            else:
+                print(f"--- [{index}] {prompt!r}")
+                print(completion.text)
+    except grpc.RpcError as e:
+        raise ValueError(f"server {address}: {e.code().name}: {e.details()}") from e
+    finally:
+        client.close()
+    return 0

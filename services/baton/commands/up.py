@@ -1,0 +1,122 @@
+"""`baton up`: the whole service on this machine as separate processes.
+
+    baton up                          gateway + one 2-rank prefill chain + one decode pod
+    baton up --decode-workers 2 --listen 127.0.0.1:50051
+    baton up --demo                   ... then stream a short and a long prompt (`make run`)
+    baton up --demo --exit-after-demo for scripts: stop once the demo is shown
+
+Routing state must be shared by the processes, so without ``--redis URL`` a private
+``redis-server`` is started on a free port and stopped on exit (``make setup`` installs it).
+Ctrl-C (or SIGTERM) stops every process; so does any failure during start-up.
+Heavy imports happen in ``run`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+DEMO_SHORT_PROMPT = "def fibonacci(n):\n"
+# Long enough for the chain at the default threshold (512 tokens) on the shipped tokenizer.
+DEMO_LONG_PROMPT_LINES = 80
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="", metavar="DIR",
+                        help="checkpoint directory for every process (default: the shipped model)")
+    parser.add_argument("--decode-workers", type=int, default=1, choices=(1, 2),
+                        help="decode pods to start")
+    parser.add_argument("--chain-ranks", type=int, default=2,
+                        help="ranks of the one prefill chain (0 = no chain)")
+    parser.add_argument("--redis", default="", metavar="URL",
+                        help="use this Redis for routing (default: start a private redis-server)")
+    parser.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="the gateway's address (port 0 = any free port)")
+    parser.add_argument("--prefill-threshold-tokens", type=int, default=512,
+                        help="prompts at least this long go through the chain")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process")
+    parser.add_argument("--demo", action="store_true",
+                        help="once up, stream a short and a long prompt and show their routes")
+    parser.add_argument("--exit-after-demo", action="store_true",
+                        help="with --demo: stop the service after the demo")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per demo generation")
+
+
+def run(args: argparse.Namespace) -> int:
+    from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+
+    if args.exit_after_demo and not args.demo:
+        raise ValueError("--exit-after-demo needs --demo")
+    spec = ClusterSpec(model_path=args.model, decode_workers=args.decode_workers,
+                       chain_ranks=args.chain_ranks, redis_url=args.redis,
+                       gateway_listen=args.listen,
+                       prefill_threshold_tokens=args.prefill_threshold_tokens,
+                       threads_per_process=args.threads)
+    stopping = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        with LocalCluster(spec) as cluster:
+            print(f"baton is up: gateway {cluster.gateway_address}, "
+                  f"{spec.decode_workers} decode pod(s), chain of {spec.chain_ranks} ranks, "
+                  f"routing in {cluster.redis_url}", flush=True)
+            print(f"try: baton generate --server {cluster.gateway_address} \"import os\"", flush=True)
+            if args.demo:
+                _demo(cluster.gateway_address, args.max_tokens, args.prefill_threshold_tokens)
+                if args.exit_after_demo:
+                    return 0
+            print("serving; Ctrl-C stops every process", flush=True)
+            while not stopping.wait(0.5):
+                cluster.check_alive()
+    except KeyboardInterrupt:
+        print("\nstopping", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
+    import sys
+    import time
+
+    from baton.api.requests import GenerateRequest
+    from baton.client import BatonClient, Completion
+    from baton.model.sampling import SamplingParams
+
+    client = BatonClient(address)
+    client.wait_until_serving(timeout_s=60)
+    long_prompt = _long_prompt(client, threshold_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    try:
+        for label, prompt in (("short prompt", DEMO_SHORT_PROMPT), ("long prompt", long_prompt)):
+            num_tokens = len(client.tokenize(prompt).token_ids)
+            print(f"\n=== {label}: {num_tokens} tokens; prompt ends with {prompt[-60:]!r}", flush=True)
+            completion, start_s = Completion(), time.monotonic()
+            for step in client.stream(GenerateRequest(text=prompt, sampling=params)):
+                completion.add(step, time.monotonic(), start_s)
+                sys.stdout.write(step.text)
+                sys.stdout.flush()
+            route = completion.last.route
+            path = (f"prefill chain {route.chain_id} (slices {list(route.partition)}) -> decode pod "
+                    f"{route.decode_address}" if route.chain_id
+                    else f"prefilled on decode pod {route.decode_address}")
+            usage = completion.last.usage
+            print(f"\n--- TTFT {completion.ttft_s * 1000:.0f} ms, {len(completion.token_ids)} tokens "
+                  f"in {completion.last.timings.total_s:.2f} s; path: {path}; "
+                  f"KV shipped {usage.kv_bytes_shipped / 1e6:.2f} MB", flush=True)
+    finally:
+        client.close()
+
+
+def _long_prompt(client, threshold_tokens: int) -> str:
+    """Source-like text that tokenizes to at least the chain threshold (within the model's limit)."""
+    lines = [f"def step_{i}(state):\n    return state + {i}\n" for i in range(DEMO_LONG_PROMPT_LINES)]
+    text = "".join(lines)
+    while len(client.tokenize(text).token_ids) < threshold_tokens:
+        text += text
+    limit = client.list_models()[0].max_model_len // 2
+    token_ids = client.tokenize(text).token_ids
+    if len(token_ids) > limit:
+        text = "".join(client.tokenize(text).pieces[:max(threshold_tokens, limit)])
+    return text

@@ -1,0 +1,271 @@
+"""The whole service on one machine as separate processes: ``baton up``, the end-to-end
+tests and the serving benchmark all start it from here.
+
+What runs: a routing store every process can reach, ``decode_workers`` decode pods, one
+KV-Runahead chain of ``chain_ranks`` prefill ranks (0 = none), and the gateway, each a
+``baton <role>`` child process with its flags derived from the configuration tree. Every
+server binds port 0 and registers its address in the routing store; the cluster is up when
+the store lists all of them (and every child is still alive).
+
+The store: the in-memory store lives inside one process, so it cannot be shared by
+separate processes. Without ``redis_url`` the cluster starts its own ``redis-server`` on a
+free localhost port (no persistence; ``make setup`` installs the binary) and stops it with
+the rest; with ``redis_url`` it uses that Redis. The in-memory store remains the default of
+the single-process tools (``baton generate``).
+
+Children die with the cluster: ``stop()`` (also on any start-up failure and on exit from
+the ``with`` block) sends SIGTERM, waits ``STOP_TIMEOUT_S``, then SIGKILL; and on Linux each
+child asks the kernel for SIGTERM when its parent dies, so even a killed ``baton up``
+leaves nothing behind. Child output goes to one log file per process in ``log_dir``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
+STOP_TIMEOUT_S = 10.0
+POLL_S = 0.1
+PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+try:  # resolved here, not in the child: between fork and exec only this C call runs
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: stop() still cleans up on every normal exit
+    _PRCTL = None
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of every child: SIGTERM when the process that started it dies (Linux).
+    It makes one C call and takes no Python lock, so it is safe beside threads."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ClusterSpec:
+    model_path: str = ""  # empty = the shipped model
+    decode_workers: int = 1
+    chain_ranks: int = 2  # 0 = no chain: every prompt is prefilled on a decode pod
+    redis_url: str = ""  # empty = start a redis-server for this cluster
+    gateway_listen: str = "127.0.0.1:0"
+    prefill_threshold_tokens: int = 512
+    threads_per_process: int = 1
+    heartbeat_s: float = 0.5
+    worker_ttl_s: float = 2.0
+    # more flags per role, e.g. {"decode": ["--pyramid-enabled", "false"]}
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.decode_workers <= 8:
+            raise ValueError(f"decode_workers must be in 1..8, got {self.decode_workers}")
+        if self.chain_ranks < 0:
+            raise ValueError(f"chain_ranks must be >= 0, got {self.chain_ranks}")
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+
+class ManagedRedis:
+    """A ``redis-server`` of our own on a free localhost port, without persistence."""
+
+    def __init__(self, directory: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ValueError("redis-server is not installed: `make setup` installs it, or give "
+                             "a Redis with --redis redis://HOST:PORT/0 (processes cannot share "
+                             "the in-memory store)")
+        self.port = free_port()
+        self.command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                        "--appendonly", "no", "--dir", str(directory), "--protected-mode", "no"]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        """(Re)start on the same port: clients reconnect to the same URL, and find it empty."""
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent)  # noqa: PLW1509
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode} "
+                                   f"on port {self.port}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(POLL_S)
+        raise TimeoutError(f"redis-server on port {self.port} not ready in {timeout_s:g} s")
+
+    def stop(self) -> None:
+        _terminate(self.process)
+
+
+def _terminate(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec, log_dir: Path | None = None) -> None:
+        self.spec = spec
+        self._own_dir = log_dir is None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="baton-up-")) if log_dir is None else log_dir
+        self.redis: ManagedRedis | None = None
+        self.redis_url = spec.redis_url
+        self.children: list[Child] = []
+        self.gateway_address = ""
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> Self:
+        try:
+            self._start_store(timeout_s)
+            for index in range(self.spec.decode_workers):
+                self._spawn(f"decode-{index}", "decode", [])
+            for rank in range(self.spec.chain_ranks):
+                self._spawn(f"prefill-{rank}", "prefill", self._chain_args(rank))
+            self._spawn("gateway", "gateway", [
+                "--server-listen", self.spec.gateway_listen,
+                "--gateway-prefill-threshold-tokens", str(self.spec.prefill_threshold_tokens)])
+            self.wait_until_registered(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_store(self, timeout_s: float) -> None:
+        if self.redis_url:
+            return
+        self.redis = ManagedRedis(self.log_dir)
+        self.redis.wait_ready(timeout_s)
+        self.redis_url = self.redis.url
+
+    def _chain_args(self, rank: int) -> list[str]:
+        if rank == 0:
+            self._master_port = free_port()
+        return ["--chain-ranks", str(self.spec.chain_ranks), "--chain-rank", str(rank),
+                "--chain-chain-id", "chain-0", "--chain-master-port", str(self._master_port)]
+
+    def _spawn(self, name: str, role: str, args: list[str]) -> Child:
+        command = [sys.executable, "-m", "baton.cli", role, *self._common_args(role), *args,
+                   *self.spec.extra_args.get(role, [])]
+        log_path = self.log_dir / f"{name}.log"
+        threads = str(self.spec.threads_per_process)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+               "PYTHONUNBUFFERED": "1"}
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                       preexec_fn=_die_with_parent)  # noqa: PLW1509
+        child = Child(name, role, process, log_path)
+        self.children.append(child)
+        return child
+
+    def _common_args(self, role: str) -> list[str]:
+        args = ["--routing-redis-url", self.redis_url,
+                "--routing-heartbeat-s", str(self.spec.heartbeat_s),
+                "--routing-worker-ttl-s", str(self.spec.worker_ttl_s),
+                "--routing-view-refresh-s", str(min(0.2, self.spec.heartbeat_s))]
+        if role != "gateway":
+            args += ["--server-listen", "127.0.0.1:0",
+                     "--model-threads", str(self.spec.threads_per_process)]
+        if self.spec.model_path:
+            args += ["--model-path", self.spec.model_path]
+        return args
+
+    def wait_until_registered(self, timeout_s: float) -> None:
+        """Until the store lists the gateway, every decode pod and every chain rank that
+        registers; raises naming a child that exited (with its log) or the timeout."""
+        from baton.routing.redis_store import RedisStore
+
+        store = RedisStore(self.redis_url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                self.check_alive()
+                workers = store.list_workers()
+                roles = [worker.role for worker in workers]
+                gateways = [worker for worker in workers if worker.role == "gateway"]
+                if (gateways and roles.count("decode") >= self.spec.decode_workers
+                        and (self.spec.chain_ranks == 0 or "prefill" in roles)):
+                    self.gateway_address = gateways[0].address
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the cluster did not register in {timeout_s:g} s; "
+                                       f"registered: {sorted(roles)}; logs in {self.log_dir}")
+                time.sleep(POLL_S)
+        finally:
+            store.close()
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.process.returncode}:\n"
+                                   f"{child.log_tail()}")
+
+    def stop(self) -> None:
+        """Stop every child (gateway first, so no request lands on a dying worker), then Redis."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.terminate()
+        for child in reversed(self.children):
+            _terminate(child.process)
+        if self.redis is not None:
+            self.redis.stop()
+        if self._own_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # --- for tests and the demo ---------------------------------------------------------
+
+    def child(self, name: str) -> Child:
+        return next(child for child in self.children if child.name == name)
+
+    def add_decode_worker(self) -> Child:
+        """Start one more decode pod; it joins routing by itself once it registers."""
+        count = sum(child.role == "decode" for child in self.children)
+        return self._spawn(f"decode-{count}", "decode", [])

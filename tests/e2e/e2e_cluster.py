@@ -1,0 +1,66 @@
+"""The local cluster the end-to-end tests share, and the references it must match."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from baton.api.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from baton.config import KVPoolConfig
+from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+from baton.model.sampling import SamplingParams
+from baton.routing import WorkerLoad
+from baton.sarathi.engine import Engine
+
+CHAIN_THRESHOLD_TOKENS = 128  # prompts this long go through the chain
+WORKER_TTL_S = 2.0
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+class MonolithicReference:
+    """The shipped model in this process, generating greedily with baton's engine (no chain,
+    no compression): what every path through the cluster must reproduce."""
+
+    def __init__(self) -> None:
+        loaded = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu")
+        self.tokenizer = loaded.tokenizer
+        self.engine = Engine(loaded.model, loaded.tokenizer, kv=KVPoolConfig(num_blocks=512))
+
+    def tokens(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        return self.engine.generate([prompt_ids], greedy(max_tokens))[0].token_ids
+
+
+def long_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
+    """Real Python source of at least ``num_tokens`` tokens, cut to exactly that many."""
+    import inspect
+    import json
+
+    ids = tokenizer.encode(inspect.getsource(json.decoder))
+    assert len(ids) >= num_tokens
+    return ids[:num_tokens]
+
+
+def worker_load(address: str, role: str) -> WorkerLoad:
+    with grpc.insecure_channel(address) as channel:
+        stub = (decode_pb2_grpc.DecodeStub(channel) if role == "decode"
+                else prefill_pb2_grpc.PrefillStub(channel))
+        message = stub.Stats(common_pb2.StatsRequest(), timeout=5)
+    return WorkerLoad(free_kv_blocks=message.free_kv_blocks,
+                      total_kv_blocks=message.total_kv_blocks,
+                      running_sequences=message.running_sequences,
+                      queued_requests=message.queued_requests,
+                      queued_prompt_tokens=message.queued_prompt_tokens)
+
+
+def wait_until(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)

@@ -1,0 +1,238 @@
+"""The whole service as real processes on localhost (gateway, a 2-rank prefill chain, two
+decode pods, a real redis-server): both request paths equal the monolithic engine, many
+clients at once, abort and cancellation free the KV, bad input gets its code, and routing
+survives dead workers and a Redis outage. One cluster serves the module, in this order."""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+
+import grpc
+import pytest
+from baton.api.requests import CompressionParams, FinishReason, GenerateRequest
+from baton.api.v1 import api_pb2, common_pb2
+from baton.client import BatonClient
+from baton.model.sampling import SamplingParams
+from baton.routing.redis_store import RedisStore
+from e2e_cluster import (
+    CHAIN_THRESHOLD_TOKENS,
+    WORKER_TTL_S,
+    greedy,
+    long_prompt_ids,
+    wait_until,
+    worker_load,
+)
+
+pytestmark = pytest.mark.slow
+SHORT_PROMPT = "import os\n\ndef main():\n"
+NO_COMPRESSION = CompressionParams(enabled=False)
+
+
+def decode_addresses(cluster) -> list[str]:
+    store = RedisStore(cluster.redis_url)
+    try:
+        return [worker.address for worker in store.list_workers("decode")]
+    finally:
+        store.close()
+
+
+def test_a_short_prompt_is_prefilled_on_a_decode_pod_and_equals_the_monolithic_engine(client, reference):
+    prompt_ids = reference.tokenizer.encode(SHORT_PROMPT)
+    completion = client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(12)))
+    assert completion.token_ids == reference.tokens(prompt_ids, 12)
+    assert completion.text == reference.tokenizer.decode(completion.token_ids)
+    last = completion.last
+    assert last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert last.route.chain_id == "" and last.route.decode_address
+    assert last.usage.prompt_tokens == len(prompt_ids) and last.usage.kv_bytes_shipped == 0
+    assert 0 < last.timings.ttft_s <= last.timings.total_s
+
+
+def test_a_long_prompt_goes_through_the_chain_and_equals_the_monolithic_engine(client, reference):
+    prompt_ids = long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 72)
+    completion = client.generate(GenerateRequest(token_ids=tuple(prompt_ids), sampling=greedy(12),
+                                                 compression=NO_COMPRESSION))
+    assert completion.token_ids == reference.tokens(prompt_ids, 12)
+    route, usage = completion.last.route, completion.last.usage
+    assert route.chain_id == "chain-0"
+    assert route.partition[0] == 0 and route.partition[-1] == len(prompt_ids) and len(route.partition) == 3
+    assert usage.kv_bytes_shipped > 0 and usage.kv_tokens_kept == usage.kv_tokens_full
+    assert completion.last.timings.kv_push_s > 0
+
+
+def test_a_long_prompt_with_compression_ships_less_and_still_completes_sensibly(client, reference):
+    prompt_ids = long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 200)
+    compressed = client.generate(GenerateRequest(
+        token_ids=tuple(prompt_ids), sampling=greedy(16),
+        compression=CompressionParams(enabled=True, keep_ratio=0.5)))
+    usage = compressed.last.usage
+    assert usage.kv_tokens_kept < 0.8 * usage.kv_tokens_full
+    full = reference.tokens(prompt_ids, 16)
+    # The first token comes from the tail's full attention; what follows attends to half the
+    # cache and should still mostly agree with the uncompressed continuation.
+    assert compressed.token_ids[0] == full[0]
+    agreement = sum(a == b for a, b in zip(compressed.token_ids, full)) / len(full)
+    assert agreement >= 0.5, (compressed.text, reference.tokenizer.decode(full))
+
+
+def test_sixteen_concurrent_streaming_clients_all_complete(cluster, reference):
+    long_ids = tuple(long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 10))
+    requests = [GenerateRequest(token_ids=long_ids, sampling=greedy(6)) if i % 4 == 0 else
+                GenerateRequest(text=f"{SHORT_PROMPT}    x = {i}\n", sampling=greedy(4 + i % 5))
+                for i in range(16)]
+    results: dict[int, object] = {}
+
+    def run(index: int) -> None:
+        client = BatonClient(cluster.gateway_address)
+        try:
+            results[index] = client.generate(requests[index], timeout_s=120)
+        except grpc.RpcError as e:
+            results[index] = e
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    errors = {i: r for i, r in results.items() if isinstance(r, grpc.RpcError)}
+    assert not errors, errors
+    for index, completion in results.items():
+        assert completion.last.usage.completion_tokens == len(completion.token_ids) > 0
+        assert len(completion.token_ids) <= requests[index].sampling.max_tokens
+    used_pods = {completion.last.route.decode_address for completion in results.values()}
+    assert len(used_pods) == 2, "the burst spreads over both decode pods"
+    assert any(completion.last.route.chain_id for completion in results.values())
+
+
+def all_kv_free(cluster) -> bool:
+    loads = [worker_load(address, "decode") for address in decode_addresses(cluster)]
+    return all(load.free_kv_blocks == load.total_kv_blocks and load.running_sequences == 0
+               for load in loads)
+
+
+@pytest.mark.parametrize("path", ["local", "chain"])
+def test_abort_mid_stream_ends_the_stream_and_frees_the_kv_everywhere(cluster, client, reference, path):
+    prompt = (tuple(long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 50))
+              if path == "chain" else tuple(reference.tokenizer.encode(SHORT_PROMPT)))
+    request = GenerateRequest(request_id=f"abort-{path}", token_ids=prompt,
+                              sampling=SamplingParams(temperature=0.0, max_tokens=600,
+                                                      stop_token_ids=[]))
+    steps, aborted = [], False
+    for step in client.stream(request):
+        steps.append(step)
+        if not aborted and sum(len(s.token_ids) for s in steps) >= 3:
+            aborted = client.abort(request.request_id)
+            assert aborted
+    assert steps[-1].finish_reason is FinishReason.ABORTED
+    assert sum(len(s.token_ids) for s in steps) < 600
+    wait_until(lambda: all_kv_free(cluster), 10, "the decode pods to free the aborted KV")
+    chain_head = cluster_chain_address(cluster)
+    wait_until(lambda: worker_load(chain_head, "prefill").queued_requests == 0, 10,
+               "the chain to drop the request")
+    assert not client.abort(request.request_id), "nothing is left to abort"
+
+
+def cluster_chain_address(cluster) -> str:
+    store = RedisStore(cluster.redis_url)
+    try:
+        (head,) = [w for w in store.list_workers("prefill") if w.rank == 0]
+        return head.address
+    finally:
+        store.close()
+
+
+def test_a_client_that_cancels_frees_the_kv_on_the_decode_pod(cluster, client, reference):
+    stream = client.stream(GenerateRequest(text=SHORT_PROMPT, sampling=SamplingParams(
+        temperature=0.0, max_tokens=600)))
+    received = 0
+    with pytest.raises(grpc.RpcError) as error:
+        for step in stream:
+            received += len(step.token_ids)
+            if received >= 3:
+                stream.cancel()
+    assert error.value.code() == grpc.StatusCode.CANCELLED
+    wait_until(lambda: all_kv_free(cluster), 10, "the decode pod to free a cancelled request")
+
+
+def raw(**fields) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(**fields)
+
+
+BAD_REQUESTS = [
+    (raw(text=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (raw(text="x", sampling=common_pb2.SamplingParams(max_tokens=0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "got 0"),
+    (raw(text="x", sampling=common_pb2.SamplingParams(temperature=math.nan)),
+     grpc.StatusCode.INVALID_ARGUMENT, "nan"),
+    (raw(text="x", sampling=common_pb2.SamplingParams(top_p=0.0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "got 0.0"),
+    (raw(token_ids=api_pb2.TokenIds(ids=[5, 4096])), grpc.StatusCode.INVALID_ARGUMENT, "[4096]"),
+    (raw(text="x", model="gpt-9"), grpc.StatusCode.INVALID_ARGUMENT, "'gpt-9'"),
+    (raw(token_ids=api_pb2.TokenIds(ids=[5] * 1000), sampling=common_pb2.SamplingParams(max_tokens=100)),
+     grpc.StatusCode.INVALID_ARGUMENT, "1100 exceeds the model's limit of 1024"),
+]
+
+
+def test_each_bad_input_gets_its_code_and_the_service_keeps_serving(client):
+    for message, code, words in BAD_REQUESTS:
+        with pytest.raises(grpc.RpcError) as error:
+            list(client.stub.Generate(message, timeout=10))
+        assert error.value.code() == code and words in error.value.details(), message
+    first = client.stream(GenerateRequest(request_id="twice", text=SHORT_PROMPT,
+                                          sampling=SamplingParams(temperature=0, max_tokens=200)))
+    next(iter(first))
+    with pytest.raises(grpc.RpcError) as error:
+        list(client.stream(GenerateRequest(request_id="twice", text="x")))
+    assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    first.cancel()
+    assert client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(3))).token_ids
+
+
+def test_a_worker_whose_heartbeats_stop_leaves_routing_after_its_ttl(cluster, client):
+    paused = cluster.child("decode-1")
+    addresses = decode_addresses(cluster)
+    assert len(addresses) == 2
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: len(decode_addresses(cluster)) == 1, 3 * WORKER_TTL_S,
+                   "the paused pod's record to expire")
+        (survivor,) = decode_addresses(cluster)
+        for _ in range(4):  # every request now lands on the survivor, none hangs on the paused pod
+            completion = client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(2)),
+                                         timeout_s=30)
+            assert completion.last.route.decode_address == survivor
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: len(decode_addresses(cluster)) == 2, 3 * WORKER_TTL_S,
+               "the resumed pod to register again")
+
+
+def test_the_gateway_serves_through_a_redis_outage_and_finds_new_workers_after(cluster, client):
+    cluster.redis.stop()
+    for _ in range(3):
+        assert client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(2)),
+                               timeout_s=30).token_ids
+    newcomer = cluster.add_decode_worker()
+    cluster.redis.start()
+    cluster.redis.wait_ready(10)
+    wait_until(lambda: len(decode_addresses(cluster)) == 3, 120, "the new decode pod to register")
+    old = [cluster.child("decode-0"), cluster.child("decode-1")]
+    for child in old:  # a clean stop deregisters: only the newcomer is left to route to
+        child.process.terminate()
+    for child in old:
+        child.process.wait(30)
+    (new_address,) = decode_addresses(cluster)
+    completion = wait_until(lambda: _try_generate(client), 10, "a request on the new pod")
+    assert completion.last.route.decode_address == new_address
+    assert newcomer.process.poll() is None
+
+
+def _try_generate(client):
+    try:
+        return client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(2)), timeout_s=30)
+    except grpc.RpcError:
+        return None
