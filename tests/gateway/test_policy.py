@@ -57,12 +57,12 @@ def test_full_pods_are_skipped_and_all_full_is_workers_full(policy):
 
 def test_no_decode_pod_of_this_model_is_no_live_workers(policy):
     with pytest.raises(NoLiveWorkers, match="no decode worker of model 'tiny'"):
-        policy.route(10, snapshot(decode("a", model="other"), rank("c0", 0), rank("c0", 1)), {})
+        policy.route(10, snapshot(decode("a", model="other"), rank("c0", 0)), {})
 
 
 def test_short_prompts_stay_local_and_long_ones_take_the_least_queued_chain(policy):
-    workers = snapshot(decode("a"), rank("c0", 0, queued_tokens=900), rank("c0", 1),
-                       rank("c1", 0, queued_tokens=100), rank("c1", 1))
+    workers = snapshot(decode("a"), rank("c0", 0, queued_tokens=900),
+                       rank("c1", 0, queued_tokens=100))
     assert policy.route(99, workers, {}).chain is None
     chosen = policy.route(100, workers, {}).chain
     assert chosen.chain_id == "c1" and chosen.rank == 0
@@ -70,8 +70,8 @@ def test_short_prompts_stay_local_and_long_ones_take_the_least_queued_chain(poli
     assert policy.route(100, workers, busy_here).chain.chain_id == "c0"
 
 
-def test_a_chain_missing_a_rank_takes_no_request_and_the_prompt_runs_locally(policy):
-    workers = snapshot(decode("a"), rank("c0", 0))
+def test_with_no_live_chain_a_long_prompt_is_prefilled_on_the_decode_pod(policy):
+    workers = snapshot(decode("a"), rank("c0", 1))  # a rank that is not a chain's head
     decision = policy.route(500, workers, {})
     assert decision.chain is None and decision.decode.worker_id == "a"
 

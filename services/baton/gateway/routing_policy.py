@@ -57,18 +57,10 @@ class RoutingPolicy(abc.ABC):
         return [w for w in snapshot.of_role("decode") if w.model_id == self.model_id]
 
     def chain_heads(self, snapshot: RoutingSnapshot) -> list[WorkerInfo]:
-        """Rank 0 of every chain of this model whose ranks are all live (a chain missing a
-        rank cannot finish a prefill, so it takes no request)."""
-        ranks: dict[str, set[int]] = {}
-        heads: dict[str, WorkerInfo] = {}
-        for worker in snapshot.of_role("prefill"):
-            if worker.model_id != self.model_id:
-                continue
-            ranks.setdefault(worker.chain_id, set()).add(worker.rank)
-            if worker.rank == 0:
-                heads[worker.chain_id] = worker
-        return [head for chain_id, head in sorted(heads.items())
-                if ranks[chain_id] == set(range(head.num_ranks))]
+        """Rank 0 of every live chain of this model. Rank 0 speaks for its chain: it registers
+        only once every rank has joined and stops serving when a rank is lost."""
+        return [worker for worker in snapshot.of_role("prefill")
+                if worker.model_id == self.model_id and worker.rank == 0]
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {}
