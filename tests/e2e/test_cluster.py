@@ -5,8 +5,11 @@ survives dead workers and a Redis outage. One cluster serves the module, in this
 
 from __future__ import annotations
 
+import json
 import math
 import signal
+import subprocess
+import sys
 import threading
 
 import grpc
@@ -190,6 +193,18 @@ def test_each_bad_input_gets_its_code_and_the_service_keeps_serving(client):
     assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
     first.cancel()
     assert client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(3))).token_ids
+
+
+def test_generate_with_server_keeps_the_json_contract_of_a_local_run(cluster, reference):
+    prompt_ids = reference.tokenizer.encode(SHORT_PROMPT)
+    completed = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "generate", "--server", cluster.gateway_address,
+         "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-tokens", "6", "--json"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert completed.returncode == 0, completed.stderr
+    expected = reference.tokens(prompt_ids, 6)
+    assert json.loads(completed.stdout) == {"token_ids": expected,
+                                            "text": reference.tokenizer.decode(expected)}
 
 
 def test_a_worker_whose_heartbeats_stop_leaves_routing_after_its_ttl(cluster, client):

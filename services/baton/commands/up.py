@@ -18,8 +18,7 @@ import signal
 import threading
 
 DEMO_SHORT_PROMPT = "def fibonacci(n):\n"
-# Long enough for the chain at the default threshold (512 tokens) on the shipped tokenizer.
-DEMO_LONG_PROMPT_LINES = 80
+DEMO_LINES_PER_ROUND = 8  # the long demo prompt grows by this many source lines until long enough
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +85,7 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
 
     client = BatonClient(address)
     client.wait_until_serving(timeout_s=60)
-    long_prompt = _long_prompt(client, threshold_tokens)
+    long_prompt = _long_prompt(client, threshold_tokens, max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     try:
         for label, prompt in (("short prompt", DEMO_SHORT_PROMPT), ("long prompt", long_prompt)):
@@ -109,14 +108,15 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
         client.close()
 
 
-def _long_prompt(client, threshold_tokens: int) -> str:
-    """Source-like text that tokenizes to at least the chain threshold (within the model's limit)."""
-    lines = [f"def step_{i}(state):\n    return state + {i}\n" for i in range(DEMO_LONG_PROMPT_LINES)]
-    text = "".join(lines)
+def _long_prompt(client, threshold_tokens: int, max_tokens: int) -> str:
+    """Source-like text of at least the chain threshold, within the model's context."""
+    limit = client.list_models()[0].max_model_len
+    if threshold_tokens + max_tokens > limit:
+        raise ValueError(f"--prefill-threshold-tokens {threshold_tokens} + --max-tokens {max_tokens} "
+                         f"exceed the model's context of {limit} tokens: no demo prompt fits")
+    text, num_lines = "", 0
     while len(client.tokenize(text).token_ids) < threshold_tokens:
-        text += text
-    limit = client.list_models()[0].max_model_len // 2
-    token_ids = client.tokenize(text).token_ids
-    if len(token_ids) > limit:
-        text = "".join(client.tokenize(text).pieces[:max(threshold_tokens, limit)])
+        text += "".join(f"def step_{i}(state):\n    return state + {i}\n"
+                        for i in range(num_lines, num_lines + DEMO_LINES_PER_ROUND))
+        num_lines += DEMO_LINES_PER_ROUND
     return text
