@@ -8,8 +8,8 @@ retire finished sequences. Requests join and leave between iterations.
 Threads: one loop thread calls ``step()``; any thread may call
 ``add_request``, ``add_prefilled_request`` and ``abort``: they validate at
 once (raising ValueError in the caller) and hand the work over through a
-thread-safe inbox that the next ``step()`` drains. ``generate()`` and
-``stream()`` drive ``step()`` themselves, so they are for callers that own the
+thread-safe inbox that the next ``step()`` drains. ``generate()`` drives
+``step()`` itself, so it is for callers that own the
 engine (the CLI, tests, benchmarks), not for use beside a loop thread.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -156,19 +155,6 @@ class Engine:
                 seq.compressor.after_decode(self.pool, seq.request_id)
 
     # --- convenience drivers ---------------------------------------------------------------
-
-    def stream(self, prompts: SequenceOf[Prompt],
-               params: SamplingParams | SequenceOf[SamplingParams] | None = None
-               ) -> Iterator[RequestOutput]:
-        """Add the prompts and step until all finish, yielding every output as it comes."""
-        per_prompt = self._params_per_prompt(prompts, params)
-        ids = {self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)}
-        while ids:
-            for output in self.step():
-                if output.request_id in ids:
-                    yield output
-                    if output.finished:
-                        ids.discard(output.request_id)
 
     def generate(self, prompts: SequenceOf[Prompt],
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None
