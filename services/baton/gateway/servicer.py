@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import grpc
 
 from baton.api import convert
-from baton.api.requests import FinishReason, GenerationStep, Route, Timings
+from baton.api.requests import FinishReason, GenerateRequest, GenerationStep, Route, Timings
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.gateway.relay import ChainIncomplete, Relay
 from baton.gateway.request_table import DuplicateRequest, LiveRequest, RequestTable
-from baton.gateway.routing_policy import NoLiveWorkers, RoutingPolicy, WorkersFull
+from baton.gateway.routing_policy import NoLiveWorkers, RouteDecision, RoutingPolicy, WorkersFull
 from baton.gateway.served_model import ServedModel
 from baton.metrics import GatewayMetrics
 from baton.routing import RequestRecord, RoutingView
@@ -46,10 +46,10 @@ def status_of(error: BaseException) -> grpc.StatusCode:
 class StreamClock:
     """The gateway's own timings of one stream: TTFT and the gaps between messages."""
 
-    def __init__(self, metrics: GatewayMetrics, path: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, path: str, arrival: float) -> None:
         self.metrics = metrics
         self.path = path
-        self.arrival = time.monotonic()
+        self.arrival = arrival  # time.monotonic() when the call reached the gateway
         self.first_token_at: float | None = None
         self.last_token_at = self.arrival
         self.num_gaps = 0
@@ -92,13 +92,14 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
 
     def Generate(self, message: api_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[common_pb2.GenerateResponse]:
+        arrival = time.monotonic()
         try:
             live, request, prompt_ids, decision = self._admit(message)
         except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
             self.metrics.requests_finished.labels(path="none", outcome=status_of(e).name).inc()
             context.abort(status_of(e), str(e))
         path = "local" if decision.chain is None else "chain"
-        clock = StreamClock(self.metrics, path)
+        clock = StreamClock(self.metrics, path, arrival)
         context.add_callback(lambda: self._on_call_done(live))
         self.metrics.requests_in_flight.inc()
         outcome = "INTERNAL"
@@ -121,12 +122,16 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         except ChainIncomplete as e:
             outcome = status_of(e).name
             context.abort(status_of(e), str(e))
+        except GeneratorExit:  # the client went away; _on_call_done aborts the pods
+            outcome = grpc.StatusCode.CANCELLED.name
+            raise
         finally:
             self.table.finish(live.request_id)
             self.metrics.requests_in_flight.dec()
             self.metrics.requests_finished.labels(path=path, outcome=outcome).inc()
 
-    def _admit(self, message: api_pb2.GenerateRequest):
+    def _admit(self, message: api_pb2.GenerateRequest
+               ) -> tuple[LiveRequest, GenerateRequest, tuple[int, ...], RouteDecision]:
         if self.draining:
             raise NoLiveWorkers("the gateway is shutting down")
         request = convert.generate_request_from_proto(message)
