@@ -122,3 +122,14 @@ def test_the_gateway_registers_itself_for_discovery(gateway):
     server, store, _, _ = gateway
     (record,) = store.list_workers("gateway")
     assert record.address == server.address and record.model_id == server.model.info.id
+
+
+def test_refused_requests_are_counted_by_status_in_the_metrics(gateway):
+    server, _, stub, _ = gateway
+    registry = server.metrics.registry
+    labels = {"path": "none", "outcome": "INVALID_ARGUMENT"}
+    before = registry.get_sample_value("baton_gateway_requests_finished_total", labels) or 0
+    with pytest.raises(grpc.RpcError):
+        list(stub.Generate(raw(text=""), timeout=10))
+    assert registry.get_sample_value("baton_gateway_requests_finished_total", labels) == before + 1
+    assert registry.get_sample_value("baton_gateway_requests_in_flight") == 0
