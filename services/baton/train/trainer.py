@@ -30,6 +30,7 @@ from baton.config import TrainConfig
 from baton.model.config import ModelConfig
 from baton.model.llama import CausalLM
 from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint, save_checkpoint
+from baton.model.tokenizer import Tokenizer
 from baton.train.bpe import encode_documents, train_tokenizer
 from baton.train.corpus import END_OF_TEXT, read_documents, split_corpus
 from baton.train.forward import next_token_loss
@@ -227,8 +228,6 @@ def evaluate(model: CausalLM, tokenizer, windows: torch.Tensor, output_dir: Path
     model.eval()
     loss = held_out_loss(model, windows)
     save(model, tokenizer, output_dir)
-    from baton.model.tokenizer import Tokenizer
-
     sample = greedy_continuation(model, Tokenizer(tokenizer), SAMPLE_PROMPT, SAMPLE_TOKENS)
     model.train()
     elapsed = time.perf_counter() - started
