@@ -165,23 +165,30 @@ def raw(**fields) -> api_pb2.GenerateRequest:
     return api_pb2.GenerateRequest(**fields)
 
 
-BAD_REQUESTS = [
-    (raw(text=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    (raw(text="x", sampling=common_pb2.SamplingParams(max_tokens=0)),
-     grpc.StatusCode.INVALID_ARGUMENT, "got 0"),
-    (raw(text="x", sampling=common_pb2.SamplingParams(temperature=math.nan)),
-     grpc.StatusCode.INVALID_ARGUMENT, "nan"),
-    (raw(text="x", sampling=common_pb2.SamplingParams(top_p=0.0)),
-     grpc.StatusCode.INVALID_ARGUMENT, "got 0.0"),
-    (raw(token_ids=api_pb2.TokenIds(ids=[5, 4096])), grpc.StatusCode.INVALID_ARGUMENT, "[4096]"),
-    (raw(text="x", model="gpt-9"), grpc.StatusCode.INVALID_ARGUMENT, "'gpt-9'"),
-    (raw(token_ids=api_pb2.TokenIds(ids=[5] * 1000), sampling=common_pb2.SamplingParams(max_tokens=100)),
-     grpc.StatusCode.INVALID_ARGUMENT, "1100 exceeds the model's limit of 1024"),
-]
+def bad_requests(vocab_size: int, max_model_len: int) -> list:
+    """(message, code, words of the message) for each kind of bad input, sized to the model."""
+    too_long = max_model_len - 50
+    return [
+        (raw(text=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        (raw(text="x", sampling=common_pb2.SamplingParams(max_tokens=0)),
+         grpc.StatusCode.INVALID_ARGUMENT, "got 0"),
+        (raw(text="x", sampling=common_pb2.SamplingParams(temperature=math.nan)),
+         grpc.StatusCode.INVALID_ARGUMENT, "nan"),
+        (raw(text="x", sampling=common_pb2.SamplingParams(top_p=0.0)),
+         grpc.StatusCode.INVALID_ARGUMENT, "got 0.0"),
+        (raw(token_ids=api_pb2.TokenIds(ids=[5, vocab_size])), grpc.StatusCode.INVALID_ARGUMENT,
+         f"[{vocab_size}]"),
+        (raw(text="x", model="gpt-9"), grpc.StatusCode.INVALID_ARGUMENT, "'gpt-9'"),
+        (raw(token_ids=api_pb2.TokenIds(ids=[5] * too_long),
+             sampling=common_pb2.SamplingParams(max_tokens=100)),
+         grpc.StatusCode.INVALID_ARGUMENT,
+         f"{too_long + 100} exceeds the model's limit of {max_model_len}"),
+    ]
 
 
 def test_each_bad_input_gets_its_code_and_the_service_keeps_serving(client):
-    for message, code, words in BAD_REQUESTS:
+    (model,) = client.list_models()
+    for message, code, words in bad_requests(model.vocab_size, model.max_model_len):
         with pytest.raises(grpc.RpcError) as error:
             list(client.stub.Generate(message, timeout=10))
         assert error.value.code() == code and words in error.value.details(), message
