@@ -7,7 +7,7 @@ from baton.config import PyramidConfig
 from baton.kv import KVPool
 from baton.model import Segment
 from baton.pyramid import GenerationCompressor, generation_keep_counts, prefill_compressed
-from conftest import PROMPT_LENGTH, hand_decode
+from pyramid_fixtures import PROMPT_LENGTH, hand_decode
 
 STEPS = 120
 WINDOW = 64  # 20% of the 320-token prompt

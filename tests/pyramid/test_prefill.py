@@ -11,7 +11,7 @@ from baton.kv import DenseKV, KVPool
 from baton.model import decode_step, prefill
 from baton.pyramid import compressor_factory, prefill_compressed, pyramid_budgets, recent_window
 from baton.pyramid.scoring import top_candidates
-from conftest import PROMPT_LENGTH, build_model, hand_decode
+from pyramid_fixtures import PROMPT_LENGTH, build_model, hand_decode
 
 
 class Recorder:

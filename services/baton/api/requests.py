@@ -14,19 +14,7 @@ from dataclasses import dataclass, field
 
 from baton.configtree import require
 from baton.kv.wire import KVHeader
-from baton.model.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class CompressionParams:
-    """Per-request PyramidInfer settings; None = the server's configured default."""
-
-    enabled: bool | None = None
-    keep_ratio: float | None = None
-
-    def __post_init__(self) -> None:
-        require(self.keep_ratio is None or 0 < self.keep_ratio <= 1,
-                 f"compression keep_ratio must be in (0, 1], got {self.keep_ratio}")
+from baton.model.sampling import CompressionParams, SamplingParams
 
 
 def check_prompt(token_ids: tuple[int, ...], sampling: SamplingParams, vocab_size: int,

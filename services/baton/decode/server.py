@@ -21,6 +21,7 @@ from baton.decode.servicer import DecodeServicer
 from baton.decode.worker import DecodeWorker
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
+from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.sarathi.engine import Engine
 from baton.serving import GrpcServer, release_version, run_until_signalled
@@ -55,7 +56,9 @@ class DecodeServer:
         self.loaded = load_checkpoint(model.path, dtype=model.dtype, device=model.device,
                                       revision=model.revision)
         engine = Engine(self.loaded.model, self.loaded.tokenizer, scheduler=self.config.scheduler,
-                        kv=self.config.kv)
+                        kv=self.config.kv,
+                        compressor_factory=engine_compressor_factory(self.config.pyramid,
+                                                                     self.loaded.config))
         self.worker = DecodeWorker(engine, self.address, self.metrics)
         self.worker.start()
         spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,

@@ -17,6 +17,7 @@ the loop.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -89,8 +90,10 @@ class DecodeWorker:
                 raise KVPoolExhausted(self.engine.pool.blocks_for(num_prompt_tokens),
                                       self.engine.pool.num_free_blocks)
             self._queued_prompt_tokens += num_prompt_tokens
+        # The request's compression overrides ride with its sampling params into the engine.
+        params = dataclasses.replace(request.sampling, compression=request.compression)
         self._enter(stream, lambda: self.engine.add_request(
-            list(request.prompt_token_ids), request.sampling, request.request_id),
+            list(request.prompt_token_ids), params, request.request_id),
             queued_tokens=num_prompt_tokens)
         return stream
 
@@ -106,9 +109,10 @@ class DecodeWorker:
                 raise RequestAborted(f"request {handoff.request_id!r} was aborted before its KV "
                                      f"arrived")
             self._claim(stream)
+        params = dataclasses.replace(handoff.sampling, compression=handoff.compression)
         self._enter(stream, lambda: self.engine.add_prefilled_request(
             list(handoff.prompt_token_ids), cache.layers, handoff.first_token_id,
-            handoff.sampling, handoff.request_id))
+            params, handoff.request_id))
         self.metrics.kv_bytes_received.inc(cache.num_bytes)
         self.metrics.compression_ratio.observe(kept / full)
 

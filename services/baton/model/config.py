@@ -109,7 +109,7 @@ class ModelConfig:
         return data
 
     @classmethod
-    def from_hf_dict(cls, data: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf_dict(cls, data: dict[str, Any], source: str = "config.json") -> ModelConfig:
         architectures = data.get("architectures") or []
         if not architectures:
             raise CheckpointError(source, "architectures", "is missing")
@@ -161,7 +161,7 @@ class ModelConfig:
             raise CheckpointError(source, "config", str(e)) from e
 
     @classmethod
-    def from_file(cls, path: Path) -> "ModelConfig":
+    def from_file(cls, path: Path) -> ModelConfig:
         if not path.is_file():
             raise CheckpointError(str(path), "config.json", "file not found")
         try:

@@ -14,8 +14,9 @@ Parameter names equal Hugging Face's, so a checkpoint loads as is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F

@@ -25,6 +25,18 @@ FINISH_LENGTH = "length"  # max_tokens, the model's context or the KV pool's cap
 FINISH_ABORT = "abort"
 
 
+@dataclass(frozen=True)
+class CompressionParams:
+    """One request's overrides of the deployment's KV compression (None = the deployment's)."""
+
+    enabled: bool | None = None
+    keep_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_ratio is not None and not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"compression keep_ratio must be in (0, 1], got {self.keep_ratio}")
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops (validated on construction)."""
@@ -37,8 +49,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
-    # Per-request KV compression overrides (baton.pyramid) are added below this line by
-    # that engine; the engine hands the whole SamplingParams to its compressor factory.
+    # Per-request KV compression overrides; the engine hands them to its compressor factory.
+    compression: CompressionParams = field(default_factory=CompressionParams)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -14,7 +14,7 @@ class Tokenizer:
         self._tokenizer = tokenizer
 
     @classmethod
-    def from_dir(cls, directory: Path) -> "Tokenizer":
+    def from_dir(cls, directory: Path) -> Tokenizer:
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(str(path), "tokenizer.json", "file not found")

@@ -20,8 +20,12 @@ Generation phase — one ``GenerationCompressor(config, model_config)`` per deco
 pool: ``observer = track(seq_id, prompt_length)`` once the prompt is in the pool,
 the observer on each decode step's ``Segment``, ``after_step(pool, seq_id)`` after
 each decode step, ``forget(seq_id)`` when the sequence ends.
+
+On a SARATHI decode pod both phases come together:
+``Engine(..., compressor_factory=engine_compressor_factory(config, model_config))``.
 """
 
+from baton.pyramid.engine_hook import PyramidSequenceCompressor, engine_compressor_factory
 from baton.pyramid.generation import GenerationCompressor, RecentQueries
 from baton.pyramid.prefill import (
     PromptCompressor,
@@ -39,7 +43,20 @@ from baton.pyramid.schedule import (
     uniform_budgets,
 )
 
-__all__ = ["BUDGET_POLICIES", "GenerationCompressor", "PromptCompressor", "RecentQueries",
-           "compressor_factory", "generation_keep_counts", "layer_budgets", "mandatory_tokens",
-           "prefill_compressed", "pyramid_budgets", "recent_window", "request_config",
-           "uniform_budgets"]
+__all__ = [
+    "BUDGET_POLICIES",
+    "GenerationCompressor",
+    "PromptCompressor",
+    "PyramidSequenceCompressor",
+    "RecentQueries",
+    "compressor_factory",
+    "engine_compressor_factory",
+    "generation_keep_counts",
+    "layer_budgets",
+    "mandatory_tokens",
+    "prefill_compressed",
+    "pyramid_budgets",
+    "recent_window",
+    "request_config",
+    "uniform_budgets",
+]

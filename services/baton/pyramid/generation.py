@@ -84,12 +84,15 @@ class GenerationCompressor:
 
     def track(self, seq_id: str, prompt_length: int) -> RecentQueries:
         """Start updating a sequence whose prompt (compressed or not) is in the pool."""
-        window = recent_window(self.config, prompt_length)
-        # The prompt's recent window was kept whole; it is the first to leave the sliding window.
-        first = max(prompt_length - window, self.config.num_sinks)
-        observer = RecentQueries(self.num_layers, window)
-        self._sequences[seq_id] = _Sequence(observer, first)
+        observer = RecentQueries(self.num_layers, recent_window(self.config, prompt_length))
+        self.adopt(seq_id, observer, prompt_length)
         return observer
+
+    def adopt(self, seq_id: str, observer: RecentQueries, prompt_length: int) -> None:
+        """Track a sequence with an observer that has already been recording its decode steps."""
+        # The prompt's recent window was kept whole; it is the first to leave the sliding window.
+        first = max(prompt_length - observer.window, self.config.num_sinks)
+        self._sequences[seq_id] = _Sequence(observer, first)
 
     def observer(self, seq_id: str) -> RecentQueries | None:
         tracked = self._sequences.get(seq_id)

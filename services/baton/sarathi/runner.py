@@ -29,10 +29,11 @@ class ModelRunner:
         segments: list[Segment] = []
         output_rows: list[int] = []
         sampling: list[Sequence] = []
-        # Prefill chunks carry the sequence's compressor as their attention observer.
+        # Every segment carries its sequence's compressor as attention observer (prompt
+        # chunks score the prompt; decode steps feed the generation-phase update).
         work = [(chunk.seq, chunk.num_tokens, chunk.completes, chunk.seq.compressor)
                 for chunk in plan.prefills]
-        work += [(seq, 1, True, None) for seq in plan.decodes]
+        work += [(seq, 1, True, seq.compressor) for seq in plan.decodes]
         for seq, num_tokens, samples, observer in work:
             start = seq.num_computed
             token_ids += seq.token_ids[start:start + num_tokens]

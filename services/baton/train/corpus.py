@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 END_OF_TEXT = "<|endoftext|>"
-EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
+EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__",
+                           "encodings", "pydoc_data"})
 DEFAULT_HELD_OUT_PERCENT = 5
 
 
