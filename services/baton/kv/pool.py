@@ -208,10 +208,8 @@ class KVPool:
         and lengths [B]. Rows past a sequence's length hold stale data: mask them."""
         tables = [self._tables[seq_id][layer] for seq_id in seq_ids]
         max_blocks = max(len(table.blocks) for table in tables)
-        index = torch.zeros(len(tables), max_blocks, dtype=torch.long)
-        for row, table in enumerate(tables):
-            index[row, :len(table.blocks)] = torch.tensor(table.blocks)
-        index = index.to(self.k_cache.device)
+        padded = [table.blocks + [0] * (max_blocks - len(table.blocks)) for table in tables]
+        index = torch.tensor(padded, dtype=torch.long, device=self.k_cache.device)
         batch, span = len(tables), max_blocks * self.block_size
         k = self.k_cache[index].view(batch, span, *self.k_cache.shape[2:])
         v = self.v_cache[index].view(batch, span, *self.v_cache.shape[2:])

@@ -50,8 +50,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
 
 def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[S, Hkv, D] -> [S, H, D]: each KV head repeated for its group of query heads (GQA/MQA)."""
-    groups = num_heads // x.shape[1]
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+    length, num_kv_heads, head_dim = x.shape
+    groups = num_heads // num_kv_heads
+    if groups == 1:
+        return x
+    # expand + reshape copies once; repeat_interleave is several times slower on CPU.
+    return x[:, :, None, :].expand(length, num_kv_heads, groups, head_dim).reshape(
+        length, num_heads, head_dim)
 
 
 def attend_decode_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,12 +67,14 @@ def attend_decode_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q: [B, H, D]; k, v: [B, S, Hkv, D] padded; key_positions: [B, S]; lengths: [B]
     valid keys per row. Returns [B, H, D].
     """
-    batch, span, num_heads = k.shape[0], k.shape[1], q.shape[1]
+    batch, span, num_kv_heads, head_dim = k.shape
+    num_heads = q.shape[1]
     mask = torch.arange(span, device=q.device)[None, :] < lengths[:, None]  # [B, S]
     if sliding_window is not None:
         mask &= (query_positions[:, None] - key_positions) < sliding_window
-    k = expand_kv_heads(k.flatten(0, 1), num_heads).view(batch, span, num_heads, -1)
-    v = expand_kv_heads(v.flatten(0, 1), num_heads).view(batch, span, num_heads, -1)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+    # GQA without copying K/V: the G query heads that share a KV head become G "query
+    # rows" of that head (head h reads KV head h // G), so q: [B, Hkv, G, D].
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask[:, None, None, :])
-    return out[:, :, 0, :]
+    return out.reshape(batch, num_heads, head_dim)
