@@ -254,8 +254,9 @@ def report(all_results: dict[str, dict[str, dict]], num_requests: int, workload_
                         f"requests through the chain.\n")
     return "\n".join([
         "# Serving: baton's cluster vs transformers vs the monolithic engine", "",
-        ("Written by `bench/serve.py` (`make bench`); figures from one run on a shared, noisy "
-         "2-core CPU machine (other jobs were running), so treat differences under ~20% as noise."),
+        ("Written by `bench/serve.py` (`make bench`); figures from one run, every system on the "
+         "same requests side by side. The load average below says whether other jobs shared "
+         "the machine; on a shared machine treat differences under ~20% as noise."),
         "",
         f"Machine: {machine}. Whole run: {elapsed_s / 60:.1f} min.", "",
         f"Workload: {workload_note}", "",
@@ -266,11 +267,9 @@ def report(all_results: dict[str, dict[str, dict]], num_requests: int, workload_
         ("* transformers runs the requests one after another, as `model.generate` does: its "
          "TTFT grows with the queue ahead of each request."),
         ("* The monolithic engine batches every request in one process (SARATHI: all decodes "
-         "plus one prefill chunk per iteration), on one thread. With all 64 requests running, "
-         "one iteration takes hundreds of milliseconds on this CPU, so its time between tokens "
-         "is far above transformers' single-sequence steps, and batching does not win back the "
-         "difference in throughput at these model sizes: the cost per iteration is the engine's "
-         "(the cluster's decode pod shows the same pattern), not the service layer's."),
+         "plus one prefill chunk per iteration), on one thread. Batching is what buys its "
+         "throughput and TTFT; the price is time between tokens: with up to 64 sequences in "
+         "one iteration each step costs far more than transformers' single-sequence steps."),
         ("* The cluster runs gateway, two chain ranks and one decode pod as processes with one "
          "thread each on the same two cores: it pays gRPC, KV shipping (compression off) and "
          "process switches, and it can use both cores where the in-process systems use one, so "

@@ -1,25 +1,18 @@
-"""A real ``redis-server`` for tests: started on a free localhost port in a temp directory.
+"""A real ``redis-server`` for tests: ``baton up``'s own ManagedRedis (free localhost port,
+temp directory, no persistence), with the start/stop/restart the outage tests need.
 
-No persistence (``--save ''``, no AOF), so a stop loses everything, exactly like a Redis
-pod that restarts without a volume; ``restart()`` brings it back on the same port (the
-outage tests rely on clients reconnecting to the same URL).
+A stop loses everything, exactly like a Redis pod that restarts without a volume;
+``restart()`` brings it back on the same port, so clients reconnect to the same URL.
 """
 
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
+from baton.gateway.local_cluster import ManagedRedis
+
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def redis_server_binary() -> str | None:
@@ -27,49 +20,29 @@ def redis_server_binary() -> str | None:
 
 
 class RedisServer:
-    def __init__(self, directory: Path, port: int | None = None) -> None:
-        binary = redis_server_binary()
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (`make setup` installs it)")
-        self.binary = binary
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.port = port or free_port()
-        self.process: subprocess.Popen | None = None
+        self._redis: ManagedRedis | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self._redis.url
+
+    @property
+    def port(self) -> int:
+        return self._redis.port
 
     def start(self) -> RedisServer:
-        self.process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._wait_until_ready()
+        if self._redis is None:
+            self._redis = ManagedRedis(self.directory)  # starts it
+        else:
+            self._redis.start()
+        self._redis.wait_ready(START_TIMEOUT_S)
         return self
 
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode} "
-                                   f"on port {self.port}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        self.stop()
-        raise TimeoutError(f"redis-server on port {self.port} not ready in {START_TIMEOUT_S}s")
-
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-        self.process = None
+        if self._redis is not None:
+            self._redis.stop()
 
     def restart(self) -> None:
         self.stop()

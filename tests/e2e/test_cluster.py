@@ -234,6 +234,8 @@ def test_a_worker_whose_heartbeats_stop_leaves_routing_after_its_ttl(cluster, cl
 
 
 def test_the_gateway_serves_through_a_redis_outage_and_finds_new_workers_after(cluster, client):
+    # Start from a gateway that routes (earlier tests pause and resume workers).
+    wait_until(lambda: _try_generate(client), 30, "the cluster to serve before the outage")
     cluster.redis.stop()
     for _ in range(3):
         assert client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(2)),
