@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, markdown_table, median_time, write_report  # noqa: E402
-
-from baton.kv import DenseKV, KVPool  # noqa: E402
-from baton.model import decode_step, load_checkpoint, prefill, save_checkpoint  # noqa: E402
-from baton.model.loader import SHIPPED_MODEL_DIR  # noqa: E402
-from baton.model.presets import random_model  # noqa: E402
+from baton.kv import DenseKV, KVPool
+from baton.model import decode_step, load_checkpoint, prefill, save_checkpoint
+from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.presets import random_model
+from common import machine_description, markdown_table, median_time, write_report
 
 PREFILL_LENGTHS = (512, 2048)
 DECODE_BATCHES = (1, 8, 32)

@@ -5,26 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from baton.model.config import ModelConfig
 
 VARIANTS = {
-    "llama2": dict(architecture="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=4),
-    "llama3": dict(architecture="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=2,
-                   rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64}),
-    "qwen2": dict(architecture="Qwen2ForCausalLM", num_attention_heads=4, num_key_value_heads=1,
-                  tie_word_embeddings=True),
-    "mistral": dict(architecture="MistralForCausalLM", num_attention_heads=8, num_key_value_heads=2,
-                    sliding_window=4096),
+    "llama2": {"architecture": "LlamaForCausalLM", "num_attention_heads": 4,
+               "num_key_value_heads": 4},
+    "llama3": {"architecture": "LlamaForCausalLM", "num_attention_heads": 4,
+               "num_key_value_heads": 2,
+               "rope": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}},
+    "qwen2": {"architecture": "Qwen2ForCausalLM", "num_attention_heads": 4,
+              "num_key_value_heads": 1, "tie_word_embeddings": True},
+    "mistral": {"architecture": "MistralForCausalLM", "num_attention_heads": 8,
+                "num_key_value_heads": 2, "sliding_window": 4096},
 }
 
 
 def tiny_config(variant: str = "llama2", **overrides) -> ModelConfig:
-    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                  rms_norm_eps=1e-5)
+    fields = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "max_position_embeddings": 1024, "rms_norm_eps": 1e-5}
     fields.update(VARIANTS[variant])
     fields.update(overrides)
     return ModelConfig(**fields)

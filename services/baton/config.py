@@ -162,7 +162,7 @@ class ServerConfig:
         require(bool(self.tls_cert) == bool(self.tls_key),
                 f"tls_cert {self.tls_cert!r} and tls_key {self.tls_key!r} go together: set both or neither")
         require(self.worker_threads >= 1, f"worker_threads must be >= 1, got {self.worker_threads}")
-        host, sep, port = self.listen.rpartition(":")
+        _host, sep, port = self.listen.rpartition(":")
         require(bool(sep) and port.isdigit() and int(port) <= 65535,
                 f"listen address {self.listen!r} is not host:port")
         require(0 <= self.metrics_port <= 65535, f"metrics_port {self.metrics_port} is not a port")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from baton.kv import DenseKV, KVPool, KVPoolExhausted, LayerKV
 
 LAYERS, HEADS, DIM, BLOCK = 3, 2, 4, 4

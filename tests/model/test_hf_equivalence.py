@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from baton.kv import DenseKV, KVPool
 from baton.model import decode_step, load_checkpoint, prefill
 from hf_reference import save_random_hf_model, tiny_config

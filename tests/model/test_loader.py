@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from baton.kv import DenseKV
 from baton.model import CheckpointError, load_checkpoint, prefill
 from hf_reference import save_random_hf_model, tiny_config
+from safetensors.torch import load_file, save_file
 
 
 @pytest.fixture(scope="module")

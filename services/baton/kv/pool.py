@@ -217,7 +217,7 @@ class KVPool:
         lengths = torch.tensor([table.length for table in tables], device=self.k_cache.device)
         return k, v, positions, lengths
 
-    def view(self, seq_id: str) -> "PagedSequenceKV":
+    def view(self, seq_id: str) -> PagedSequenceKV:
         return PagedSequenceKV(self, seq_id)
 
 

@@ -62,7 +62,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return files
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
+            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     raise CheckpointError(str(directory), "model.safetensors",
                           "file not found (nor model.safetensors.index.json)")
 

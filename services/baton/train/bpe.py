@@ -7,8 +7,9 @@ END_OF_TEXT, separates documents in training and is the model's eos token.
 
 from __future__ import annotations
 
-from baton.train.corpus import END_OF_TEXT
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from baton.train.corpus import END_OF_TEXT
 
 
 def train_tokenizer(documents: list[str], vocab_size: int) -> Tokenizer:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from baton.model.llama import CausalLM
 
 

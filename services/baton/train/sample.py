@@ -7,6 +7,7 @@ the shipped model's test checks that what it writes is Python.
 from __future__ import annotations
 
 import torch
+
 from baton.kv.dense import DenseKV
 from baton.model.llama import CausalLM, decode_step, prefill
 from baton.model.tokenizer import Tokenizer

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
 from baton.config import TrainConfig
 from baton.model.config import ModelConfig
 from baton.model.llama import CausalLM
