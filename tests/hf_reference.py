@@ -15,7 +15,7 @@ VARIANTS = {
                "rope": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 64}},
-    "qwen2": {"architecture": "Qwen2ForCausalLM", "num_attention_heads": 4,
+    "qwen2": {"architecture": "Qwen2ForCausalLM", "attention_bias": True, "num_attention_heads": 4,
               "num_key_value_heads": 1, "tie_word_embeddings": True},
     "mistral": {"architecture": "MistralForCausalLM", "num_attention_heads": 8,
                 "num_key_value_heads": 2, "sliding_window": 4096},

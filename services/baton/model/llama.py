@@ -79,13 +79,22 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv: _FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v (see ``CausalLM.fuse_projections``)."""
+        self.qkv = _FusedLinear(self.q_proj, self.k_proj, self.v_proj)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [N, hidden] -> q [N, H, D], k, v [N, Hkv, D], RoPE applied to q and k."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
@@ -95,9 +104,46 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up: _FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """One matmul for gate and up (see ``CausalLM.fuse_projections``)."""
+        self.gate_up = _FusedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class _FusedLinear:
+    """Several linear layers over the same input as one matmul.
+
+    The layers' weights become row slices (views) of one concatenated matrix, so
+    memory is not doubled, the Hugging Face parameter names stay, and a later
+    ``load_state_dict`` writes through to the fused matrix. Moving the model to
+    another device or dtype afterwards breaks the sharing: fuse last.
+    Inference only: the views are not leaves of their own for autograd.
+    """
+
+    def __init__(self, *layers: nn.Linear) -> None:
+        self.sizes = [layer.out_features for layer in layers]
+        with torch.no_grad():
+            self.weight = torch.cat([layer.weight for layer in layers])
+            has_bias = [layer.bias is not None for layer in layers]
+            assert all(has_bias) or not any(has_bias), "fused layers must agree on bias"
+            self.bias = torch.cat([layer.bias for layer in layers]) if has_bias[0] else None
+        start = 0
+        for layer, size in zip(layers, self.sizes, strict=True):
+            layer.weight.data = self.weight[start:start + size]
+            if self.bias is not None:
+                layer.bias.data = self.bias[start:start + size]
+            start += size
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -128,6 +174,17 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+
+    def fuse_projections(self) -> CausalLM:
+        """Run q/k/v and gate/up as one matmul each: fewer, larger kernels for decode.
+
+        Call once the weights are loaded and the model is on its final device and
+        dtype (the loader and ``random_model`` do). Inference only.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @property
     def device(self) -> torch.device:

@@ -105,7 +105,7 @@ def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "a
     load_weights(model, directory)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval()
+    model.eval().fuse_projections()
     tokenizer = Tokenizer.from_dir(directory) if with_tokenizer else None
     return LoadedModel(model, config, tokenizer, model_id=directory.name,
                        revision=revision or directory.name, path=directory)
@@ -115,7 +115,7 @@ def save_checkpoint(model: CausalLM, directory: Path, dtype: torch.dtype = torch
     """Write ``config.json`` and ``model.safetensors`` in Hugging Face's layout."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()}
+    tensors = {name: p.detach().to("cpu", dtype, copy=True) for name, p in model.named_parameters()}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

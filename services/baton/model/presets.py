@@ -33,4 +33,4 @@ def random_model(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = 
                 parameter.fill_(1.0)
             else:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().fuse_projections()
