@@ -42,10 +42,50 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     elif num_queries == 1 and not window_matters:
         out = F.scaled_dot_product_attention(qh, kh, vh)
+    elif (not window_matters and _SPLIT_KERNEL is not None and q.device.type == "cpu"
+          and _prefix_then_own(query_positions, key_positions)):
+        out = _attend_prefix_then_own(qh, kh, vh, num_keys - num_queries)
     else:
         mask = visibility_mask(query_positions, key_positions, sliding_window)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
     return out[0].transpose(0, 1)
+
+
+# CPU's fused kernel, called directly because it also returns each row's log-sum-exp,
+# which merging two partial attentions needs (the public SDPA does not return it).
+_SPLIT_KERNEL = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_then_own(query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
+    """Do the keys end with the queries' own tokens, after a prefix that every query sees?
+
+    True for a chain rank's or a chunk's keys (prefix 0..b, then its slice), also when
+    the prefix was pruned: pruning keeps positions, all before the new tokens.
+    """
+    num_queries, num_keys = query_positions.shape[0], key_positions.shape[0]
+    if num_queries == 0 or num_queries >= num_keys:
+        return False
+    own = key_positions[num_keys - num_queries:]
+    return bool(torch.equal(own, query_positions)
+                and key_positions[:num_keys - num_queries].max() <= query_positions.min()
+                and (num_queries == 1 or bool((own[1:] > own[:-1]).all())))
+
+
+def _attend_prefix_then_own(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                            prefix: int) -> torch.Tensor:
+    """Bottom-right causal attention as two fused calls merged by their log-sum-exps.
+
+    An explicit [T, S] mask costs its materialisation and makes the kernel visit every
+    block; here the prefix is attended without a mask and the own slice with
+    ``is_causal``, which skips the blocks above the diagonal. On this CPU that is
+    1.3-1.8x faster for a chain tail's slice. Inputs [1, H, len, D]; returns [1, H, T, D].
+    """
+    out_prefix, lse_prefix = _SPLIT_KERNEL(qh, kh[:, :, :prefix], vh[:, :, :prefix])[:2]
+    out_own, lse_own = _SPLIT_KERNEL(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True)[:2]
+    # softmax over both key sets = a weighted mean of the two partial outputs, the weight
+    # of the prefix part being exp(lse_prefix) / (exp(lse_prefix) + exp(lse_own)).
+    weight = torch.sigmoid(lse_prefix.float() - lse_own.float())[..., None]
+    return torch.lerp(out_own.float(), out_prefix.float(), weight).to(qh.dtype)
 
 
 def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
