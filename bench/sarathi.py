@@ -33,8 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.config import KVPoolConfig, SchedulerConfig
-from baton.kv import DenseKV
-from baton.model import load_checkpoint, prefill
+from baton.model import load_checkpoint
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
@@ -42,7 +41,7 @@ from baton.sarathi import Engine
 from common import REPORT_DIR, machine_description, markdown_table, write_report
 
 POLICIES = ("sarathi", "separate", "orca")
-CALIBRATION_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+CALIBRATION_SIZES = (1, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 768, 1024)
 
 
 @dataclass
@@ -52,6 +51,7 @@ class Workload:
     decode_len: int  # D (tokens generated per request, the first one by the prefill)
     budget: int  # C: tokens per iteration
     num_requests: int  # N: requests served in all
+    balanced: bool = False  # P:D fills every iteration with one chunk and B-1 decodes
 
     @property
     def ratio(self) -> float:
@@ -81,24 +81,33 @@ class RunStats:
 
 
 class PrefillCost:
-    """Seconds of a prefill-only forward of n tokens, interpolated from measured sizes."""
+    """Seconds of a prefill-only engine iteration of n prompt tokens, interpolated from
+    measured sizes.
+
+    Measured through the same engine path as the runs (paged pool, runner, sampling of
+    the final chunk's token), so that a mixed iteration minus this cost leaves only what
+    its decodes added.
+    """
 
     def __init__(self, model, max_tokens: int) -> None:
-        sizes = [n for n in CALIBRATION_SIZES if n < max_tokens] + [max_tokens]
+        sizes = sorted({n for n in CALIBRATION_SIZES if n < max_tokens} | {max_tokens})
         self.sizes = np.array(sizes, dtype=float)
         self.seconds = np.array([self._measure(model, n) for n in sizes])
 
     @staticmethod
     def _measure(model, num_tokens: int, repeats: int = 5) -> float:
         """The fastest of a few runs: on a shared machine the minimum is the least disturbed."""
-        ids = torch.randint(0, model.config.vocab_size, (num_tokens,))
-        positions = torch.arange(num_tokens)
+        config = SchedulerConfig(policy="separate", token_budget=max(num_tokens, 2), max_running=1)
+        num_blocks = model.config.num_hidden_layers * (num_tokens // 16 + 2)
+        engine = Engine(model, None, scheduler=config, kv=KVPoolConfig(block_size=16, num_blocks=num_blocks))
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         times = []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):  # the first run warms up
+            engine.add_request(torch.randint(0, model.config.vocab_size, (num_tokens,)).tolist(), params)
             began = time.perf_counter()
-            prefill(model, ids, positions, DenseKV(model.config.num_hidden_layers))
+            engine.step()
             times.append(time.perf_counter() - began)
-        return min(times)
+        return min(times[1:])
 
     def __call__(self, num_tokens: int) -> float:
         return float(np.interp(num_tokens, self.sizes, self.seconds))
@@ -147,7 +156,7 @@ def run(model, policy: str, workload: Workload, prefill_cost: PrefillCost) -> Ru
 def sweep(model, workloads: list[Workload], label: str, repeats: int) -> list[RunStats]:
     """Every (workload, policy) ``repeats`` times, policies interleaved so that a burst of load
     from other jobs hits them alike; the fastest end-to-end run of each is kept."""
-    prefill_cost = PrefillCost(model, max(w.prompt_len for w in workloads))
+    prefill_cost = PrefillCost(model, max(max(w.prompt_len, w.budget) for w in workloads))
     results = []
     for workload in workloads:
         best: dict[str, RunStats] = {}
@@ -242,26 +251,35 @@ def goal_check(runs: list[RunStats]) -> str:
             f"{base.tbt_ms(99):.0f} ms, orca {by_policy['orca'].tbt_ms(99):.0f} ms\n")
 
 
-def balanced(batch: int, budget: int) -> float:
-    return budget / (batch - 1)
+def balanced_workload(batch: int, budget: int, chunks: int, num_requests: int) -> Workload:
+    """SARATHI's balanced point: with B-1 decodes running, each iteration has room for a
+    chunk of C-(B-1) prompt tokens; a prompt of ``chunks`` such chunks takes ``chunks``
+    iterations, during which each of the B-1 decodes makes ``chunks`` tokens. One request
+    then leaves as one enters when D - 1 = chunks * (B-1), i.e. P:D ~ (C-(B-1))/(B-1),
+    the paper's C/(B-1) with the chunk counted inside the budget."""
+    chunk = budget - (batch - 1)
+    return Workload(batch, chunks * chunk, chunks * (batch - 1) + 1, budget, num_requests, balanced=True)
 
 
 def grids(quick: bool) -> dict[str, list[Workload]]:
-    """The full grid for a quiet machine; ``quick`` keeps only the P:D sweep around the
-    balanced point at B=8, C=256 with shorter prompts and fewer requests."""
+    """The full grid for a quiet machine: P:D around the balanced point (B=8, C=256), the
+    token budget (128/256/512) and the batch size (4/8/16) at their balanced points.
+    ``quick``: only the P:D sweep, one-chunk prompts and fewer requests."""
     batch, budget = 8, 256
-    prompt = 128 if quick else 256
-    # N = 2B (1.5B quick): slots are refilled, so new prefills overlap running decodes.
-    num_requests = (lambda b: b + b // 2) if quick else (lambda b: 2 * b)
-    ratios = (10, balanced(batch, budget), 100) if quick else (10, 25, balanced(batch, budget), 50, 100)
+    chunks = 1 if quick else 2
+    num_requests = (lambda b: b + b // 2) if quick else (lambda b: 3 * b)
+    middle = balanced_workload(batch, budget, chunks, num_requests(batch))
+    prompt = middle.prompt_len
 
-    def workload(b, ratio, c):
-        return Workload(b, prompt, max(2, round(prompt / ratio)), c, num_requests(b))
+    def with_ratio(ratio: float) -> Workload:
+        return Workload(batch, prompt, max(2, round(prompt / ratio)), budget, num_requests(batch))
 
-    grid = {"ratio": [workload(batch, r, budget) for r in ratios]}
+    ratios = (10, 100) if quick else (10, 25, 50, 100)
+    ratio_sweep = sorted([with_ratio(r) for r in ratios] + [middle], key=lambda w: w.ratio)
+    grid = {"ratio": ratio_sweep}
     if not quick:
-        grid["chunk"] = [workload(batch, balanced(batch, c), c) for c in (128, 256, 512)]
-        grid["batch"] = [workload(b, balanced(b, budget), budget) for b in (4, 8, 16)]
+        grid["chunk"] = [balanced_workload(batch, c, chunks, num_requests(batch)) for c in (128, 256, 512)]
+        grid["batch"] = [balanced_workload(b, budget, chunks, num_requests(b)) for b in (4, 8, 16)]
     return grid
 
 
@@ -291,6 +309,8 @@ def main() -> None:
             if axis == "ratio":
                 png = plot(results, lambda w: w.ratio, "P:D", f"sarathi_{label}_ratio.png",
                            f"{label}: B=8, C=256, P={workloads[0].prompt_len}")
+                if label == "random-50m":
+                    balanced_runs = [r for r in results if r.workload.balanced]
             elif axis == "chunk":
                 png = plot(results, lambda w: w.budget, "token budget C (balanced P:D = C/(B-1))",
                            f"sarathi_{label}_chunk.png", f"{label}: B=8")
@@ -298,10 +318,6 @@ def main() -> None:
                 png = plot(results, lambda w: w.batch, "batch size B (balanced P:D = C/(B-1))",
                            f"sarathi_{label}_batch.png", f"{label}: C=256")
             sections.append(f"## {label}: sweep over {axis}\n\n{table(results)}\n\n![{axis}]({png})\n")
-            if label == "random-50m" and axis == "ratio":
-                balanced_ratio = balanced(8, 256)
-                balanced_runs = [r for r in results
-                                 if r.workload.decode_len == round(r.workload.prompt_len / balanced_ratio)]
     elapsed = time.perf_counter() - started
     sections.insert(1, goal_check(balanced_runs) + EXPLANATION)
     sections.append(f"Total benchmark time: {elapsed:.0f} s; load average {os.getloadavg()[0]:.1f} at the end "
