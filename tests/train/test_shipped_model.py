@@ -78,8 +78,7 @@ def python_tokens(source: str) -> list[tokenize.TokenInfo]:
     """
     tokens: list[tokenize.TokenInfo] = []
     try:
-        for token in tokenize.generate_tokens(io.StringIO(source).readline):
-            tokens.append(token)
+        tokens.extend(tokenize.generate_tokens(io.StringIO(source).readline))
     except tokenize.TokenError as e:
         assert "EOF" in e.args[0], e
     return tokens

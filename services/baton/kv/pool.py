@@ -10,6 +10,11 @@ The pool is what admission control counts: ``blocks_needed`` and ``reserve``
 let an engine check and claim room for a whole step up front (all layers or
 none), so a forward never runs out half way; running out raises
 ``KVPoolExhausted`` and never crashes.
+
+Data moves with ``index_select`` / ``index_copy_`` over the first dimension
+(blocks to read, token slots to write): on CPU that is ~10x faster than
+advanced indexing (``cache[index]``), which decode steps would otherwise pay
+on every layer.
 """
 
 from __future__ import annotations
@@ -136,17 +141,9 @@ class KVPool:
             extra[layer] = count
             self.reserve(seq_id, extra)
             table = self._tables[seq_id][layer]
-        start = table.length
-        offset = 0
-        while offset < count:
-            block = table.blocks[(start + offset) // self.block_size]
-            slot = (start + offset) % self.block_size
-            take = min(self.block_size - slot, count - offset)
-            self.k_cache[block, slot:slot + take] = k[offset:offset + take]
-            self.v_cache[block, slot:slot + take] = v[offset:offset + take]
-            self.positions[block, slot:slot + take] = positions[offset:offset + take]
-            offset += take
+        slots = self._slots(table, count)
         table.length += count
+        self._write(slots, k, v, positions)
 
     def gather(self, seq_id: str, layer: int) -> LayerKV:
         """One layer of one sequence as contiguous tensors (a copy)."""
@@ -157,8 +154,9 @@ class KVPool:
         index = torch.tensor(table.blocks, device=self.k_cache.device)
         n = table.length
         shape = (-1,) + self.k_cache.shape[2:]
-        return LayerKV(self.k_cache[index].reshape(shape)[:n], self.v_cache[index].reshape(shape)[:n],
-                       self.positions[index].reshape(-1)[:n])
+        return LayerKV(self.k_cache.index_select(0, index).view(shape)[:n],
+                       self.v_cache.index_select(0, index).view(shape)[:n],
+                       self.positions.index_select(0, index).view(-1)[:n])
 
     def store(self, seq_id: str, layers: list[LayerKV]) -> None:
         """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none."""
@@ -186,7 +184,7 @@ class KVPool:
 
         The batched form of ``append`` for decode steps: one indexed write for the batch.
         """
-        blocks, slots = [], []
+        slots = []
         for seq_id in seq_ids:
             table = self._tables.get(seq_id, [None] * self.num_layers)[layer]
             if table is None or len(table.blocks) < self.blocks_for(table.length + 1):
@@ -194,28 +192,40 @@ class KVPool:
                 extra[layer] = 1
                 self.reserve(seq_id, extra)
                 table = self._tables[seq_id][layer]
-            blocks.append(table.blocks[table.length // self.block_size])
-            slots.append(table.length % self.block_size)
+            slots.append(table.blocks[table.length // self.block_size] * self.block_size
+                         + table.length % self.block_size)
             table.length += 1
-        block_index = torch.tensor(blocks, device=self.k_cache.device)
-        slot_index = torch.tensor(slots, device=self.k_cache.device)
-        self.k_cache[block_index, slot_index] = k
-        self.v_cache[block_index, slot_index] = v
-        self.positions[block_index, slot_index] = positions
+        self._write(slots, k, v, positions)
 
     def gather_padded(self, seq_ids: list[str], layer: int):
         """One layer of B sequences, padded to the longest: k, v [B, S, Hkv, D], positions [B, S]
         and lengths [B]. Rows past a sequence's length hold stale data: mask them."""
         tables = [self._tables[seq_id][layer] for seq_id in seq_ids]
         max_blocks = max(len(table.blocks) for table in tables)
-        padded = [table.blocks + [0] * (max_blocks - len(table.blocks)) for table in tables]
+        padded = [block for table in tables
+                  for block in table.blocks + [0] * (max_blocks - len(table.blocks))]
         index = torch.tensor(padded, dtype=torch.long, device=self.k_cache.device)
         batch, span = len(tables), max_blocks * self.block_size
-        k = self.k_cache[index].view(batch, span, *self.k_cache.shape[2:])
-        v = self.v_cache[index].view(batch, span, *self.v_cache.shape[2:])
-        positions = self.positions[index].view(batch, span)
+        k = self.k_cache.index_select(0, index).view(batch, span, *self.k_cache.shape[2:])
+        v = self.v_cache.index_select(0, index).view(batch, span, *self.v_cache.shape[2:])
+        positions = self.positions.index_select(0, index).view(batch, span)
         lengths = torch.tensor([table.length for table in tables], device=self.k_cache.device)
         return k, v, positions, lengths
+
+    def _slots(self, table: _LayerTable, count: int) -> list[int]:
+        """Flat slot numbers (block * block_size + offset) of a table's next ``count`` tokens."""
+        size = self.block_size
+        return [table.blocks[t // size] * size + t % size
+                for t in range(table.length, table.length + count)]
+
+    def _write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> None:
+        """Write tokens to flat slots, one ``index_copy_`` per tensor."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.k_cache.device)
+        tokens = self.num_blocks * self.block_size
+        self.k_cache.view(tokens, *self.k_cache.shape[2:]).index_copy_(0, index, k.to(self.k_cache.dtype))
+        self.v_cache.view(tokens, *self.v_cache.shape[2:]).index_copy_(0, index, v.to(self.v_cache.dtype))
+        self.positions.view(tokens).index_copy_(0, index, positions.to(torch.int64))
 
     def view(self, seq_id: str) -> PagedSequenceKV:
         return PagedSequenceKV(self, seq_id)

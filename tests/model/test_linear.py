@@ -1,0 +1,36 @@
+"""linear(): the weight-major orientation gives F.linear's result, for every row count it takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from baton.model.linear import Linear, linear, weight_major
+
+
+@pytest.mark.parametrize("num_outputs", [96, 8192])
+@pytest.mark.parametrize("num_rows", [1, 2, 4, 5, 64, 65])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_f_linear(num_rows, num_outputs, with_bias):
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 48, generator=generator)
+    weight = torch.randn(num_outputs, 48, generator=generator)
+    bias = torch.randn(num_outputs, generator=generator) if with_bias else None
+    out = linear(x, weight, bias)
+    assert out.shape == (num_rows, num_outputs) and out.is_contiguous()
+    assert torch.allclose(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_orientation_rule():
+    assert weight_major(1, 512) and weight_major(4, 4096)
+    assert not weight_major(5, 4096) and not weight_major(512, 1024)
+    assert weight_major(64, 32000) and not weight_major(65, 32000)
+
+
+def test_linear_module_keeps_nn_linear_parameters_and_takes_any_shape():
+    layer = Linear(16, 8, bias=True)
+    assert set(dict(layer.named_parameters())) == {"weight", "bias"}
+    batch = torch.randn(3, 5, 16)  # 3-D input (training): plain F.linear
+    assert torch.allclose(layer(batch), F.linear(batch, layer.weight, layer.bias))
+    row = torch.randn(1, 16)
+    assert torch.allclose(layer(row), F.linear(row, layer.weight, layer.bias), atol=1e-6)
