@@ -1,11 +1,18 @@
-"""attend(): the prefix-then-own fast path equals attention under the explicit position mask."""
+"""attend(): every kernel path (grouped GQA, split prefix-then-own, masked) equals plain softmax
+attention under the position mask."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from baton.model.attention import _prefix_then_own, attend, expand_kv_heads, visibility_mask
+from baton.model.attention import (
+    MAX_GROUPED_QUERIES,
+    _prefix_then_own,
+    attend,
+    expand_kv_heads,
+    visibility_mask,
+)
 
 
 def masked_reference(q, k, v, query_positions, key_positions):
@@ -25,7 +32,10 @@ def random_qkv(num_queries, num_keys, heads=4, kv_heads=2, head_dim=16, seed=0):
     return q, k, v
 
 
-@pytest.mark.parametrize(("prefix", "own"), [(1, 1), (5, 3), (64, 64), (300, 37), (37, 300)])
+@pytest.mark.parametrize(("prefix", "own"), [
+    (1, 1), (5, 3), (64, 64), (300, 37), (37, 300),  # grouped query heads under a mask
+    (1, MAX_GROUPED_QUERIES + 1), (300, 700),  # two fused kernels merged by log-sum-exp
+])
 def test_chain_rank_slice_over_its_prefix(prefix, own):
     # A chain rank or a SARATHI chunk: keys 0..prefix-1 received, then its own slice.
     q, k, v = random_qkv(own, prefix + own, seed=prefix + own)
@@ -36,22 +46,33 @@ def test_chain_rank_slice_over_its_prefix(prefix, own):
     assert (out - masked_reference(q, k, v, query_positions, key_positions)).abs().max() < 1e-5
 
 
-def test_pruned_prefix_keeps_its_positions():
+@pytest.mark.parametrize("own", [20, MAX_GROUPED_QUERIES + 20])
+def test_pruned_prefix_keeps_its_positions(own):
     # PyramidInfer dropped prefix tokens: positions have gaps, all before the new tokens.
-    q, k, v = random_qkv(20, 50, seed=3)
+    q, k, v = random_qkv(own, 30 + own, seed=3)
     prefix_positions = torch.tensor(sorted(torch.randperm(90)[:30].tolist()))
-    query_positions = torch.arange(100, 120)
+    query_positions = torch.arange(100, 100 + own)
     key_positions = torch.cat([prefix_positions, query_positions])
     assert _prefix_then_own(query_positions, key_positions)
     out = attend(q, k, v, query_positions, key_positions)
     assert (out - masked_reference(q, k, v, query_positions, key_positions)).abs().max() < 1e-5
 
 
-def test_keys_that_are_not_prefix_then_own_take_the_masked_path():
-    # A prefix key after a query: the fast path's assumption fails, the explicit mask is used.
-    key_positions = torch.tensor([0, 1, 9, 5, 6, 7])
-    query_positions = torch.tensor([5, 6, 7])
+@pytest.mark.parametrize("own", [3, MAX_GROUPED_QUERIES + 3])
+def test_keys_that_are_not_prefix_then_own_take_the_masked_path(own):
+    # A prefix key after a query: the split kernel's assumption fails, a mask is used.
+    query_positions = torch.arange(5, 5 + own)
+    key_positions = torch.cat([torch.tensor([0, 1, 5 + own + 4]), query_positions])
     assert not _prefix_then_own(query_positions, key_positions)
-    q, k, v = random_qkv(3, 6, seed=4)
+    q, k, v = random_qkv(own, own + 3, seed=4)
     out = attend(q, k, v, query_positions, key_positions)
     assert (out - masked_reference(q, k, v, query_positions, key_positions)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)])  # MHA, GQA, MQA
+def test_grouped_path_for_every_head_layout(heads):
+    num_heads, num_kv_heads = heads
+    q, k, v = random_qkv(9, 40, heads=num_heads, kv_heads=num_kv_heads, seed=5)
+    key_positions = torch.arange(40)
+    out = attend(q, k, v, key_positions[31:], key_positions)
+    assert (out - masked_reference(q, k, v, key_positions[31:], key_positions)).abs().max() < 1e-5
