@@ -113,7 +113,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         lengths = [r["length"] for r in rows]
         for method, marker in zip(METHODS, "osv^"):
             axis.plot(lengths, [r["ttft"][method] for r in rows], marker=marker, label=method)
-        axis.plot(lengths, [r["bound"] for r in rows], "k--", label="lower bound (p=2)")
+        axis.plot(lengths, [r["bound"] for r in rows], "k--", marker="x", label="lower bound (p=2)")
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("prompt length C (tokens)")

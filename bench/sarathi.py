@@ -170,7 +170,7 @@ def iteration_costs(model, batch: int, budget: int, rounds: int = 12) -> Iterati
 
     for _ in range(batch - 1):
         engine.add_request(prompt(128), SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
-    while engine.scheduler.waiting or engine.scheduler.prefilling:
+    while len(engine.scheduler.running) < batch - 1:  # requests reach the scheduler at step()
         engine.step()
     one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     decode_s, mixed_s, prefill_s = [], [], []
@@ -360,9 +360,11 @@ EXPLANATION = """
 """
 
 
-def goal_check(runs: list[RunStats]) -> str:
-    """The issue's goal at the balanced point P:D = C/(B-1): the headline at B=8, C=256, and
-    every other balanced point measured (random-50m)."""
+def goal_check(runs: list[RunStats], costs: list[IterationCosts]) -> str:
+    """The issue's goal at the balanced point P:D = C/(B-1): the headline at B=8, C=256 (one
+    decode-maximal batch against its parts, and the steady state of a workload), and every
+    other balanced point measured (random-50m)."""
+    per_batch = next((c for c in costs if (c.batch, c.budget) == (8, 256)), None)
     by_workload: dict[tuple, dict[str, RunStats]] = {}
     for r in runs:
         by_workload.setdefault(r.workload.key, {})[r.policy] = r
@@ -376,10 +378,15 @@ def goal_check(runs: list[RunStats]) -> str:
                      f"{decode_gain:.2f}x", f"{e2e_gain:.2f}x",
                      f"{ours.tbt_ms(99):.0f} / {base.tbt_ms(99):.0f} / {policies['orca'].tbt_ms(99):.0f}"])
         if (w.batch, w.budget) == (8, 256) and not headline:
+            batch_line = "" if per_batch is None else (
+                f"* decode throughput of one decode-maximal batch (7 decodes on a 249-token chunk) "
+                f"vs the same decodes alone: **{per_batch.decode_gain:.2f}x** (goal >= 2x: "
+                f"{'met' if per_batch.decode_gain >= 2 else 'not met'})\n")
             headline = (
                 f"## Goal at the balanced point (random-50m, B=8, C=256, P:D={w.ratio:.0f})\n\n"
-                f"* decode throughput vs separate phases: **{decode_gain:.2f}x** (goal >= 2x: "
-                f"{'met' if decode_gain >= 2 else 'not met'})\n"
+                + batch_line +
+                f"* decode throughput over a workload's steady state vs separate phases: "
+                f"**{decode_gain:.2f}x** (goal >= 2x: {'met' if decode_gain >= 2 else 'not met'})\n"
                 f"* end-to-end throughput vs separate phases: **{e2e_gain:.2f}x** (goal >= 1.15x: "
                 f"{'met' if e2e_gain >= 1.15 else 'not met'})\n"
                 f"* P99 time between tokens: sarathi {ours.tbt_ms(99):.0f} ms, separate "
@@ -465,7 +472,7 @@ def main() -> None:
                            f"sarathi_{label}_batch.png", f"{label}: C=256")
             sections.append(f"## {label}: sweep over {axis}\n\n{table(results)}\n\n![{axis}]({png})\n")
     elapsed = time.perf_counter() - started
-    sections.insert(1, goal_check(balanced_runs) + ITERATION_INTRO + iteration_table(costs) + "\n"
+    sections.insert(1, goal_check(balanced_runs, costs) + ITERATION_INTRO + iteration_table(costs) + "\n"
                     + EXPLANATION)
     load = os.getloadavg()[0]
     busy = " (above the core count: other jobs shared the CPU)" if load > os.cpu_count() else ""
