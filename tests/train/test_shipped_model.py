@@ -9,8 +9,11 @@ import tokenize
 
 import pytest
 import torch
+from baton.config import KVPoolConfig, SchedulerConfig
 from baton.model import load_checkpoint
 from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.sampling import SamplingParams
+from baton.sarathi import Engine
 from baton.train.corpus import END_OF_TEXT, held_out_text
 from baton.train.forward import next_token_loss
 from baton.train.sample import greedy_continuation
@@ -54,6 +57,24 @@ def test_shipped_config_has_long_context_gqa_and_end_of_text_eos(shipped):
     assert config.num_key_value_heads < config.num_attention_heads
     assert config.eos_token_id == shipped.tokenizer.token_id(END_OF_TEXT)
     assert config.vocab_size == shipped.tokenizer.vocab_size
+
+
+def test_greedy_generation_equals_transformers_generate(shipped):
+    # The served path (SARATHI engine, paged KV, chunked prefill of the three prompts
+    # batched together) against Hugging Face's generate() on the same fp16 weights in fp32.
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL_DIR, dtype=torch.float32).eval()
+    engine = Engine(shipped.model, shipped.tokenizer,
+                    scheduler=SchedulerConfig(token_budget=64, max_running=4),
+                    kv=KVPoolConfig(block_size=16, num_blocks=256))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    results = engine.generate(PROMPTS, params)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        ids = torch.tensor([shipped.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            expected = reference.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                          pad_token_id=shipped.config.eos_token_id)
+        assert result.token_ids == expected[0, ids.shape[1]:].tolist(), prompt
 
 
 def test_shipped_model_predicts_held_out_code_far_better_than_chance(shipped):
