@@ -344,14 +344,16 @@ EXPLANATION = """
   few-row matmuls use this CPU poorly (8 rows reach ~60 GFLOP/s and
   ~15 GB/s, against ~150 GFLOP/s for 256 rows).
 * The end-to-end gain is bounded by how much of the work the decodes are.
-  At the balanced point a decode-only iteration of B-1 tokens costs ~20% of a
-  chunk's iteration here. Even if piggybacked decodes were free, separate
-  phases would spend only that much more, so the ceiling in the table is
-  ~1.1-1.15x and the workloads land near it. On a GPU the decode-only
-  iteration is memory-bound and costs nearly as much as a whole chunk, which
-  is where the paper's 1.33x end to end (and up to 10x decode) comes from.
-* Chunking itself costs nothing measurable here: two 249-token chunks take as
-  long as one 505-token prefill (C=256 and C=512 rows of the table).
+  Even if piggybacked decodes were free, separate phases would spend only one
+  decode-only iteration more per chunk. On this CPU that iteration costs a
+  fifth to a third of a chunk's iteration, so the end-to-end ceiling column
+  stays near 1.1-1.25x, and the balanced workloads land at or below it. On a
+  GPU a decode-only iteration is memory-bound and costs nearly as much as a
+  whole chunk, which is where the paper's 1.33x end to end (and up to 10x
+  decode) comes from.
+* Chunking has a price of its own: compare two C=256 chunks with one C=512
+  chunk in the table. Smaller matmuls use the CPU a little less well, and
+  every chunk after the first attends again to the prompt's earlier chunks.
 * Workload runs are noisy. The machine's speed drifts by ±20% over minutes,
   and a run's decode throughput is a small difference of two large times,
   summed over a window; away from the balanced point the batch is often not
