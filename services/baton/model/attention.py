@@ -34,7 +34,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     num_queries, num_keys = q.shape[0], k.shape[0]
     window_matters = sliding_window is not None and num_keys > sliding_window
     if num_queries != num_keys and num_queries <= MAX_GROUPED_QUERIES:
-        return _attend_grouped(q, k, v, visibility_mask(query_positions, key_positions, sliding_window))
+        # One new token sees every cached key (they all come before it): no mask to build.
+        sees_all = num_queries == 1 and not window_matters
+        mask = None if sees_all else visibility_mask(query_positions, key_positions, sliding_window)
+        return _attend_grouped(q, k, v, mask)
     # [1, heads, len, D]: CPU SDPA takes its fused kernels only for 4-D inputs with equal
     # head counts (3-D or enable_gqa fall back to the slow math path: 6-10x at 2k tokens).
     qh = q.transpose(0, 1)[None]
@@ -58,9 +61,10 @@ MAX_GROUPED_QUERIES = 512
 
 
 def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor | None) -> torch.Tensor:
     """GQA without copying K/V: the G query heads that share a KV head become G*T query
-    rows of that head, all under the same [T, S] mask. q: [T, H, D]; k, v: [S, Hkv, D]."""
+    rows of that head, all under the same [T, S] mask (None: every key visible).
+    q: [T, H, D]; k, v: [S, Hkv, D]."""
     num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     groups = num_heads // num_kv_heads
@@ -68,7 +72,7 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grouped = q.view(num_queries, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3)
     grouped = grouped.reshape(1, num_kv_heads, groups * num_queries, head_dim)
     out = F.scaled_dot_product_attention(grouped, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask.repeat(groups, 1))
+                                         attn_mask=None if mask is None else mask.repeat(groups, 1))
     out = out.view(num_kv_heads, groups, num_queries, head_dim).permute(2, 0, 1, 3)
     return out.reshape(num_queries, num_heads, head_dim)
 
