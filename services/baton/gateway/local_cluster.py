@@ -50,13 +50,26 @@ try:  # resolved here, not in the child: between fork and exec only this C call 
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: stop() still cleans up on every normal exit
     _PRCTL = None
+_SETPRIV = shutil.which("setpriv")  # util-linux: sets the death signal, then execs
 
 
 def _die_with_parent() -> None:
-    """preexec_fn of every child: SIGTERM when the process that started it dies (Linux).
-    It makes one C call and takes no Python lock, so it is safe beside threads."""
+    """preexec_fn fallback: SIGTERM when the process that started the child dies (Linux)."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _popen_dying_with_parent(command: list[str], **kwargs) -> subprocess.Popen:
+    """Start a child that gets SIGTERM when this process dies, so that a killed ``baton up``
+    or test run leaves no servers behind.
+
+    ``setpriv --pdeathsig`` does it without running Python in the forked child. A
+    ``preexec_fn`` is the fallback where setpriv is missing: Python code between fork and
+    exec is not safe in a process with threads (a restarted redis-server was once seen
+    to die with SIGABRT before it ran)."""
+    if _SETPRIV is not None:
+        return subprocess.Popen([_SETPRIV, "--pdeathsig", "TERM", "--", *command], **kwargs)
+    return subprocess.Popen(command, preexec_fn=_die_with_parent, **kwargs)  # noqa: PLW1509
 
 
 @dataclass
@@ -88,10 +101,7 @@ class Child:
     log_path: Path
 
     def log_tail(self, num_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
+        return _tail(self.log_path, num_chars)
 
 
 class ManagedRedis:
@@ -104,6 +114,7 @@ class ManagedRedis:
                              "a Redis with --redis redis://HOST:PORT/0 (processes cannot share "
                              "the in-memory store)")
         self.port = free_port()
+        self.log_path = directory / f"redis-{self.port}.log"
         self.command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                         "--appendonly", "no", "--dir", str(directory), "--protected-mode", "no"]
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -111,16 +122,23 @@ class ManagedRedis:
 
     def start(self) -> None:
         """(Re)start on the same port: clients reconnect to the same URL, and find it empty."""
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent)  # noqa: PLW1509
+        with self.log_path.open("ab") as log:
+            self.process = _popen_dying_with_parent(self.command, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Wait for PONG. A server that dies on start is started once more (one restarted on
+        the same port was once seen to die with SIGABRT); a second death raises with the end
+        of its log."""
         deadline = time.monotonic() + timeout_s
+        may_restart = True
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if may_restart:
+                    may_restart = False
+                    self.start()
+                    continue
                 raise RuntimeError(f"redis-server exited with {self.process.returncode} "
-                                   f"on port {self.port}")
+                                   f"on port {self.port}; its log ends:\n{self.log_tail()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
                     conn.sendall(b"PING\r\n")
@@ -133,6 +151,17 @@ class ManagedRedis:
 
     def stop(self) -> None:
         _terminate(self.process)
+
+    def log_tail(self, num_chars: int = 2000) -> str:
+        return _tail(self.log_path, num_chars)
+
+
+def _tail(path: Path, num_chars: int) -> str:
+    """The end of a child's log ("" when there is none yet)."""
+    try:
+        return path.read_text(errors="replace")[-num_chars:]
+    except OSError:
+        return ""
 
 
 def _terminate(process: subprocess.Popen) -> None:
@@ -194,8 +223,8 @@ class LocalCluster:
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "PYTHONUNBUFFERED": "1"}
         with log_path.open("wb") as log_file:
-            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=_die_with_parent)  # noqa: PLW1509
+            process = _popen_dying_with_parent(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                               env=env)
         child = Child(name, role, process, log_path)
         self.children.append(child)
         return child
