@@ -47,3 +47,16 @@ def test_a_fused_model_saves_and_loads(tmp_path):
     loaded = load_checkpoint(tmp_path, dtype="float32", device="cpu", with_tokenizer=False)
     ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(5))
     assert (_logits(loaded.model, ids) - _logits(model, ids)).abs().max() < 1e-6
+
+
+def test_a_fused_model_moved_to_another_dtype_fuses_again():
+    # What `.to(device)` does to a fused model, shown with a dtype change (CPU has one device):
+    # the layers get new tensors, and the next forward fuses those rather than the stale matrix.
+    ids = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(6))
+    model = _model("qwen2").fuse_projections()
+    expected = _logits(model, ids).double()
+    moved = model.to(torch.float64)
+    qkv = moved.model.layers[0].self_attn.qkv
+    assert (_logits(moved, ids) - expected).abs().max() < 1e-5
+    assert qkv.weight.dtype == torch.float64
+    assert qkv.weight.data_ptr() == moved.model.layers[0].self_attn.q_proj.weight.data_ptr()

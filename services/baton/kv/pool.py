@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.host_to_device import to_device
 from baton.kv.dense import LayerKV
 
 
@@ -151,7 +152,7 @@ class KVPool:
         if not table.blocks:
             empty = self.k_cache.new_zeros((0,) + self.k_cache.shape[2:])
             return LayerKV(empty, empty.clone(), self.positions.new_zeros(0))
-        index = torch.tensor(table.blocks, device=self.k_cache.device)
+        index = to_device(table.blocks, self.k_cache.device)
         n = table.length
         shape = (-1,) + self.k_cache.shape[2:]
         return LayerKV(self.k_cache.index_select(0, index).view(shape)[:n],
@@ -204,12 +205,12 @@ class KVPool:
         max_blocks = max(len(table.blocks) for table in tables)
         padded = [block for table in tables
                   for block in table.blocks + [0] * (max_blocks - len(table.blocks))]
-        index = torch.tensor(padded, dtype=torch.long, device=self.k_cache.device)
+        index = to_device(padded, self.k_cache.device)
         batch, span = len(tables), max_blocks * self.block_size
         k = self.k_cache.index_select(0, index).view(batch, span, *self.k_cache.shape[2:])
         v = self.v_cache.index_select(0, index).view(batch, span, *self.v_cache.shape[2:])
         positions = self.positions.index_select(0, index).view(batch, span)
-        lengths = torch.tensor([table.length for table in tables], device=self.k_cache.device)
+        lengths = to_device([table.length for table in tables], self.k_cache.device)
         return k, v, positions, lengths
 
     def _slots(self, table: _LayerTable, count: int) -> list[int]:
@@ -221,7 +222,7 @@ class KVPool:
     def _write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> None:
         """Write tokens to flat slots, one ``index_copy_`` per tensor."""
-        index = torch.tensor(slots, dtype=torch.long, device=self.k_cache.device)
+        index = to_device(slots, self.k_cache.device)
         tokens = self.num_blocks * self.block_size
         self.k_cache.view(tokens, *self.k_cache.shape[2:]).index_copy_(0, index, k.to(self.k_cache.dtype))
         self.v_cache.view(tokens, *self.v_cache.shape[2:]).index_copy_(0, index, v.to(self.v_cache.dtype))

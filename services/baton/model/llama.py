@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.host_to_device import to_device
 from baton.kv.pool import PagedSequenceKV
 from baton.model.attention import attend, attend_decode_batch
 from baton.model.config import ModelConfig
@@ -125,12 +126,19 @@ class _FusedLinear:
     The layers' weights become row slices (views) of one concatenated matrix, so
     memory is not doubled, the Hugging Face parameter names stay, and a later
     ``load_state_dict`` writes through to the fused matrix. Moving the model to
-    another device or dtype afterwards breaks the sharing: fuse last.
+    another device or dtype gives the layers new tensors of their own; the next
+    call notices (the first layer's weight is no longer the fused matrix's first
+    rows) and fuses them again on their new device.
     Inference only: the views are not leaves of their own for autograd.
     """
 
     def __init__(self, *layers: nn.Linear) -> None:
+        self.layers = layers
         self.sizes = [layer.out_features for layer in layers]
+        self._fuse()
+
+    def _fuse(self) -> None:
+        layers = self.layers
         with torch.no_grad():
             self.weight = torch.cat([layer.weight for layer in layers])
             has_bias = [layer.bias is not None for layer in layers]
@@ -144,6 +152,8 @@ class _FusedLinear:
             start += size
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.layers[0].weight.data_ptr() != self.weight.data_ptr():  # moved since fused
+            self._fuse()
         return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
@@ -179,8 +189,9 @@ class CausalLM(nn.Module):
     def fuse_projections(self) -> CausalLM:
         """Run q/k/v and gate/up as one matmul each: fewer, larger kernels for decode.
 
-        Call once the weights are loaded and the model is on its final device and
-        dtype (the loader and ``random_model`` do). Inference only.
+        Best called once the weights are loaded and the model is on its final device
+        and dtype (the loader and ``random_model`` do); a later move re-fuses on the
+        first forward. Inference only.
         """
         for layer in self.model.layers:
             layer.self_attn.fuse()
@@ -242,7 +253,8 @@ class _AttentionPlan:
         if len(self.singles) < 2 or len(pools) > 1:
             self.others = sorted(self.others + self.singles, key=lambda item: item[0])
             self.singles = []
-        self.single_rows = torch.tensor([row for row, _ in self.singles], dtype=torch.long)
+        self.single_rows = [row for row, _ in self.singles]  # sent to the device on first use
+        self._device_rows: torch.Tensor | None = None
         self.single_ids = [segment.kv.seq_id for _, segment in self.singles]
 
     def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
@@ -260,7 +272,9 @@ class _AttentionPlan:
         return out
 
     def _attend_singles(self, layer, q, k, v, positions, sliding_window, out) -> None:
-        rows = self.single_rows.to(q.device)
+        if self._device_rows is None:  # once per forward, not once per layer
+            self._device_rows = to_device(self.single_rows, q.device)
+        rows = self._device_rows
         pool = self.singles[0][1].kv.pool
         pool.append_tokens(self.single_ids, layer, k[rows], v[rows], positions[rows])
         k_pad, v_pad, key_positions, lengths = pool.gather_padded(self.single_ids, layer)
@@ -283,7 +297,7 @@ def prefill(model: CausalLM, token_ids: torch.Tensor, positions: torch.Tensor, k
     Returns the logits of the slice's last token ([vocab], fp32), or None when
     ``want_logits`` is False (a non-tail rank of a chain).
     """
-    rows = torch.tensor([token_ids.shape[0] - 1], device=token_ids.device) if want_logits else None
+    rows = to_device([token_ids.shape[0] - 1], token_ids.device) if want_logits else None
     hidden = model(token_ids, positions, [Segment(token_ids.shape[0], kv, observer)], rows)
     return model.logits(hidden)[0] if want_logits else None
 

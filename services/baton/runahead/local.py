@@ -61,7 +61,7 @@ class QueueSink:
         self.outbox.put(("ready",))
 
     def deliver(self, result: ChainResult) -> None:
-        self.outbox.put(("result", result))
+        self.outbox.put(("result", result.on_host()))
 
     def fail(self, rank: int, request_id: int, message: str) -> None:
         self.outbox.put(("fail", rank, message))

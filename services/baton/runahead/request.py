@@ -10,6 +10,7 @@ rank's counters.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,14 @@ class ChainResult:
     mode: str
     ttft_s: float  # rank 0 receiving the request -> tail holding the logits
     counters: list[RankCounters] = field(default_factory=list)  # one per rank
+
+    def on_host(self) -> ChainResult:
+        """This result with its tensors in host memory: what crosses a process boundary (a CUDA
+        tensor on a queue would be shared through CUDA IPC, tying the receiver to the rank)."""
+        layers = None if self.layers is None else [
+            LayerKV(x.k.cpu(), x.v.cpu(), x.positions.cpu()) for x in self.layers]
+        return dataclasses.replace(self, first_token_logits=self.first_token_logits.cpu(),
+                                   layers=layers)
 
     @property
     def bytes_sent(self) -> int:

@@ -64,9 +64,13 @@ class ChainSink(Protocol):
         """A rank gives up; the chain is broken after this."""
 
 
-def resolve_device(backend: str) -> torch.device:
+def resolve_device(backend: str, rank: int = 0) -> torch.device:
+    """CUDA for NCCL (or auto with a GPU): one GPU per rank, round-robin over the visible ones
+    (a pod sees exactly one; a local chain on a multi-GPU machine spreads over them)."""
     if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
 
 
@@ -93,7 +97,7 @@ class ChainRank:
         dist.barrier()  # nobody times a request while a peer is still loading
 
     def _init_device(self, cpu_threads: int) -> None:
-        self.device = resolve_device(self.config.backend)
+        self.device = resolve_device(self.config.backend, self.config.rank)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads)
 
@@ -185,6 +189,8 @@ class ChainRank:
         else:
             transport.pass_through()
         if self.is_tail:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the logits exist, not just their kernels
             ttft_s = (time.monotonic_ns() - start_ns) / 1e9
         transport.finish()
         counters = self._gather_counters(transport.counters)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from baton.host_to_device import to_device
 from baton.kv.pool import KVPool
 from baton.model.llama import CausalLM, Segment
 from baton.sarathi.request import Sequence
@@ -23,7 +24,8 @@ class ModelRunner:
         self.pool = pool
 
     def execute(self, plan: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
-        """Run the plan; returns (sequences that sample, their logits [R, vocab] fp32)."""
+        """Run the plan; returns (sequences that sample, their logits [R, vocab] fp32 on the host:
+        one copy per step, after which the samplers read rows without a device sync each)."""
         token_ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
@@ -43,7 +45,6 @@ class ModelRunner:
                 output_rows.append(len(token_ids) - 1)
                 sampling.append(seq)
         device = self.model.device
-        hidden = self.model(torch.tensor(token_ids, device=device),
-                            torch.tensor(positions, device=device), segments,
-                            torch.tensor(output_rows, dtype=torch.long, device=device))
-        return sampling, self.model.logits(hidden)
+        hidden = self.model(to_device(token_ids, device), to_device(positions, device), segments,
+                            to_device(output_rows, device))
+        return sampling, self.model.logits(hidden).cpu()
