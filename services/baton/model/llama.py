@@ -15,12 +15,14 @@ Parameter names equal Hugging Face's, so a checkpoint loads as is.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.host_to_device import to_device
 from baton.kv.pool import PagedSequenceKV
@@ -65,8 +67,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # One fused kernel for x / rms(x) in fp32, then Llama's cast back before the weight.
+        x32 = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
         return self.weight * x32.to(dtype)
 
 
@@ -220,12 +222,13 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         plan = _AttentionPlan(segments)
-        for layer_index, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
-            out = plan.attend(layer_index, q, k, v, positions, self.config.sliding_window)
-            hidden = hidden + attn.o_proj(out.reshape(out.shape[0], -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        with _attention_kernels(hidden.device):
+            for layer_index, layer in enumerate(self.model.layers):
+                attn = layer.self_attn
+                q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
+                out = plan.attend(layer_index, q, k, v, positions, self.config.sliding_window)
+                hidden = hidden + attn.o_proj(out.reshape(out.shape[0], -1))
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         if output_rows is None:
             return hidden[:0]
         return self.model.norm(hidden[output_rows])
@@ -234,6 +237,18 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] final hidden states -> [R, vocab] logits in fp32."""
         return self.lm_head(hidden).float()
+
+
+# On CUDA, PyTorch may pick cuDNN's attention for a masked call, and cuDNN builds an
+# execution plan for every new shape (~9 ms each on an H100). A decode batch's padded
+# key span grows by a block every few steps, so that cost would recur all through
+# generation; flash and memory-efficient attention have no per-shape setup.
+_GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                           SDPBackend.MATH]
+
+
+def _attention_kernels(device: torch.device):
+    return sdpa_kernel(_GPU_ATTENTION_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 class _AttentionPlan:
@@ -253,8 +268,11 @@ class _AttentionPlan:
         if len(self.singles) < 2 or len(pools) > 1:
             self.others = sorted(self.others + self.singles, key=lambda item: item[0])
             self.singles = []
-        self.single_rows = [row for row, _ in self.singles]  # sent to the device on first use
-        self._device_rows: torch.Tensor | None = None
+        rows = [row for row, _ in self.singles]
+        self.single_rows = rows  # sent to the device on first use
+        self._device_rows: torch.Tensor | slice | None = None
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            self._device_rows = slice(rows[0], rows[0] + len(rows))  # views: no gather kernels
         self.single_ids = [segment.kv.seq_id for _, segment in self.singles]
 
     def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
