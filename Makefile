@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test proto lint bench helm-lint clean
+.PHONY: help setup run test proto lint bench gpu-check helm-lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -45,6 +45,11 @@ bench: setup ## run the benchmarks; reports and plots land in docs/benchmarks/
 	$(PY) bench/pyramid_quality.py
 	$(PY) bench/sarathi.py
 	$(PY) bench/serve.py
+
+gpu-check: setup ## on a CUDA machine: the GPU tests, then engine-gpu.md and runahead-gpu.md
+	$(PY) -m pytest -q -s tests/gpu
+	$(PY) bench/engine.py --device cuda
+	$(PY) bench/runahead_gpu.py
 
 helm-lint: $(STAMP) ## lint and render the Helm chart with the real Helm library
 	$(PY) -m pytest -q tests/helm

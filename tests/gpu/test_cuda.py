@@ -202,3 +202,27 @@ def test_two_rank_nccl_chain_equals_single_process_prefill(tmp_path):
                     timeout_s=120) as chain:
         result = chain.prefill(ids, boundaries=[0, 180, 300])
     assert (result.first_token_logits - logits).abs().max() < FP32_TOLERANCE
+
+
+def test_cuda_engine_continues_from_a_cache_that_arrives_in_host_memory():
+    # The decode pod's path: KV from a chain (or the wire) lands in host memory and enters
+    # a CUDA engine's pool; greedy output equals the engine prefilling the prompt itself.
+    shipped = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cuda")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt_ids = shipped.tokenizer.encode(PROMPTS[2])
+
+    def engine() -> Engine:
+        return Engine(shipped.model, shipped.tokenizer, kv=KVPoolConfig(block_size=16, num_blocks=128))
+
+    expected = engine().generate([prompt_ids], params)[0].token_ids
+    with LocalChain(ModelSource(dtype="float32"), ranks=1, backend="nccl", timeout_s=120) as chain:
+        result = chain.prefill(prompt_ids)
+    assert result.layers[0].k.device.type == "cpu"
+    decoder = engine()
+    request_id = decoder.add_prefilled_request(prompt_ids, result.layers, result.first_token_logits,
+                                               params)
+    tokens = []
+    while decoder.has_unfinished():
+        tokens += [t for out in decoder.step() if out.request_id == request_id
+                   for t in out.new_token_ids]
+    assert tokens == expected

@@ -221,12 +221,16 @@ class KVPool:
 
     def _write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> None:
-        """Write tokens to flat slots, one ``index_copy_`` per tensor."""
-        index = to_device(slots, self.k_cache.device)
+        """Write tokens to flat slots, one ``index_copy_`` per tensor. The tokens may come from
+        another device or dtype (a cache from the wire or a chain arrives in host memory)."""
+        device = self.k_cache.device
+        index = to_device(slots, device)
         tokens = self.num_blocks * self.block_size
-        self.k_cache.view(tokens, *self.k_cache.shape[2:]).index_copy_(0, index, k.to(self.k_cache.dtype))
-        self.v_cache.view(tokens, *self.v_cache.shape[2:]).index_copy_(0, index, v.to(self.v_cache.dtype))
-        self.positions.view(tokens).index_copy_(0, index, positions.to(torch.int64))
+        self.k_cache.view(tokens, *self.k_cache.shape[2:]).index_copy_(
+            0, index, k.to(device, self.k_cache.dtype))
+        self.v_cache.view(tokens, *self.v_cache.shape[2:]).index_copy_(
+            0, index, v.to(device, self.v_cache.dtype))
+        self.positions.view(tokens).index_copy_(0, index, positions.to(device, torch.int64))
 
     def view(self, seq_id: str) -> PagedSequenceKV:
         return PagedSequenceKV(self, seq_id)
