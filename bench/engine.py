@@ -203,11 +203,25 @@ GPU_NOTES = """
 
 * This is a GPU run: both runtimes in bfloat16 on one CUDA device, eager
   PyTorch (no CUDA graphs, no compiled kernels) on both sides.
-* Models this small do too little work per operation to keep a GPU busy: a
-  step is a few hundred kernel launches of a few microseconds each, so both
-  runtimes are bound by launch and Python overhead, not by memory, and the
-  batch-1 step is far above the bandwidth bound. Capturing the decode step in
-  a CUDA graph is what closes that gap; baton does not do it yet.
+* Models this small give a GPU too little work per operation: a decode step
+  is ~300 kernel launches of a few microseconds each, and a profile of
+  `random-50m` at batch 32 shows ~1 ms of GPU work in a ~6 ms step. Both
+  runtimes are bound by launch and Python overhead, not by memory, so the
+  batch-1 step is tens to hundreds of times the bandwidth bound. Capturing the
+  decode step in a CUDA graph is what would close most of that gap; baton does
+  not do it yet. The bound stays out of reach for models this small even then.
+* Prefill is 1.4-1.7x faster than transformers here; we have not profiled
+  transformers to say where its extra time goes.
+* Decode at batch 32 is slower than transformers (0.81-0.88x in the two runs
+  taken on the final code).
+  The paged pool costs per step what a contiguous cache does not: per layer,
+  Python walks every sequence's block table to place the new token and to list
+  the blocks to read, then an index write and a block gather run on the GPU,
+  against two `cat`s for transformers' `DynamicCache`. That work grows with the
+  batch; it is the price of paging (no copy on growth, per-layer pruning,
+  preemption) and is what a CUDA graph over precomputed indices would hide.
+* Runs on this machine vary by ±20% (batch 8 gave 0.96x in one run, 1.20x in
+  another); compare rows of one run.
 """
 
 

@@ -80,9 +80,10 @@ request to the tail holding the first token's logits (synchronised).
 With a single GPU, a chain has one rank and no slice to hand on: these rows
 show the NCCL code path working and the cost of the chain's own machinery
 (the request header and token broadcast, the counter gather) over a plain
-prefill. The logit difference is bfloat16 rounding between two runs whose
-kernels may differ (the chain runs in its own process). Splitting a prompt
-over GPUs needs a machine with two or more.
+prefill. The logit difference compares the chain's first-token logits with
+this process's prefill of the same prompt: the same kernels on the same
+inputs, so it should be exactly zero. Splitting a prompt over GPUs needs a
+machine with two or more.
 """)
     return 0
 

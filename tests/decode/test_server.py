@@ -160,7 +160,10 @@ def _header(handoff, **changes):
 def test_pushed_cache_for_another_model_or_shape_is_refused(stub, server, checkpoint, change,
                                                             code, named):
     handoff, chunks = prefilled_handoff(checkpoint, "bad-push", PROMPT, MAX_TOKENS)
-    free = server.worker.load.free_kv_blocks
+    # Requests of earlier tests (a cancelled one frees its blocks on the engine's next step)
+    # must be gone, or the free count moves under this test.
+    wait_until(lambda: not server.worker.engine.has_unfinished())
+    free = server.worker.engine.pool.num_free_blocks
     got, details = status_of(lambda: push(stub, _header(handoff, **change), chunks))
     assert got == code and named in details
     assert server.worker.engine.pool.num_free_blocks == free  # nothing was allocated

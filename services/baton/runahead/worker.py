@@ -108,7 +108,8 @@ class ChainRank:
         dist.init_process_group(
             backend, init_method=f"tcp://{self.config.master_addr}:{self.config.master_port}",
             rank=self.config.rank, world_size=self.config.ranks,
-            timeout=timedelta(seconds=self.config.timeout_s))
+            timeout=timedelta(seconds=self.config.timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None)
 
     @property
     def is_tail(self) -> bool:
