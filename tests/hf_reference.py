@@ -48,3 +48,23 @@ def save_random_hf_model(config: ModelConfig, directory: Path, seed: int = 0):
     model.eval()
     model.save_pretrained(directory)
     return model
+
+
+# (variant, query heads, kv heads): GQA ratios 1, 2, 4 and MQA over every family.
+EQUIVALENCE_CASES = [
+    ("llama2", 4, 4), ("llama2", 4, 1),
+    ("llama3", 8, 4), ("llama3", 8, 2),
+    ("qwen2", 4, 2), ("qwen2", 4, 1),
+    ("mistral", 8, 2), ("mistral", 8, 8),
+]
+
+
+def case_id(case: tuple[str, int, int]) -> str:
+    return f"{case[0]}-h{case[1]}-kv{case[2]}"
+
+
+def save_case(case: tuple[str, int, int], directory: Path, seed: int):
+    """One equivalence case saved as a checkpoint; returns the transformers model (fp32)."""
+    variant, heads, kv_heads = case
+    config = tiny_config(variant, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    return save_random_hf_model(config, directory, seed=seed)

@@ -25,7 +25,7 @@ from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.runahead import LocalChain, ModelSource
 from baton.sarathi import Engine
-from hf_reference import save_random_hf_model, tiny_config
+from hf_reference import EQUIVALENCE_CASES, case_id, save_case, tiny_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -34,12 +34,6 @@ FP32_TOLERANCE = 1e-4
 LOW_PRECISION = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 SLACK = 2.0
 FLOOR_ULPS = 4
-CASES = [
-    ("llama2", 4, 4), ("llama2", 4, 1),
-    ("llama3", 8, 4), ("llama3", 8, 2),
-    ("qwen2", 4, 2), ("qwen2", 4, 1),
-    ("mistral", 8, 2), ("mistral", 8, 8),
-]
 PROMPTS = [
     "import os\n\n\ndef read_file(path):\n",
     "class Stack:\n    def __init__(self):\n",
@@ -47,13 +41,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-h{c[1]}-kv{c[2]}")
+@pytest.fixture(scope="module", params=EQUIVALENCE_CASES, ids=case_id)
 def checkpoint(request, tmp_path_factory):
-    variant, heads, kv_heads = request.param
-    config = tiny_config(variant, num_attention_heads=heads, num_key_value_heads=kv_heads)
-    directory = tmp_path_factory.mktemp(variant)
-    hf_model = save_random_hf_model(config, directory, seed=request.param_index)
-    return f"{variant}-h{heads}-kv{kv_heads}", directory, hf_model
+    directory = tmp_path_factory.mktemp(request.param[0])
+    hf_model = save_case(request.param, directory, seed=request.param_index)
+    return case_id(request.param), directory, hf_model
 
 
 def run_scenario(ours, token_sequences) -> list[torch.Tensor]:

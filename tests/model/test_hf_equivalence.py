@@ -6,24 +6,15 @@ import pytest
 import torch
 from baton.kv import DenseKV, KVPool
 from baton.model import decode_step, load_checkpoint, prefill
-from hf_reference import save_random_hf_model, tiny_config
+from hf_reference import EQUIVALENCE_CASES, case_id, save_case
 
 TOLERANCE = 1e-4
-# (variant, query heads, kv heads): GQA ratios 1, 2, 4 and MQA over every family.
-CASES = [
-    ("llama2", 4, 4), ("llama2", 4, 1),
-    ("llama3", 8, 4), ("llama3", 8, 2),
-    ("qwen2", 4, 2), ("qwen2", 4, 1),
-    ("mistral", 8, 2), ("mistral", 8, 8),
-]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-h{c[1]}-kv{c[2]}")
+@pytest.fixture(scope="module", params=EQUIVALENCE_CASES, ids=case_id)
 def pair(request, tmp_path_factory):
-    variant, heads, kv_heads = request.param
-    config = tiny_config(variant, num_attention_heads=heads, num_key_value_heads=kv_heads)
-    directory = tmp_path_factory.mktemp(variant)
-    hf_model = save_random_hf_model(config, directory, seed=request.param_index)
+    directory = tmp_path_factory.mktemp(request.param[0])
+    hf_model = save_case(request.param, directory, seed=request.param_index)
     ours = load_checkpoint(directory, dtype="float32", device="cpu", with_tokenizer=False)
     return hf_model, ours
 
