@@ -88,3 +88,35 @@ def test_store_rejects_duplicates_and_wrong_layer_count():
         pool.store("a", layers)
     with pytest.raises(ValueError, match="cache has 2 layers, the pool 3"):
         pool.store("b", layers[:2])
+
+
+def test_a_decode_step_writes_and_reads_every_layer_of_a_ragged_batch():
+    # Two sequences of different lengths, one of them pyramid-shaped (layers of 7, 3, 4
+    # tokens): one begin_decode claims a token everywhere, then each layer writes and reads.
+    pool = make_pool()
+    caches = {"a": [LayerKV(*random_kv(n)) for n in (7, 3, 4)],
+              "b": [LayerKV(*random_kv(n)) for n in (2, 2, 2)]}
+    for seq_id, layers in caches.items():
+        pool.store(seq_id, layers)
+    step = pool.begin_decode(["a", "b"])
+    assert pool.lengths("a") == [8, 4, 5] and pool.lengths("b") == [3, 3, 3]
+    for layer in range(LAYERS):
+        k, v, positions = random_kv(2, start=100)
+        pool.write_decode(step, layer, k, v, positions)
+        k_pad, v_pad, pos_pad, lengths = pool.read_decode(step, layer)
+        for row, seq_id in enumerate(["a", "b"]):
+            n = int(lengths[row])
+            stored = pool.gather(seq_id, layer)
+            assert n == stored.num_tokens
+            assert torch.equal(k_pad[row, :n], stored.k) and torch.equal(v_pad[row, :n], stored.v)
+            assert torch.equal(pos_pad[row, :n], stored.positions)
+            assert torch.equal(stored.k[-1], k[row]) and int(stored.positions[-1]) == 100 + row
+            assert torch.equal(stored.k[:-1], caches[seq_id][layer].k)
+
+
+def test_a_decode_step_that_cannot_get_a_block_changes_nothing_of_that_sequence():
+    pool = make_pool(num_blocks=3)
+    pool.store("a", [LayerKV(*random_kv(BLOCK)) for _ in range(LAYERS)])  # every block full
+    with pytest.raises(KVPoolExhausted):
+        pool.begin_decode(["a"])
+    assert pool.lengths("a") == [BLOCK] * LAYERS and pool.num_free_blocks == 0

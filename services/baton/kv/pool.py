@@ -38,6 +38,21 @@ class KVPoolExhausted(RuntimeError):
 
 
 @dataclass
+class DecodeStep:
+    """One decode step's indices for B sequences over every layer (see ``begin_decode``).
+
+    slots[l, b]: the flat slot (block * block_size + offset) of sequence b's new token in
+    layer l; lengths[l, b]: its tokens counting the new one; blocks[l]: [B, W_l] its block
+    ids, padded with block 0 to the layer's widest table.
+    """
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    blocks: list[torch.Tensor]
+    uniform: bool  # every layer has the same lengths and widths (nothing pruned)
+
+
+@dataclass
 class _LayerTable:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
@@ -179,39 +194,64 @@ class KVPool:
         table.length = 0
         self.append(seq_id, layer, current.k[keep], current.v[keep], current.positions[keep])
 
-    def append_tokens(self, seq_ids: list[str], layer: int, k: torch.Tensor, v: torch.Tensor,
-                      positions: torch.Tensor) -> None:
-        """Store one new token for each of B sequences in one layer (k, v: [B, Hkv, D]).
+    def begin_decode(self, seq_ids: list[str]) -> DecodeStep:
+        """Claim room for one new token per sequence in every layer; return the step's indices.
 
-        The batched form of ``append`` for decode steps: one indexed write for the batch.
+        The batched form of ``append`` for decode steps: the block tables are walked once
+        per step rather than once per layer, and every index reaches the device in one copy
+        (on a GPU each separate copy costs a launch, and Python time per layer and sequence
+        adds up at batch 32). Lengths count the new token from here on; the model then
+        writes each layer's token with ``write_decode`` and reads with ``read_decode``.
+        A sequence that needs a block and cannot get one raises ``KVPoolExhausted`` before
+        any of its layers changed.
         """
-        slots = []
+        size = self.block_size
         for seq_id in seq_ids:
-            table = self._tables.get(seq_id, [None] * self.num_layers)[layer]
-            if table is None or len(table.blocks) < self.blocks_for(table.length + 1):
-                extra = [0] * self.num_layers
-                extra[layer] = 1
-                self.reserve(seq_id, extra)
-                table = self._tables[seq_id][layer]
-            slots.append(table.blocks[table.length // self.block_size] * self.block_size
-                         + table.length % self.block_size)
-            table.length += 1
-        self._write(slots, k, v, positions)
+            tables = self._tables.get(seq_id)
+            if tables is None or any(table.length == len(table.blocks) * size for table in tables):
+                self.reserve(seq_id, 1)
+        slots: list[int] = []
+        lengths: list[int] = []
+        blocks: list[int] = []
+        widths: list[int] = []
+        for layer in range(self.num_layers):
+            tables = [self._tables[seq_id][layer] for seq_id in seq_ids]
+            width = max(len(table.blocks) for table in tables)
+            for table in tables:
+                slots.append(table.blocks[table.length // size] * size + table.length % size)
+                table.length += 1
+                lengths.append(table.length)
+                blocks += table.blocks
+                blocks += [0] * (width - len(table.blocks))
+            widths.append(width)
+        batch, per_layer = len(seq_ids), self.num_layers * len(seq_ids)
+        uniform = len(set(widths)) == 1 and all(
+            lengths[layer * batch:(layer + 1) * batch] == lengths[:batch]
+            for layer in range(1, self.num_layers))
+        flat = to_device(slots + lengths + blocks, self.k_cache.device)
+        block_rows = flat[2 * per_layer:].split([width * batch for width in widths])
+        return DecodeStep(flat[:per_layer].view(self.num_layers, batch),
+                          flat[per_layer:2 * per_layer].view(self.num_layers, batch),
+                          [rows.view(batch, width) for rows, width in zip(block_rows, widths)],
+                          uniform)
 
-    def gather_padded(self, seq_ids: list[str], layer: int):
-        """One layer of B sequences, padded to the longest: k, v [B, S, Hkv, D], positions [B, S]
-        and lengths [B]. Rows past a sequence's length hold stale data: mask them."""
-        tables = [self._tables[seq_id][layer] for seq_id in seq_ids]
-        max_blocks = max(len(table.blocks) for table in tables)
-        padded = [block for table in tables
-                  for block in table.blocks + [0] * (max_blocks - len(table.blocks))]
-        index = to_device(padded, self.k_cache.device)
-        batch, span = len(tables), max_blocks * self.block_size
-        k = self.k_cache.index_select(0, index).view(batch, span, *self.k_cache.shape[2:])
-        v = self.v_cache.index_select(0, index).view(batch, span, *self.v_cache.shape[2:])
-        positions = self.positions.index_select(0, index).view(batch, span)
-        lengths = to_device([table.length for table in tables], self.k_cache.device)
-        return k, v, positions, lengths
+    def write_decode(self, step: DecodeStep, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     positions: torch.Tensor) -> None:
+        """Store one layer's new tokens of a ``begin_decode`` step (k, v: [B, Hkv, D])."""
+        self._write_at(step.slots[layer], k, v, positions)
+
+    def read_decode(self, step: DecodeStep, layer: int, with_positions: bool = True):
+        """One layer of the step's B sequences, padded to the longest: k, v [B, S, Hkv, D],
+        positions [B, S] (None unless ``with_positions``) and lengths [B]. Rows past a
+        sequence's length hold stale data: mask them."""
+        index = step.blocks[layer]
+        batch, span = index.shape[0], index.shape[1] * self.block_size
+        flat = index.reshape(-1)
+        k = self.k_cache.index_select(0, flat).view(batch, span, *self.k_cache.shape[2:])
+        v = self.v_cache.index_select(0, flat).view(batch, span, *self.v_cache.shape[2:])
+        positions = (self.positions.index_select(0, flat).view(batch, span)
+                     if with_positions else None)
+        return k, v, positions, step.lengths[layer]
 
     def _slots(self, table: _LayerTable, count: int) -> list[int]:
         """Flat slot numbers (block * block_size + offset) of a table's next ``count`` tokens."""
@@ -221,10 +261,14 @@ class KVPool:
 
     def _write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> None:
-        """Write tokens to flat slots, one ``index_copy_`` per tensor. The tokens may come from
-        another device or dtype (a cache from the wire or a chain arrives in host memory)."""
+        self._write_at(to_device(slots, self.k_cache.device), k, v, positions)
+
+    def _write_at(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  positions: torch.Tensor) -> None:
+        """Write tokens to flat slots ``index``, one ``index_copy_`` per tensor. The tokens may
+        come from another device or dtype (a cache from the wire or a chain arrives in host
+        memory)."""
         device = self.k_cache.device
-        index = to_device(slots, device)
         tokens = self.num_blocks * self.block_size
         self.k_cache.view(tokens, *self.k_cache.shape[2:]).index_copy_(
             0, index, k.to(device, self.k_cache.dtype))

@@ -125,22 +125,31 @@ def expand_kv_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
         length, num_heads, head_dim)
 
 
+def decode_attention_bias(query_positions: torch.Tensor, key_positions: torch.Tensor | None,
+                          lengths: torch.Tensor, span: int, sliding_window: int | None,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, 1, S] of a padded decode batch: 0 where row b may see key s (one
+    of its ``lengths[b]`` valid keys, inside the window), -inf elsewhere. Built once and
+    reused by every layer whose tables have the same shape (no pruning, no window)."""
+    visible = torch.arange(span, device=lengths.device)[None, :] < lengths[:, None]  # [B, S]
+    if sliding_window is not None:
+        visible &= (query_positions[:, None] - key_positions) < sliding_window
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+
+
 def attend_decode_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        query_positions: torch.Tensor, key_positions: torch.Tensor,
-                        lengths: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+                        bias: torch.Tensor) -> torch.Tensor:
     """One new token for each of B sequences, attended in one padded kernel call.
 
-    q: [B, H, D]; k, v: [B, S, Hkv, D] padded; key_positions: [B, S]; lengths: [B]
-    valid keys per row. Returns [B, H, D].
+    q: [B, H, D]; k, v: [B, S, Hkv, D] padded; bias: ``decode_attention_bias``.
+    Returns [B, H, D].
     """
-    batch, span, num_kv_heads, head_dim = k.shape
+    batch, _, num_kv_heads, head_dim = k.shape
     num_heads = q.shape[1]
-    mask = torch.arange(span, device=q.device)[None, :] < lengths[:, None]  # [B, S]
-    if sliding_window is not None:
-        mask &= (query_positions[:, None] - key_positions) < sliding_window
     # GQA without copying K/V: the G query heads that share a KV head become G "query
     # rows" of that head (head h reads KV head h // G), so q: [B, Hkv, G, D].
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :])
+                                         attn_mask=bias)
     return out.reshape(batch, num_heads, head_dim)

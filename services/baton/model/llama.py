@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.host_to_device import to_device
-from baton.kv.pool import PagedSequenceKV
-from baton.model.attention import attend, attend_decode_batch
+from baton.kv.pool import DecodeStep, PagedSequenceKV
+from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
 from baton.model.config import ModelConfig
 from baton.model.linear import Linear, linear
 from baton.model.rope import RotaryEmbedding, apply_rotary
@@ -274,6 +274,8 @@ class _AttentionPlan:
         if rows and rows == list(range(rows[0], rows[0] + len(rows))):
             self._device_rows = slice(rows[0], rows[0] + len(rows))  # views: no gather kernels
         self.single_ids = [segment.kv.seq_id for _, segment in self.singles]
+        self._decode_step: DecodeStep | None = None
+        self._decode_bias: torch.Tensor | None = None  # shared by layers of the same shape
 
     def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -294,10 +296,19 @@ class _AttentionPlan:
             self._device_rows = to_device(self.single_rows, q.device)
         rows = self._device_rows
         pool = self.singles[0][1].kv.pool
-        pool.append_tokens(self.single_ids, layer, k[rows], v[rows], positions[rows])
-        k_pad, v_pad, key_positions, lengths = pool.gather_padded(self.single_ids, layer)
-        out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, positions[rows], key_positions,
-                                        lengths, sliding_window)
+        if self._decode_step is None:  # the first layer claims the step for all of them
+            self._decode_step = pool.begin_decode(self.single_ids)
+        step = self._decode_step
+        pool.write_decode(step, layer, k[rows], v[rows], positions[rows])
+        observed = any(segment.observer is not None for _, segment in self.singles)
+        k_pad, v_pad, key_positions, lengths = pool.read_decode(
+            step, layer, with_positions=observed or sliding_window is not None)
+        bias = self._decode_bias
+        if bias is None or not step.uniform or sliding_window is not None:
+            bias = decode_attention_bias(positions[rows], key_positions, lengths, k_pad.shape[1],
+                                         sliding_window, q.dtype)
+            self._decode_bias = bias
+        out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias)
         for b, (row, segment) in enumerate(self.singles):
             if segment.observer is not None:
                 n = int(lengths[b])
