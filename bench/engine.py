@@ -204,24 +204,25 @@ GPU_NOTES = """
 * This is a GPU run: both runtimes in bfloat16 on one CUDA device, eager
   PyTorch (no CUDA graphs, no compiled kernels) on both sides.
 * Models this small give a GPU too little work per operation: a decode step
-  is ~300 kernel launches of a few microseconds each, and a profile of
-  `random-50m` at batch 32 shows ~1 ms of GPU work in a ~6 ms step. Both
+  is ~250 kernel launches of a few microseconds each, and a profile of
+  `random-50m` at batch 32 shows ~0.8 ms of GPU work in a ~6 ms step. Both
   runtimes are bound by launch and Python overhead, not by memory, so the
   batch-1 step is tens to hundreds of times the bandwidth bound. Capturing the
   decode step in a CUDA graph is what would close most of that gap; baton does
-  not do it yet. The bound stays out of reach for models this small even then.
-* Prefill is 1.4-1.7x faster than transformers here; we have not profiled
+  not do it yet. For models this small the bound stays out of reach even then.
+* The first GPU run of this script had baton at 0.71-0.80x of transformers
+  for decode at batch 8 and 32. Three causes, all fixed: the block indices
+  went to the GPU in blocking copies (a stream synchronisation each, several
+  per layer); PyTorch chose cuDNN attention for the masked decode call, which
+  builds a plan for every new padded shape (~9 ms each, recurring as
+  sequences grow); and each layer walked every sequence's block table and
+  built its own mask. Now one pinned, non-blocking copy per step carries
+  every layer's indices, layers of the same shape share one attention bias,
+  and attention runs on flash or memory-efficient kernels: ~250 launches per
+  batch-32 step instead of ~400.
+* Prefill is ~1.45x faster than transformers here; we have not profiled
   transformers to say where its extra time goes.
-* Decode at batch 32 is slower than transformers (0.81-0.88x in the two runs
-  taken on the final code).
-  The paged pool costs per step what a contiguous cache does not: per layer,
-  Python walks every sequence's block table to place the new token and to list
-  the blocks to read, then an index write and a block gather run on the GPU,
-  against two `cat`s for transformers' `DynamicCache`. That work grows with the
-  batch; it is the price of paging (no copy on growth, per-layer pruning,
-  preemption) and is what a CUDA graph over precomputed indices would hide.
-* Runs on this machine vary by ±20% (batch 8 gave 0.96x in one run, 1.20x in
-  another); compare rows of one run.
+* Runs on this machine vary by ±20%; compare rows of one run.
 """
 
 
