@@ -182,7 +182,10 @@ NOTES = """
   transformers.
 * The bound divides bytes *read* by the bandwidth of a copy, which reads and
   writes every byte. A pure read stream runs faster than that, so a step
-  can come in under the bound, as `random-50m`'s does.
+  can come in at or under the bound. The copy itself varies with the load of
+  this shared machine (19-28 GB/s between runs), and the ratio with it:
+  `random-50m` measured 0.74x and 1.01x of its bound in two runs, the shipped
+  model 2.7x and 3.2x.
 * The shipped model is small enough (7.6 M parameters, 4 layers) that a step
   is ~1,100 small tensor operations (views included) whose dispatch costs
   more than reading the 15 MB of weights. Its batch-1 step is bound by per-operation overhead, not
@@ -193,8 +196,8 @@ NOTES = """
   spends on `cat`.
 * From batch 8 up, and for prefill, both runtimes spend their time in the same
   MKL matmuls and fused attention kernels, and the ratio is 1.0 give or take
-  this machine's noise. Runs of this script an hour apart gave 0.90x and 0.98x
-  for random-50m at batch 32, and 0.88x and 0.98x at prefill 2048.
+  this machine's noise. Three runs of this script gave 0.90x, 0.98x and 0.97x
+  for random-50m at batch 32, and 0.88x, 0.98x and 0.98x at prefill 2048.
 """
 
 
