@@ -45,6 +45,7 @@ bench: setup ## run the benchmarks; reports and plots land in docs/benchmarks/
 	$(PY) bench/pyramid_quality.py
 	$(PY) bench/sarathi.py
 	$(PY) bench/serve.py
+	$(PY) bench/kv_transfer.py
 
 gpu-check: setup ## on a CUDA machine: the GPU tests, then engine-gpu.md and runahead-gpu.md
 	$(PY) -m pytest -q -s tests/gpu
