@@ -47,10 +47,11 @@ bench: setup ## run the benchmarks; reports and plots land in docs/benchmarks/
 	$(PY) bench/serve.py
 	$(PY) bench/kv_transfer.py
 
-gpu-check: setup ## on a CUDA machine: the GPU tests, then engine-gpu.md and runahead-gpu.md
+gpu-check: setup ## on a CUDA machine: the GPU tests, then the GPU reports (*-gpu.md)
 	$(PY) -m pytest -q -s tests/gpu
 	$(PY) bench/engine.py --device cuda
 	$(PY) bench/runahead_gpu.py
+	$(PY) bench/sarathi.py --device cuda
 
 helm-lint: $(STAMP) ## lint and render the Helm chart with the real Helm library
 	$(PY) -m pytest -q tests/helm
