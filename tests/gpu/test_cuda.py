@@ -218,3 +218,33 @@ def test_cuda_engine_continues_from_a_cache_that_arrives_in_host_memory():
         tokens += [t for out in decoder.step() if out.request_id == request_id
                    for t in out.new_token_ids]
     assert tokens == expected
+
+
+def test_pyramid_compression_on_cuda_keeps_what_it_keeps_on_the_cpu():
+    # PyramidInfer in a single-process prefill and inside the engine (prompt pruning, then
+    # generation-phase pruning as tokens leave the recent window), fp32 on both devices.
+    from baton.config import PyramidConfig
+    from baton.pyramid import engine_compressor_factory, prefill_compressed
+    from pyramid_fixtures import PROMPT_LENGTH, build_model
+
+    config = PyramidConfig(keep_ratio=0.5)
+    prompt = torch.randint(0, 256, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = build_model().to(device)
+        logits, layers = prefill_compressed(model, prompt.to(device), config)
+        engine = Engine(model, None, scheduler=SchedulerConfig(token_budget=128),
+                        kv=KVPoolConfig(block_size=8, num_blocks=2048),
+                        compressor_factory=engine_compressor_factory(config, model.config))
+        engine.add_request(prompt.tolist(), SamplingParams(
+            temperature=0.0, max_tokens=160, ignore_eos=True))
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [t for out in engine.step() for t in out.new_token_ids]
+        results[device] = (logits.cpu(), [x.positions.cpu() for x in layers],
+                           [x.k.cpu() for x in layers], tokens)
+    (cpu_logits, cpu_kept, cpu_k, cpu_tokens), (logits, kept, k, tokens) = results["cpu"], results["cuda"]
+    assert (logits - cpu_logits).abs().max() < FP32_TOLERANCE
+    assert all(torch.equal(a, b) for a, b in zip(kept, cpu_kept, strict=True))
+    assert all((a - b).abs().max() < FP32_TOLERANCE for a, b in zip(k, cpu_k, strict=True))
+    assert tokens == cpu_tokens and len(tokens) == 160
