@@ -248,3 +248,17 @@ def test_pyramid_compression_on_cuda_keeps_what_it_keeps_on_the_cpu():
     assert all(torch.equal(a, b) for a, b in zip(kept, cpu_kept, strict=True))
     assert all((a - b).abs().max() < FP32_TOLERANCE for a, b in zip(k, cpu_k, strict=True))
     assert tokens == cpu_tokens and len(tokens) == 160
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the one-GPU fallback")
+def test_a_two_rank_local_chain_on_one_gpu_runs_on_the_cpu(tmp_path):
+    # NCCL refuses two ranks on one GPU: a local chain of 2 falls back to gloo on the CPU.
+    config = tiny_config("llama3")
+    model = random_model(config, seed=3)
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(5))
+    logits = prefill(model, ids, torch.arange(300), DenseKV(config.num_hidden_layers))
+    with LocalChain(ModelSource(path=str(tmp_path)), ranks=2, timeout_s=120) as chain:
+        result = chain.prefill(ids, boundaries=[0, 180, 300])
+    assert (result.first_token_logits - logits).abs().max() < FP32_TOLERANCE
+    assert result.layers[0].k.dtype == torch.float32  # the CPU's dtype: it ran on the CPU

@@ -210,10 +210,13 @@ class LocalCluster:
         self.redis_url = self.redis.url
 
     def _chain_args(self, rank: int) -> list[str]:
+        from baton.runahead.worker import local_backend  # torch: only when there is a chain
+
         if rank == 0:
             self._master_port = free_port()
         return ["--chain-ranks", str(self.spec.chain_ranks), "--chain-rank", str(rank),
-                "--chain-chain-id", "chain-0", "--chain-master-port", str(self._master_port)]
+                "--chain-chain-id", "chain-0", "--chain-master-port", str(self._master_port),
+                "--chain-backend", local_backend("auto", self.spec.chain_ranks)]
 
     def _spawn(self, name: str, role: str, args: list[str]) -> Child:
         command = [sys.executable, "-m", "baton.cli", role, *self._common_args(role), *args,

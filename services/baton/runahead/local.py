@@ -27,7 +27,7 @@ from baton.runahead.errors import ChainError
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, ChainResult, ModelSource, make_request
 from baton.runahead.table import PartitionTable
-from baton.runahead.worker import ChainRank, CompressingObserver, StopChain
+from baton.runahead.worker import ChainRank, CompressingObserver, StopChain, local_backend
 
 FAILURE_GRACE_S = 1.0  # after the first failure, how long to collect the other ranks' reports
 
@@ -120,6 +120,7 @@ class LocalChain:
             self.table.require_ranks(self.num_ranks)
 
     def _init_processes(self, backend: str, make_observer) -> None:
+        backend = local_backend(backend, self.num_ranks)
         context = mp.get_context("spawn")
         self.inbox, self.outbox = context.Queue(), context.Queue()
         port = free_port()

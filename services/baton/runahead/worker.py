@@ -74,6 +74,20 @@ def resolve_device(backend: str, rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def local_backend(requested: str, ranks: int) -> str:
+    """The backend for a chain of ``ranks`` processes on this one machine.
+
+    NCCL needs a GPU per rank (it refuses two ranks on one device), so ``auto`` picks it
+    only when this machine has a GPU for every rank, and gloo on the CPU otherwise: a
+    2-rank chain on a one-GPU workstation runs, on the CPU, instead of failing to form.
+    (In a cluster every rank is a pod with a GPU of its own, and ``auto`` means NCCL.)
+    """
+    if requested != "auto":
+        return requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus >= ranks else "gloo"
+
+
 class ChainRank:
     """This process's rank: joins the group and loads the model on construction; ``serve()`` loops."""
 
