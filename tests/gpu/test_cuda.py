@@ -157,21 +157,28 @@ def test_seeded_sampling_is_the_same_on_cuda_as_on_cpu():
     assert outputs["cuda"] == outputs["cpu"]
 
 
-@pytest.mark.parametrize("mode", ["runahead", "tsp"])
-def test_one_rank_nccl_chain_equals_single_process_prefill(tmp_path, mode):
+def chain_case(directory, device: str):
+    """A tiny checkpoint saved in ``directory``, a 300-token prompt, and the in-process
+    prefill on ``device`` that a chain must equal: (ids, logits on the host, its cache)."""
     config = tiny_config("llama3")
     model = random_model(config, seed=3)
-    save_checkpoint(model, tmp_path, dtype=torch.float32)
-    model = model.to("cuda")
+    save_checkpoint(model, directory, dtype=torch.float32)
+    model = model.to(device)  # a move after fusion: the model re-fuses on its first forward
     ids = torch.randint(0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(5))
     kv = DenseKV(config.num_hidden_layers)
-    logits = prefill(model, ids.cuda(), torch.arange(300, device="cuda"), kv).cpu()
+    logits = prefill(model, ids.to(device), torch.arange(300, device=device), kv)
+    return ids, logits.cpu(), kv.complete_layers()
+
+
+@pytest.mark.parametrize("mode", ["runahead", "tsp"])
+def test_one_rank_nccl_chain_equals_single_process_prefill(tmp_path, mode):
+    ids, logits, cache = chain_case(tmp_path, "cuda")
     source = ModelSource(path=str(tmp_path), dtype="float32")
     with LocalChain(source, ranks=1, backend="nccl", timeout_s=120) as chain:
         results = [chain.prefill(ids, mode=mode) for _ in range(2)]  # the chain serves on
     for result in results:
         assert (result.first_token_logits - logits).abs().max() < FP32_TOLERANCE
-        for got, want in zip(result.layers, kv.complete_layers(), strict=True):
+        for got, want in zip(result.layers, cache, strict=True):
             assert got.k.device.type == "cpu"  # handed across the process boundary on the host
             assert torch.equal(got.positions, want.positions.cpu())
             assert (got.k - want.k.cpu()).abs().max() < FP32_TOLERANCE
@@ -183,13 +190,7 @@ def test_one_rank_nccl_chain_equals_single_process_prefill(tmp_path, mode):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two NCCL ranks need two GPUs")
 def test_two_rank_nccl_chain_equals_single_process_prefill(tmp_path):
-    config = tiny_config("llama3")
-    model = random_model(config, seed=3)
-    save_checkpoint(model, tmp_path, dtype=torch.float32)
-    model = model.to("cuda")
-    ids = torch.randint(0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(5))
-    logits = prefill(model, ids.cuda(), torch.arange(300, device="cuda"),
-                     DenseKV(config.num_hidden_layers)).cpu()
+    ids, logits, _ = chain_case(tmp_path, "cuda")
     with LocalChain(ModelSource(path=str(tmp_path), dtype="float32"), ranks=2, backend="nccl",
                     timeout_s=120) as chain:
         result = chain.prefill(ids, boundaries=[0, 180, 300])
@@ -253,11 +254,7 @@ def test_pyramid_compression_on_cuda_keeps_what_it_keeps_on_the_cpu():
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the one-GPU fallback")
 def test_a_two_rank_local_chain_on_one_gpu_runs_on_the_cpu(tmp_path):
     # NCCL refuses two ranks on one GPU: a local chain of 2 falls back to gloo on the CPU.
-    config = tiny_config("llama3")
-    model = random_model(config, seed=3)
-    save_checkpoint(model, tmp_path, dtype=torch.float32)
-    ids = torch.randint(0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(5))
-    logits = prefill(model, ids, torch.arange(300), DenseKV(config.num_hidden_layers))
+    ids, logits, _ = chain_case(tmp_path, "cpu")
     with LocalChain(ModelSource(path=str(tmp_path)), ranks=2, timeout_s=120) as chain:
         result = chain.prefill(ids, boundaries=[0, 180, 300])
     assert (result.first_token_logits - logits).abs().max() < FP32_TOLERANCE

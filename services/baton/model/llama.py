@@ -268,14 +268,21 @@ class _AttentionPlan:
         if len(self.singles) < 2 or len(pools) > 1:
             self.others = sorted(self.others + self.singles, key=lambda item: item[0])
             self.singles = []
+        if self.singles:
+            self._plan_decode_batch()
+
+    def _plan_decode_batch(self) -> None:
+        """Once per forward: the decode batch's rows, its claim on the pool (every layer's
+        indices in one copy) and whether any of its sequences is observed."""
+        self.pool = self.singles[0][1].kv.pool
         rows = [row for row, _ in self.singles]
-        self.single_rows = rows  # sent to the device on first use
-        self._device_rows: torch.Tensor | slice | None = None
-        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-            self._device_rows = slice(rows[0], rows[0] + len(rows))  # views: no gather kernels
-        self.single_ids = [segment.kv.seq_id for _, segment in self.singles]
-        self._decode_step: DecodeStep | None = None
-        self._decode_bias: torch.Tensor | None = None  # shared by layers of the same shape
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            self.rows: torch.Tensor | slice = slice(rows[0], rows[0] + len(rows))  # views
+        else:
+            self.rows = to_device(rows, self.pool.k_cache.device)
+        self.step: DecodeStep = self.pool.begin_decode([seg.kv.seq_id for _, seg in self.singles])
+        self.observed = any(segment.observer is not None for _, segment in self.singles)
+        self._bias: torch.Tensor | None = None  # shared by layers of the same shape
 
     def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -292,22 +299,15 @@ class _AttentionPlan:
         return out
 
     def _attend_singles(self, layer, q, k, v, positions, sliding_window, out) -> None:
-        if self._device_rows is None:  # once per forward, not once per layer
-            self._device_rows = to_device(self.single_rows, q.device)
-        rows = self._device_rows
-        pool = self.singles[0][1].kv.pool
-        if self._decode_step is None:  # the first layer claims the step for all of them
-            self._decode_step = pool.begin_decode(self.single_ids)
-        step = self._decode_step
+        rows, step, pool = self.rows, self.step, self.pool
         pool.write_decode(step, layer, k[rows], v[rows], positions[rows])
-        observed = any(segment.observer is not None for _, segment in self.singles)
         k_pad, v_pad, key_positions, lengths = pool.read_decode(
-            step, layer, with_positions=observed or sliding_window is not None)
-        bias = self._decode_bias
+            step, layer, with_positions=self.observed or sliding_window is not None)
+        bias = self._bias
         if bias is None or not step.uniform or sliding_window is not None:
             bias = decode_attention_bias(positions[rows], key_positions, lengths, k_pad.shape[1],
                                          sliding_window, q.dtype)
-            self._decode_bias = bias
+            self._bias = bias
         out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias)
         for b, (row, segment) in enumerate(self.singles):
             if segment.observer is not None:
