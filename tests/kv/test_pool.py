@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from baton.kv import DenseKV, KVPool, KVPoolExhausted, LayerKV
+from baton.kv.decode_step import group_by_width
 
 LAYERS, HEADS, DIM, BLOCK = 3, 2, 4, 4
 
@@ -100,10 +101,11 @@ def test_a_decode_step_writes_and_reads_every_layer_of_a_ragged_batch():
         pool.store(seq_id, layers)
     step = pool.begin_decode(["a", "b"])
     assert pool.lengths("a") == [8, 4, 5] and pool.lengths("b") == [3, 3, 3]
+    (group,) = step.groups  # two short sequences: one group
     for layer in range(LAYERS):
         k, v, positions = random_kv(2, start=100)
-        pool.write_decode(step, layer, k, v, positions)
-        k_pad, v_pad, pos_pad, lengths = pool.read_decode(step, layer)
+        step.write(layer, k, v, positions)
+        k_pad, v_pad, pos_pad, lengths = step.read(group, layer)
         for row, seq_id in enumerate(["a", "b"]):
             n = int(lengths[row])
             stored = pool.gather(seq_id, layer)
@@ -120,3 +122,43 @@ def test_a_decode_step_that_cannot_get_a_block_changes_nothing_of_that_sequence(
     with pytest.raises(KVPoolExhausted):
         pool.begin_decode(["a"])
     assert pool.lengths("a") == [BLOCK] * LAYERS and pool.num_free_blocks == 0
+
+
+def test_group_by_width_starts_a_group_where_padding_would_cost_more_than_a_group():
+    assert group_by_width([], 4) == []
+    assert group_by_width([3, 3, 4], 4) == [slice(0, 3)]
+    # 1, 1, 1 then 10: keeping one group would pad 3 x 9 blocks
+    assert group_by_width([1, 1, 1, 10, 10], 4) == [slice(0, 3), slice(3, 5)]
+    # out of order stays correct: every sequence is in exactly one group
+    groups = group_by_width([10, 1, 10, 1], 4)
+    assert [i for g in groups for i in range(g.start, g.stop)] == [0, 1, 2, 3]
+
+
+def test_a_ragged_decode_batch_is_read_group_by_group_with_every_token_in_place():
+    # Lengths of 1 to 60 blocks of 8 KiB: several groups, each padded only to its own widest.
+    heads, dim = 4, 64
+    pool = KVPool(LAYERS, heads, dim, block_size=BLOCK, num_blocks=1000)
+    lengths = [3, 5, 20, 33, 150, 160, 230]
+
+    def random_kv(tokens: int, start: int = 0):
+        return torch.randn(tokens, heads, dim), torch.randn(tokens, heads, dim), torch.arange(start, start + tokens)
+
+    for index, n in enumerate(lengths):
+        pool.store(f"s{index}", [LayerKV(*random_kv(n)) for _ in range(LAYERS)])
+    ids = [f"s{index}" for index in range(len(lengths))]
+    step = pool.begin_decode(ids)
+    assert len(step.groups) > 1
+    assert [r for g in step.groups for r in range(g.rows.start, g.rows.stop)] == list(range(len(ids)))
+    for layer in range(LAYERS):
+        k, v, positions = random_kv(len(ids), start=1000)
+        step.write(layer, k, v, positions)
+        for group in step.groups:
+            k_pad, v_pad, pos_pad, group_lengths = step.read(group, layer)
+            widest = max(lengths[row] + 1 for row in range(group.rows.start, group.rows.stop))
+            assert k_pad.shape[1] == pool.blocks_for(widest) * BLOCK
+            for b, row in enumerate(range(group.rows.start, group.rows.stop)):
+                stored = pool.gather(ids[row], layer)
+                n = int(group_lengths[b])
+                assert n == lengths[row] + 1
+                assert torch.equal(k_pad[b, :n], stored.k) and torch.equal(v_pad[b, :n], stored.v)
+                assert torch.equal(pos_pad[b, :n], stored.positions)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.host_to_device import to_device
+from baton.kv.decode_step import GROUP_OVERHEAD_BYTES, DecodeGroup, DecodeStep, group_by_width
 from baton.kv.dense import LayerKV
 
 
@@ -35,21 +36,6 @@ class KVPoolExhausted(RuntimeError):
         super().__init__(f"KV pool exhausted: need {blocks_needed} blocks, {blocks_free} free")
         self.blocks_needed = blocks_needed
         self.blocks_free = blocks_free
-
-
-@dataclass
-class DecodeStep:
-    """One decode step's indices for B sequences over every layer (see ``begin_decode``).
-
-    slots[l, b]: the flat slot (block * block_size + offset) of sequence b's new token in
-    layer l; lengths[l, b]: its tokens counting the new one; blocks[l]: [B, W_l] its block
-    ids, padded with block 0 to the layer's widest table.
-    """
-
-    slots: torch.Tensor
-    lengths: torch.Tensor
-    blocks: list[torch.Tensor]
-    uniform: bool  # every layer has the same lengths and widths (nothing pruned)
 
 
 @dataclass
@@ -120,6 +106,11 @@ class KVPool:
 
     def lengths(self, seq_id: str) -> list[int]:
         return [table.length for table in self._tables[seq_id]]
+
+    def length(self, seq_id: str, layer: int) -> int:
+        """Tokens one layer of a sequence holds (0 for a sequence the pool does not know)."""
+        tables = self._tables.get(seq_id)
+        return tables[layer].length if tables else 0
 
     def blocks_of(self, seq_id: str) -> int:
         return sum(len(table.blocks) for table in self._tables.get(seq_id, []))
@@ -195,13 +186,14 @@ class KVPool:
         self.append(seq_id, layer, current.k[keep], current.v[keep], current.positions[keep])
 
     def begin_decode(self, seq_ids: list[str]) -> DecodeStep:
-        """Claim room for one new token per sequence in every layer; return the step's indices.
+        """Claim room for one new token per sequence in every layer; return the step's metadata.
 
         The batched form of ``append`` for decode steps: the block tables are walked once
         per step rather than once per layer, and every index reaches the device in one copy
         (on a GPU each separate copy costs a launch, and Python time per layer and sequence
         adds up at batch 32). Lengths count the new token from here on; the model then
-        writes each layer's token with ``write_decode`` and reads with ``read_decode``.
+        writes each layer's token with ``DecodeStep.write`` and reads with ``DecodeStep.read``.
+        Sequences are attended in groups of similar width (see ``baton.kv.decode_step``).
         A sequence that needs a block and cannot get one raises ``KVPoolExhausted`` before
         any of its layers changed.
         """
@@ -210,48 +202,42 @@ class KVPool:
             tables = self._tables.get(seq_id)
             if tables is None or any(table.length == len(table.blocks) * size for table in tables):
                 self.reserve(seq_id, 1)
+        per_sequence = [self._tables[seq_id] for seq_id in seq_ids]
         slots: list[int] = []
         lengths: list[int] = []
-        blocks: list[int] = []
-        widths: list[int] = []
         for layer in range(self.num_layers):
-            tables = [self._tables[seq_id][layer] for seq_id in seq_ids]
-            width = max(len(table.blocks) for table in tables)
-            for table in tables:
+            for tables in per_sequence:
+                table = tables[layer]
                 slots.append(table.blocks[table.length // size] * size + table.length % size)
                 table.length += 1
                 lengths.append(table.length)
-                blocks += table.blocks
-                blocks += [0] * (width - len(table.blocks))
-            widths.append(width)
+        widths = [max(len(table.blocks) for table in tables) for tables in per_sequence]
+        rows = group_by_width(widths, max(1, GROUP_OVERHEAD_BYTES // self.bytes_per_block))
         batch, per_layer = len(seq_ids), self.num_layers * len(seq_ids)
-        uniform = len(set(widths)) == 1 and all(
-            lengths[layer * batch:(layer + 1) * batch] == lengths[:batch]
-            for layer in range(1, self.num_layers))
+        blocks: list[int] = []
+        shapes: list[tuple[int, int]] = []  # (sequences, width) of each group's layer table
+        for group in rows:
+            for layer in range(self.num_layers):
+                tables = [tables[layer] for tables in per_sequence[group]]
+                width = max(len(table.blocks) for table in tables)
+                for table in tables:
+                    blocks += table.blocks
+                    blocks += [0] * (width - len(table.blocks))
+                shapes.append((len(tables), width))
         flat = to_device(slots + lengths + blocks, self.k_cache.device)
-        block_rows = flat[2 * per_layer:].split([width * batch for width in widths])
-        return DecodeStep(flat[:per_layer].view(self.num_layers, batch),
-                          flat[per_layer:2 * per_layer].view(self.num_layers, batch),
-                          [rows.view(batch, width) for rows, width in zip(block_rows, widths)],
-                          uniform)
-
-    def write_decode(self, step: DecodeStep, layer: int, k: torch.Tensor, v: torch.Tensor,
-                     positions: torch.Tensor) -> None:
-        """Store one layer's new tokens of a ``begin_decode`` step (k, v: [B, Hkv, D])."""
-        self._write_at(step.slots[layer], k, v, positions)
-
-    def read_decode(self, step: DecodeStep, layer: int, with_positions: bool = True):
-        """One layer of the step's B sequences, padded to the longest: k, v [B, S, Hkv, D],
-        positions [B, S] (None unless ``with_positions``) and lengths [B]. Rows past a
-        sequence's length hold stale data: mask them."""
-        index = step.blocks[layer]
-        batch, span = index.shape[0], index.shape[1] * self.block_size
-        flat = index.reshape(-1)
-        k = self.k_cache.index_select(0, flat).view(batch, span, *self.k_cache.shape[2:])
-        v = self.v_cache.index_select(0, flat).view(batch, span, *self.v_cache.shape[2:])
-        positions = (self.positions.index_select(0, flat).view(batch, span)
-                     if with_positions else None)
-        return k, v, positions, step.lengths[layer]
+        all_lengths = flat[per_layer:2 * per_layer].view(self.num_layers, batch)
+        tables = iter(flat[2 * per_layer:].split([n * width for n, width in shapes]))
+        shapes_of = iter(shapes)
+        groups = []
+        for group in rows:
+            layer_blocks = [next(tables).view(*next(shapes_of)) for _ in range(self.num_layers)]
+            group_lengths = [lengths[layer * batch + group.start:layer * batch + group.stop]
+                             for layer in range(self.num_layers)]
+            uniform = (len({table.shape[1] for table in layer_blocks}) == 1
+                       and all(row == group_lengths[0] for row in group_lengths))
+            groups.append(DecodeGroup(group, layer_blocks, all_lengths[:, group], uniform))
+        return DecodeStep(flat[:per_layer].view(self.num_layers, batch), groups,
+                          self.k_cache, self.v_cache, self.positions)
 
     def _slots(self, table: _LayerTable, count: int) -> list[int]:
         """Flat slot numbers (block * block_size + offset) of a table's next ``count`` tokens."""
@@ -288,6 +274,9 @@ class PagedSequenceKV:
         self.seq_id = seq_id
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        first = self.pool.length(self.seq_id, layer) == 0
         self.pool.append(self.seq_id, layer, k, v, positions)
+        if first:  # nothing cached before: the new tokens are all there is (no gather)
+            return k, v, positions
         stored = self.pool.gather(self.seq_id, layer)
         return stored.k, stored.v, stored.positions

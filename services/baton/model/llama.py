@@ -25,9 +25,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.host_to_device import to_device
-from baton.kv.pool import DecodeStep, PagedSequenceKV
+from baton.kv.decode_step import DecodeGroup, DecodeStep
+from baton.kv.pool import PagedSequenceKV
 from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
 from baton.model.config import ModelConfig
+from baton.model.host_memory import keep_freed_memory
 from baton.model.linear import Linear, linear
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
@@ -59,6 +61,20 @@ class Segment:
     observer: AttentionObserver | None = None
 
 
+@dataclass
+class DecodeBatch:
+    """The last B rows of the flat batch: one new token for each of B sequences whose KV
+    lies in a paged pool. The caller (a runner) builds ``step`` with ``KVPool.begin_decode``;
+    the model writes and reads the cache through it. ``observers[b]`` sees row b's attention."""
+
+    step: DecodeStep
+    observers: Sequence[AttentionObserver | None] = ()
+
+    @property
+    def size(self) -> int:
+        return self.step.slots.shape[1]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -69,7 +85,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         # One fused kernel for x / rms(x) in fp32, then Llama's cast back before the weight.
         x32 = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
-        return self.weight * x32.to(dtype)
+        return x32.to(dtype).mul_(self.weight)  # a fresh tensor either way: scale it in place
 
 
 class SelfAttention(nn.Module):
@@ -119,7 +135,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class _FusedLinear:
@@ -187,6 +203,7 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        keep_freed_memory()
 
     def fuse_projections(self) -> CausalLM:
         """Run q/k/v and gate/up as one matmul each: fewer, larger kernels for decode.
@@ -210,25 +227,30 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                segments: Sequence[Segment], output_rows: torch.Tensor | None = None) -> torch.Tensor:
+                segments: Sequence[Segment], output_rows: torch.Tensor | None = None,
+                decode: DecodeBatch | None = None) -> torch.Tensor:
         """Run the model over a flat batch and return the final hidden states of ``output_rows``.
 
-        token_ids, positions: [N]; ``segments`` partition the N tokens in order.
-        output_rows: indices into N whose hidden states are wanted (default: none,
-        as on non-tail ranks of a prefill chain). Returns [len(output_rows), hidden]
-        after the final norm; ``logits()`` turns them into vocabulary scores.
+        token_ids, positions: [N]; ``segments`` partition the first N - B tokens in order,
+        ``decode`` (if any) the last B. output_rows: indices into N whose hidden states are
+        wanted (default: none, as on non-tail ranks of a prefill chain). Returns
+        [len(output_rows), hidden] after the final norm; ``logits()`` turns them into
+        vocabulary scores.
         """
-        assert sum(s.length for s in segments) == token_ids.shape[0], "segments must cover the batch"
+        covered = sum(s.length for s in segments) + (decode.size if decode else 0)
+        assert covered == token_ids.shape[0], "segments and decode batch must cover the batch"
         hidden = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        plan = _AttentionPlan(segments)
+        plan = _AttentionPlan(segments, decode, token_ids.shape[0])
         with _attention_kernels(hidden.device):
             for layer_index, layer in enumerate(self.model.layers):
                 attn = layer.self_attn
                 q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
                 out = plan.attend(layer_index, q, k, v, positions, self.config.sliding_window)
-                hidden = hidden + attn.o_proj(out.reshape(out.shape[0], -1))
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                # In place: the residual stream is this forward's own tensor (fresh from the
+                # embedding), and a 4096-token step would otherwise allocate two per layer.
+                hidden.add_(attn.o_proj(out.reshape(out.shape[0], -1)))
+                hidden.add_(layer.mlp(layer.post_attention_layernorm(hidden)))
         if output_rows is None:
             return hidden[:0]
         return self.model.norm(hidden[output_rows])
@@ -252,41 +274,26 @@ def _attention_kernels(device: torch.device):
 
 
 class _AttentionPlan:
-    """How one forward's attention is split: single-token segments of one paged pool are
-    attended together in one padded kernel call (the decode batch); every other segment
-    on its own."""
+    """How one forward's attention is split: every segment on its own against its
+    ``SequenceKV``; the decode batch (if any) group by group, each group of sequences of
+    similar length in one padded kernel call."""
 
-    def __init__(self, segments: Sequence[Segment]) -> None:
-        self.singles: list[tuple[int, Segment]] = []
-        self.others: list[tuple[int, Segment]] = []
+    def __init__(self, segments: Sequence[Segment], decode: DecodeBatch | None,
+                 num_rows: int) -> None:
+        self.segments: list[tuple[int, Segment]] = []
         row = 0
         for segment in segments:
-            paged = isinstance(segment.kv, PagedSequenceKV)
-            (self.singles if segment.length == 1 and paged else self.others).append((row, segment))
+            self.segments.append((row, segment))
             row += segment.length
-        pools = {id(segment.kv.pool) for _, segment in self.singles}
-        if len(self.singles) < 2 or len(pools) > 1:
-            self.others = sorted(self.others + self.singles, key=lambda item: item[0])
-            self.singles = []
-        if self.singles:
-            self._plan_decode_batch()
-
-    def _plan_decode_batch(self) -> None:
-        """Once per forward: the decode batch's rows, its claim on the pool (every layer's
-        indices in one copy) and whether any of its sequences is observed."""
-        self.pool = self.singles[0][1].kv.pool
-        rows = [row for row, _ in self.singles]
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            self.rows: torch.Tensor | slice = slice(rows[0], rows[0] + len(rows))  # views
-        else:
-            self.rows = to_device(rows, self.pool.k_cache.device)
-        self.step: DecodeStep = self.pool.begin_decode([seg.kv.seq_id for _, seg in self.singles])
-        self.observed = any(segment.observer is not None for _, segment in self.singles)
-        self._bias: torch.Tensor | None = None  # shared by layers of the same shape
+        self.decode = decode
+        if decode is not None:
+            self.decode_rows = slice(row, num_rows)
+            self.observed = any(observer is not None for observer in decode.observers)
+            self._biases: dict[int, torch.Tensor] = {}  # per group, shared by same-shape layers
 
     def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
         out = torch.empty_like(q)
-        for row, segment in self.others:
+        for row, segment in self.segments:
             end = row + segment.length
             k_all, v_all, key_positions = segment.kv.extend(layer, k[row:end], v[row:end],
                                                             positions[row:end])
@@ -294,26 +301,34 @@ class _AttentionPlan:
                                   sliding_window)
             if segment.observer is not None:
                 segment.observer.observe(layer, q[row:end], positions[row:end], k_all, key_positions)
-        if self.singles:
-            self._attend_singles(layer, q, k, v, positions, sliding_window, out)
+        if self.decode is not None:
+            self._attend_decode(layer, q, k, v, positions, sliding_window, out)
         return out
 
-    def _attend_singles(self, layer, q, k, v, positions, sliding_window, out) -> None:
-        rows, step, pool = self.rows, self.step, self.pool
-        pool.write_decode(step, layer, k[rows], v[rows], positions[rows])
-        k_pad, v_pad, key_positions, lengths = pool.read_decode(
-            step, layer, with_positions=self.observed or sliding_window is not None)
-        bias = self._bias
-        if bias is None or not step.uniform or sliding_window is not None:
+    def _attend_decode(self, layer, q, k, v, positions, sliding_window, out) -> None:
+        rows, step = self.decode_rows, self.decode.step
+        step.write(layer, k[rows], v[rows], positions[rows])
+        q, positions, out = q[rows], positions[rows], out[rows]  # views of the decode rows
+        for index, group in enumerate(step.groups):
+            self._attend_group(index, group, layer, q, positions, sliding_window, out)
+
+    def _attend_group(self, index: int, group: DecodeGroup, layer: int, q, positions,
+                      sliding_window, out) -> None:
+        k_pad, v_pad, key_positions, lengths = self.decode.step.read(
+            group, layer, with_positions=self.observed or sliding_window is not None)
+        rows = group.rows
+        bias = self._biases.get(index)
+        if bias is None or not group.uniform or sliding_window is not None:
             bias = decode_attention_bias(positions[rows], key_positions, lengths, k_pad.shape[1],
                                          sliding_window, q.dtype)
-            self._bias = bias
+            self._biases[index] = bias
         out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias)
-        for b, (row, segment) in enumerate(self.singles):
-            if segment.observer is not None:
-                n = int(lengths[b])
-                segment.observer.observe(layer, q[row:row + 1], positions[row:row + 1],
-                                         k_pad[b, :n], key_positions[b, :n])
+        if self.observed:
+            for b, observer in enumerate(self.decode.observers[rows]):
+                if observer is not None:
+                    n, row = int(lengths[b]), rows.start + b
+                    observer.observe(layer, q[row:row + 1], positions[row:row + 1],
+                                     k_pad[b, :n], key_positions[b, :n])
 
 
 # --- The two entry points the engines call -------------------------------------------------
@@ -333,7 +348,15 @@ def prefill(model: CausalLM, token_ids: torch.Tensor, positions: torch.Tensor, k
 
 def decode_step(model: CausalLM, token_ids: torch.Tensor, positions: torch.Tensor,
                 kvs: Sequence[SequenceKV]) -> torch.Tensor:
-    """One new token for each of B sequences of different lengths -> logits [B, vocab]."""
+    """One new token for each of B sequences of different lengths -> logits [B, vocab].
+
+    Sequences of one paged pool are attended as a decode batch; any other caches
+    one by one."""
     rows = torch.arange(token_ids.shape[0], device=token_ids.device)
-    hidden = model(token_ids, positions, [Segment(1, kv) for kv in kvs], rows)
+    pools = {id(kv.pool) for kv in kvs if isinstance(kv, PagedSequenceKV)}
+    if len(pools) == 1 and all(isinstance(kv, PagedSequenceKV) for kv in kvs):
+        step = kvs[0].pool.begin_decode([kv.seq_id for kv in kvs])
+        hidden = model(token_ids, positions, [], rows, DecodeBatch(step))
+    else:
+        hidden = model(token_ids, positions, [Segment(1, kv) for kv in kvs], rows)
     return model.logits(hidden)

@@ -2,9 +2,12 @@
 
 The linear layers run once over all the iteration's tokens (SARATHI's gain:
 weights are read once for prefill and decodes together); attention runs per
-sequence (one ``Segment`` each) against its KV in the pool. Only the rows
-whose sequence samples this step — decodes and final prefill chunks — are
-turned into logits.
+prefill chunk (one ``Segment`` each) against its KV in the pool, and for the
+decodes as one ``DecodeBatch`` whose metadata the runner builds here
+(``KVPool.begin_decode``): the model reads and writes the cache through it and
+never manages the pool. Decodes go shortest first, so that the batch's groups
+of similar length are consecutive rows. Only the rows whose sequence samples
+this step — decodes and final prefill chunks — are turned into logits.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 
 from baton.host_to_device import to_device
 from baton.kv.pool import KVPool
-from baton.model.llama import CausalLM, Segment
+from baton.model.llama import CausalLM, DecodeBatch, Segment
 from baton.sarathi.request import Sequence
 from baton.sarathi.scheduler import SchedulerOutput
 
@@ -33,18 +36,24 @@ class ModelRunner:
         sampling: list[Sequence] = []
         # Every segment carries its sequence's compressor as attention observer (prompt
         # chunks score the prompt; decode steps feed the generation-phase update).
-        work = [(chunk.seq, chunk.num_tokens, chunk.completes, chunk.seq.compressor)
-                for chunk in plan.prefills]
-        work += [(seq, 1, True, seq.compressor) for seq in plan.decodes]
-        for seq, num_tokens, samples, observer in work:
-            start = seq.num_computed
-            token_ids += seq.token_ids[start:start + num_tokens]
-            positions += range(start, start + num_tokens)
-            segments.append(Segment(num_tokens, self.pool.view(seq.request_id), observer))
-            if samples:
+        for chunk in plan.prefills:
+            seq, start = chunk.seq, chunk.seq.num_computed
+            token_ids += seq.token_ids[start:start + chunk.num_tokens]
+            positions += range(start, start + chunk.num_tokens)
+            segments.append(Segment(chunk.num_tokens, self.pool.view(seq.request_id), seq.compressor))
+            if chunk.completes:
                 output_rows.append(len(token_ids) - 1)
                 sampling.append(seq)
+        decode = None
+        if plan.decodes:
+            decodes = sorted(plan.decodes, key=lambda seq: seq.num_computed)
+            output_rows += range(len(token_ids), len(token_ids) + len(decodes))
+            token_ids += [seq.token_ids[seq.num_computed] for seq in decodes]
+            positions += [seq.num_computed for seq in decodes]
+            sampling += decodes
+            step = self.pool.begin_decode([seq.request_id for seq in decodes])
+            decode = DecodeBatch(step, [seq.compressor for seq in decodes])
         device = self.model.device
         hidden = self.model(to_device(token_ids, device), to_device(positions, device), segments,
-                            to_device(output_rows, device))
+                            to_device(output_rows, device), decode)
         return sampling, self.model.logits(hidden).cpu()

@@ -1,0 +1,82 @@
+"""Timing helpers shared by both sides of the peer benchmark (standard library only: the
+vLLM side runs in its own virtualenv, without baton).
+
+A run waits for a quiet machine before it starts, and reports how much CPU time other
+processes used while it was timed: busy time of the whole machine (``/proc/stat``) minus
+the run's own (``resource.getrusage``, all its threads).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+QUIET_LOAD = 0.5  # one-minute load average below which the machine counts as quiet
+QUIET_WAIT_S = 120.0
+
+
+def _busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds so far) of every live process."""
+    table = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return table
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and every live descendant (vLLM runs its engine in
+    child processes), plus the children that have already exited."""
+    table = _process_table()
+    tree, frontier = set(), {os.getpid()}
+    while frontier:
+        tree |= frontier
+        frontier = {pid for pid, (parent, _) in table.items() if parent in frontier} - tree
+    live = sum(table[pid][1] for pid in tree if pid in table)
+    exited = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return live + exited.ru_utime + exited.ru_stime
+
+
+def wait_for_quiet(limit: float = QUIET_LOAD, timeout_s: float = QUIET_WAIT_S) -> float:
+    """Wait (bounded) for the one-minute load average to fall below ``limit``; returns it."""
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
+        time.sleep(2.0)
+    return os.getloadavg()[0]
+
+
+@dataclass
+class CpuWindow:
+    """Wall time, own CPU time and other processes' CPU time of a timed part."""
+
+    wall_s: float = 0.0
+    own_cpu_s: float = 0.0
+    others_cpu_s: float = 0.0
+
+    def __enter__(self) -> CpuWindow:
+        self._wall = time.perf_counter()
+        self._busy = _busy_s()
+        self._own = _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._wall
+        self.own_cpu_s = _own_cpu_s() - self._own
+        self.others_cpu_s = max(0.0, _busy_s() - self._busy - self.own_cpu_s)

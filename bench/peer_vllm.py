@@ -1,0 +1,70 @@
+"""The vLLM side of the peer benchmark, run in the peer's own virtualenv (no baton here).
+
+Offline: ``LLMEngine.add_request`` for every request of the workload at once, then
+``step()`` until all finish — the same loop as baton's ``Engine.step``, so the first
+token's time is seen per request. Writes a JSON result: wall time, generated tokens,
+TTFT per request, the token ids, and the CPU time other processes used.
+
+usage: peer_vllm.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32 [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_timing import CpuWindow, wait_for_quiet
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("workload")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    workload = json.loads(Path(args.workload).read_text())
+    started = time.perf_counter()
+    # Statistics on: each request's first-token time stamp comes from the engine core, on the
+    # system-wide monotonic clock (the client process may pick outputs up later).
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=False,
+              disable_log_stats=False)
+    load_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=workload["prompts"][0])], params, use_tqdm=False)
+    engine = llm.llm_engine
+    wait_for_quiet()
+    first_token_s: dict[str, float] = {}
+    token_ids: dict[str, list[int]] = {}
+    with CpuWindow() as window:
+        t0 = time.monotonic()
+        for index, prompt in enumerate(workload["prompts"]):
+            engine.add_request(str(index), TokensPrompt(prompt_token_ids=prompt), params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    token_ids[output.request_id] = list(output.outputs[0].token_ids)
+                    first_token_s[output.request_id] = output.metrics.first_token_ts - t0
+    order = [str(i) for i in range(len(workload["prompts"]))]
+    result = {
+        "system": "vllm", "dtype": args.dtype, "load_s": load_s,
+        "wall_s": window.wall_s, "own_cpu_s": window.own_cpu_s, "others_cpu_s": window.others_cpu_s,
+        "generated_tokens": sum(len(token_ids[r]) for r in order),
+        "ttft_s": [first_token_s[r] for r in order],
+        "token_ids": [token_ids[r] for r in order],
+    }
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
