@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from redis_server import RedisServer, redis_server_binary
+
+# fp32 is the reference for exactness: every service a test starts (in process or as a
+# child process) computes in fp32 unless the test says otherwise, whatever "auto" picks
+# on the machine.
+os.environ.setdefault("BATON_MODEL_DTYPE", "float32")
 
 
 @pytest.fixture

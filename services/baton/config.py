@@ -8,6 +8,7 @@ Helm values all derive from these names (see ``baton.configtree``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from baton.configtree import require, setting
@@ -20,7 +21,8 @@ DEVICES = ("auto", "cpu", "cuda")
 class ModelSourceConfig:
     path: str = setting("", "Hugging Face checkpoint directory; empty means the shipped model")
     revision: str = setting("", "revision label checked against pushed KV caches; empty = directory name")
-    dtype: str = setting("auto", "compute dtype: auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    dtype: str = setting("auto", "compute dtype: auto = bfloat16 on CUDA, and on a CPU whose bf16 "
+                        "matmuls measure faster (AVX512-BF16/AMX), else float32", choices=DTYPES)
     device: str = setting("auto", "auto = cuda when available, else cpu", choices=DEVICES)
     threads: int = setting(0, "torch intra-op threads on CPU; 0 leaves torch's default")
 
@@ -51,16 +53,23 @@ class SchedulerConfig:
                           "separate = prefill-only and decode-only iterations; "
                           "orca = whole prefills mixed into decode batches",
                           choices=SCHEDULER_POLICIES)
-    token_budget: int = setting(256, "tokens per iteration (decodes + one prefill chunk)")
+    token_budget: int = setting(0, "tokens per iteration (decodes + prefill chunks); 0 = auto: the "
+                                "largest whose iteration meets target_iteration_ms, timed at start")
+    target_iteration_ms: float = setting(200.0, "time-between-tokens target that sizes an auto "
+                                         "token budget (SARATHI's rule)")
     tile_size: int = setting(0, "round budget = chunk + decodes down to a multiple of this; 0 = off")
     max_running: int = setting(64, "most sequences decoding at once")
 
     def __post_init__(self) -> None:
         require(self.policy in SCHEDULER_POLICIES,
                 f"scheduler policy {self.policy!r} is not one of {SCHEDULER_POLICIES}")
-        require(self.token_budget >= 2, f"scheduler token_budget must be >= 2, got {self.token_budget}")
+        require(self.token_budget == 0 or self.token_budget >= 2,
+                f"scheduler token_budget must be 0 (auto) or >= 2, got {self.token_budget}")
+        require(math.isfinite(self.target_iteration_ms) and self.target_iteration_ms > 0,
+                f"scheduler target_iteration_ms must be a finite number > 0, "
+                f"got {self.target_iteration_ms}")
         require(self.tile_size >= 0, f"scheduler tile_size must be >= 0, got {self.tile_size}")
-        require(self.tile_size <= self.token_budget,
+        require(self.token_budget == 0 or self.tile_size <= self.token_budget,
                 f"scheduler tile_size {self.tile_size} exceeds token_budget {self.token_budget}")
         require(self.max_running >= 1, f"scheduler max_running must be >= 1, got {self.max_running}")
 

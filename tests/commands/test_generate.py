@@ -81,7 +81,7 @@ def test_stop_string_ends_the_text(checkpoint, reference, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-ids", "1,999"], "prompt token id 999 is outside the vocabulary"),
     (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
-    (["--prompt-ids", "1", "--scheduler-token-budget", "1"], "token_budget must be >= 2, got 1"),
+    (["--prompt-ids", "1", "--scheduler-token-budget", "1"], "token_budget must be 0 (auto) or >= 2, got 1"),
     ([], "give at least one PROMPT or --prompt-ids"),
 ])
 def test_bad_input_is_a_value_error_naming_the_value(checkpoint, argv, message):

@@ -30,7 +30,7 @@ def make_checkpoint(directory):
 def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
                         metrics_port: int = 0):
     config = DecodeServiceConfig(
-        model=ModelSourceConfig(path=str(checkpoint)),
+        model=ModelSourceConfig(path=str(checkpoint), dtype="float32"),
         kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks),
         routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0))
     config.server.grace_s = 0.5
@@ -49,7 +49,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def reference_tokens(checkpoint, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """What the monolithic engine generates greedily in one process."""
-    loaded = load_checkpoint(checkpoint)
+    loaded = load_checkpoint(checkpoint, dtype="float32")
     engine = Engine(loaded.model, loaded.tokenizer,
                     kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=KV_NUM_BLOCKS))
     return engine.generate([prompt_ids], greedy(max_tokens))[0].token_ids
@@ -57,7 +57,7 @@ def reference_tokens(checkpoint, prompt_ids: list[int], max_tokens: int) -> list
 
 def prefilled_handoff(checkpoint, request_id: str, prompt_ids: list[int], max_tokens: int):
     """A single-process prefill of the prompt, ready to push: (handoff, payload chunks)."""
-    loaded = load_checkpoint(checkpoint, with_tokenizer=False)
+    loaded = load_checkpoint(checkpoint, dtype="float32", with_tokenizer=False)
     kv = DenseKV(loaded.config.num_hidden_layers)
     token_ids = torch.tensor(prompt_ids)
     logits = prefill(loaded.model, token_ids, torch.arange(len(prompt_ids)), kv)

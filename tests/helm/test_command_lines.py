@@ -77,7 +77,7 @@ def test_operator_containers_parse_as_baton_commands(chart_values, monkeypatch):
     assert rank.server.listen == f"0.0.0.0:{workloads.PREFILL_PORT}"
     assert configs["baton-decode"].server.advertise == f"10.1.2.3:{workloads.DECODE_PORT}"
     assert configs["baton-decode"].scheduler.token_budget == \
-        chart_values.get("service", {}).get("spec", {}).get("decode", {}).get("tokenBudget", 256)
+        chart_values.get("service", {}).get("spec", {}).get("decode", {}).get("tokenBudget", 0)
     gpu = bool(chart_values)
     assert rank.chain.backend == ("nccl" if gpu else "gloo")
     assert rank.model.device == ("cuda" if gpu else "cpu")
@@ -100,7 +100,7 @@ def test_a_value_the_service_rejects_is_rejected_before_any_manifest():
 
     service = next(o for o in objects() if o["kind"] == "BatonService")
     service["spec"]["decode"]["tokenBudget"] = 1
-    with pytest.raises(InvalidSpec, match="token_budget must be >= 2"):
+    with pytest.raises(InvalidSpec, match=r"token_budget must be 0 \(auto\) or >= 2"):
         read_spec(service["spec"], "unused")
 
 

@@ -82,7 +82,7 @@ class KeepRecent:
 def test_chain_equals_single_process_prefill(checkpoint, ranks):
     directory, model = checkpoint
     generator = torch.Generator().manual_seed(ranks)
-    with LocalChain(ModelSource(path=str(directory)), ranks, timeout_s=20) as chain:
+    with LocalChain(ModelSource(path=str(directory), dtype="float32"), ranks, timeout_s=20) as chain:
         for _name, length, boundaries in cases(ranks):
             token_ids = torch.randint(0, CONFIG.vocab_size, (length,), generator=generator)
             result = chain.prefill(token_ids, boundaries)
@@ -114,7 +114,7 @@ def test_chain_equals_single_process_prefill(checkpoint, ranks):
 def test_tail_compresses_through_the_observer_seam_then_a_dead_rank_is_named(checkpoint):
     directory, model = checkpoint
     token_ids = torch.randint(0, CONFIG.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
-    with LocalChain(ModelSource(path=str(directory)), 2, timeout_s=10,
+    with LocalChain(ModelSource(path=str(directory), dtype="float32"), 2, timeout_s=10,
                     make_observer=KeepRecent) as chain:
         result = chain.prefill(token_ids, [0, 17, 30])
 
@@ -140,7 +140,7 @@ def test_tail_compresses_through_the_observer_seam_then_a_dead_rank_is_named(che
 
 def test_a_hung_rank_makes_its_neighbours_give_up_after_the_timeout(checkpoint):
     directory, _ = checkpoint
-    chain = LocalChain(ModelSource(path=str(directory)), 3, timeout_s=3)
+    chain = LocalChain(ModelSource(path=str(directory), dtype="float32"), 3, timeout_s=3)
     try:
         os.kill(chain.processes[1].pid, signal.SIGSTOP)  # alive but silent
         started = time.monotonic()

@@ -187,7 +187,7 @@ def test_policies_are_registered_and_bad_config_is_named():
     assert set(POLICIES) >= {"sarathi", "separate", "orca"}
     with pytest.raises(ValueError, match="'fifo'"):
         SchedulerConfig(policy="fifo")
-    with pytest.raises(ValueError, match="token_budget must be >= 2, got 1"):
+    with pytest.raises(ValueError, match=r"token_budget must be 0 \(auto\) or >= 2, got 1"):
         SchedulerConfig(token_budget=1)
     with pytest.raises(ValueError, match="tile_size 512 exceeds token_budget 256"):
         SchedulerConfig(token_budget=256, tile_size=512)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from baton.config import KVPoolConfig, SchedulerConfig
+from baton.config import DTYPES, KVPoolConfig, SchedulerConfig
 from baton.configtree import add_arguments as add_config_arguments
 from baton.configtree import from_arguments
 
@@ -44,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     parser.add_argument("--json", action="store_true",
                         help='print {"token_ids": [...], "text": "..."} per prompt, one line each')
+    parser.add_argument("--dtype", choices=DTYPES, default=os.environ.get("BATON_MODEL_DTYPE", "auto"),
+                        help="compute dtype (as --model-dtype of the services; env BATON_MODEL_DTYPE)")
     parser.add_argument("--chain-ranks", type=int, default=0, metavar="P",
                         help="prefill through a local KV-Runahead chain of P processes (0 = off)")
     parser.add_argument("--server", default="", metavar="HOST:PORT",
@@ -68,11 +71,12 @@ def run(args: argparse.Namespace) -> int:
     from baton.model.loader import load_checkpoint
     from baton.sarathi.engine import Engine
 
-    loaded = load_checkpoint(args.model)
+    loaded = load_checkpoint(args.model, dtype=args.dtype)
     engine = Engine(loaded.model, loaded.tokenizer, scheduler=from_arguments(args, SchedulerConfig, "scheduler"),
                     kv=from_arguments(args, KVPoolConfig, "kv"))
     if args.chain_ranks:
-        request_ids = _add_chain_prefilled(engine, loaded.path, prompts, params, args.chain_ranks)
+        request_ids = _add_chain_prefilled(engine, loaded.path, prompts, params, args.chain_ranks,
+                                           str(loaded.model.dtype).removeprefix("torch."))
     else:
         request_ids = [engine.add_request(prompt, params) for prompt in prompts]
     results = _drive(engine, request_ids, stream=not args.json and len(prompts) == 1)
@@ -99,13 +103,13 @@ def _generate_on_server(args: argparse.Namespace, prompts: list, params) -> int:
     return generate_to_terminal(args.server, prompts, params, as_json=args.json)
 
 
-def _add_chain_prefilled(engine, model_dir, prompts, params, ranks: int) -> list[str]:
+def _add_chain_prefilled(engine, model_dir, prompts, params, ranks: int, dtype: str) -> list[str]:
     from baton.runahead.local import prefill_with_local_chain
 
     request_ids = []
     for prompt in prompts:
         prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        result = prefill_with_local_chain(str(model_dir), prompt_ids, ranks)
+        result = prefill_with_local_chain(str(model_dir), prompt_ids, ranks, dtype=dtype)
         request_ids.append(engine.add_prefilled_request(prompt_ids, result.layers,
                                                         result.first_token_logits, params))
     return request_ids

@@ -1,7 +1,8 @@
 """Named model configurations for benchmarks and tests, and a random-weight builder.
 
 ``random-50m`` is the ~50M-parameter Llama-style config every benchmark uses
-beside the shipped model, so that figures from different reports compare.
+beside the shipped model, so that figures from different reports compare;
+``random-100m`` is the peer benchmark's (vLLM loads it from the same directory).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ PRESETS: dict[str, ModelConfig] = {
                               num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                               max_position_embeddings=16384, rope={"rope_type": "default",
                                                                    "rope_theta": 500000.0}),
+    # 96M parameters: 12 layers of 768 with 12 query and 4 KV heads of 64, the shipped model's
+    # 4096-token vocabulary (so its tokenizer serves both): the peer benchmark's larger model.
+    "random-100m": ModelConfig(vocab_size=4096, hidden_size=768, intermediate_size=2560,
+                               num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                               max_position_embeddings=2048),
 }
 
 

@@ -229,11 +229,11 @@ class LocalChain:
 
 def prefill_with_local_chain(model_path: str, token_ids, ranks: int, mode: str = "runahead",
                              table: PartitionTable | None = None,
-                             timeout_s: float = 60.0) -> ChainResult:
+                             timeout_s: float = 60.0, dtype: str = "auto") -> ChainResult:
     """Prefill one prompt on a fresh local chain (``baton generate --chain-ranks P``).
 
     The result's ``first_token_logits`` and ``layers`` (the full cache, original
     positions) continue into any decoder: ``KVPool.store(seq_id, result.layers)``.
     """
-    with LocalChain(ModelSource(path=model_path), ranks, table=table, timeout_s=timeout_s) as chain:
+    with LocalChain(ModelSource(path=model_path, dtype=dtype), ranks, table=table, timeout_s=timeout_s) as chain:
         return chain.prefill(token_ids, mode=mode)

@@ -15,6 +15,7 @@ engine (the CLI, tests, benchmarks), not for use beside a loop thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -35,6 +36,7 @@ from baton.model.sampling import (
     StopStringMatcher,
 )
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
+from baton.sarathi.budget import measure_token_budget
 from baton.sarathi.hooks import CompressorFactory
 from baton.sarathi.memory import KVManager, build_pool
 from baton.sarathi.request import GenerationResult, RequestOutput, Sequence, Status
@@ -62,6 +64,10 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool)
 
     def _init_scheduler(self, config: SchedulerConfig) -> None:
+        if config.token_budget == 0:  # auto: SARATHI's rule, timed on this model and device
+            budget = measure_token_budget(self.model, config.target_iteration_ms)
+            config = dataclasses.replace(config, token_budget=budget,
+                                         tile_size=min(config.tile_size, budget))
         self.scheduler = create_scheduler(config, self.memory)
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()

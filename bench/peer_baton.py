@@ -1,0 +1,69 @@
+"""The baton side of the peer benchmark: the engine's own step loop over the workload.
+
+Every request is added at once, then ``Engine.step()`` runs until all finish —
+the loop ``baton up``'s decode pod runs — timing each request's first token.
+Writes the same JSON result as ``peer_vllm.py``.
+
+usage: peer_baton.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_timing import CpuWindow, wait_for_quiet
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("workload")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from baton.model import load_checkpoint
+    from baton.model.sampling import SamplingParams
+    from baton.sarathi.engine import Engine
+
+    workload = json.loads(Path(args.workload).read_text())
+    started = time.perf_counter()
+    loaded = load_checkpoint(args.model, dtype=args.dtype, device="cpu")
+    engine = Engine(loaded.model, loaded.tokenizer)  # the service's defaults (auto budget)
+    load_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
+    engine.generate([workload["prompts"][0]], params)  # warm-up
+    wait_for_quiet()
+    first_token_s: dict[str, float] = {}
+    token_ids: dict[str, list[int]] = {}
+    with CpuWindow() as window:
+        t0 = time.perf_counter()
+        order = [engine.add_request(prompt, params) for prompt in workload["prompts"]]
+        for request_id in order:
+            token_ids[request_id] = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.new_token_ids and output.request_id not in first_token_s:
+                    first_token_s[output.request_id] = time.perf_counter() - t0
+                token_ids[output.request_id] += output.new_token_ids
+    result = {
+        "system": "baton", "dtype": args.dtype, "load_s": load_s,
+        "token_budget": engine.scheduler.config.token_budget,
+        "wall_s": window.wall_s, "own_cpu_s": window.own_cpu_s, "others_cpu_s": window.others_cpu_s,
+        "generated_tokens": sum(len(token_ids[r]) for r in order),
+        "ttft_s": [first_token_s[r] for r in order],
+        "token_ids": [token_ids[r] for r in order],
+    }
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

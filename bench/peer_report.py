@@ -1,0 +1,111 @@
+"""The peer benchmark's report: every round, medians, per-round ratios, TTFT, token agreement,
+and the throughput plot (docs/benchmarks/peer.md, peer.png)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from common import markdown_table
+
+SYSTEMS = ("vllm", "baton")
+
+
+def throughput(run: dict) -> float:
+    return run["generated_tokens"] / run["wall_s"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def agreement(rounds: list[dict]) -> tuple[int, int, int]:
+    """(requests whose greedy tokens are identical, requests, first differing position's
+    median among the others) over every round."""
+    same = total = 0
+    first_diffs = []
+    for runs in rounds:
+        for ours, theirs in zip(runs["baton"]["token_ids"], runs["vllm"]["token_ids"], strict=True):
+            total += 1
+            if ours == theirs:
+                same += 1
+            else:
+                first_diffs.append(next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b))
+    return same, total, int(statistics.median(first_diffs)) if first_diffs else -1
+
+
+def render(results: dict, description: str, rounds: int, load_average) -> str:
+    lines = ["# baton against vLLM (offline batch)", "",
+             f"Machine: {description}; load average {load_average[0]:.1f} at the end.", "",
+             "Same workload for both: `bench/peer_workload.py` (prompts of 50-900 tokens cut from "
+             "the standard library with a fixed seed, 64 new tokens each, greedy, end-of-sequence "
+             "ignored; 64 requests on the shipped model, the first 32 on the ~100M random "
+             "checkpoint), all submitted at once. vLLM 0.32.0 (CPU build, its own virtualenv, "
+             "`LLMEngine` step loop, its defaults: torch.compile, 4096-token batches, 2 OpenMP "
+             "threads bound to cores 0-1); baton's `Engine.step` loop with the service's "
+             "defaults (auto token budget). Fresh processes, 2 threads each, interleaved: every "
+             "round runs both systems back to back per row, the order flipping each round; each "
+             "run waits for a quiet machine and records the CPU time other processes used while "
+             "it was timed. TTFT counts from submission.", "",
+             "## Medians", ""]
+    rows = []
+    for (model, dtype), rounds_of_pair in results.items():
+        ratios = [throughput(r["baton"]) / throughput(r["vllm"]) for r in rounds_of_pair]
+        medians = {s: statistics.median(throughput(r[s]) for r in rounds_of_pair) for s in SYSTEMS}
+        ttft50 = {s: statistics.median(statistics.median(r[s]["ttft_s"]) for r in rounds_of_pair)
+                  for s in SYSTEMS}
+        ttft99 = {s: statistics.median(percentile(r[s]["ttft_s"], 0.99) for r in rounds_of_pair)
+                  for s in SYSTEMS}
+        same, total, first = agreement(rounds_of_pair)
+        rows.append([model, dtype, f"{medians['vllm']:.0f}", f"{medians['baton']:.0f}",
+                     f"**{statistics.median(ratios):.2f}x**",
+                     f"{ttft50['vllm']:.2f} / {ttft99['vllm']:.2f}",
+                     f"{ttft50['baton']:.2f} / {ttft99['baton']:.2f}",
+                     f"{ttft50['baton'] / ttft50['vllm']:.2f}x",
+                     f"{same}/{total}" + (f" (first difference at token {first})" if first >= 0 else "")])
+    lines.append(markdown_table(
+        ["model", "dtype", "vLLM tok/s", "baton tok/s", "baton / vLLM (median of rounds)",
+         "vLLM TTFT P50 / P99 s", "baton TTFT P50 / P99 s", "TTFT P50 baton / vLLM",
+         "identical greedy requests"], rows))
+    lines += ["", "## Every round", ""]
+    rows = []
+    for (model, dtype), rounds_of_pair in results.items():
+        for index, runs in enumerate(rounds_of_pair):
+            rows.append([model, dtype, index + 1,
+                         f"{throughput(runs['vllm']):.0f}", f"{throughput(runs['baton']):.0f}",
+                         f"{throughput(runs['baton']) / throughput(runs['vllm']):.2f}x",
+                         f"{statistics.median(runs['vllm']['ttft_s']):.2f}",
+                         f"{statistics.median(runs['baton']['ttft_s']):.2f}",
+                         runs["baton"].get("token_budget", ""),
+                         f"{runs['vllm']['others_cpu_s']:.2f} / {runs['baton']['others_cpu_s']:.2f}"])
+    lines.append(markdown_table(
+        ["model", "dtype", "round", "vLLM tok/s", "baton tok/s", "ratio", "vLLM TTFT P50 s",
+         "baton TTFT P50 s", "baton budget", "others' CPU s (vLLM / baton)"], rows))
+    lines += ["", "![generated tokens/s](peer.png)", ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot_throughput(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{model}\n{dtype}" for model, dtype in results]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    width = 0.38
+    for offset, system in ((-width / 2, "vllm"), (width / 2, "baton")):
+        medians = [statistics.median(throughput(r[system]) for r in rounds) for rounds in results.values()]
+        bars = axis.bar([i + offset for i in range(len(labels))], medians, width, label=system)
+        axis.bar_label(bars, fmt="%.0f", fontsize=8)
+        for i, rounds in enumerate(results.values()):  # every round as a dot
+            axis.scatter([i + offset] * len(rounds), [throughput(r[system]) for r in rounds],
+                         color="black", s=8, zorder=3)
+    axis.set_xticks(range(len(labels)), labels)
+    axis.set_ylabel("generated tokens/s (2 threads)")
+    axis.set_title("baton vs vLLM, offline batch, same workload")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}")
