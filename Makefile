@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test proto lint bench gpu-check helm-lint clean
+.PHONY: help setup run test proto lint bench bench-peer gpu-check helm-lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ bench: setup ## run the benchmarks; reports and plots land in docs/benchmarks/
 	$(PY) bench/serve.py
 	$(PY) bench/kv_transfer.py
 
+bench-peer: setup ## baton against vLLM on this machine (vLLM in its own .venv-peer); writes docs/benchmarks/peer.md
+	$(PY) bench/peer.py
+
 gpu-check: setup ## on a CUDA machine: the GPU tests, then the GPU reports (*-gpu.md)
 	$(PY) -m pytest -q -s tests/gpu
 	$(PY) bench/engine.py --device cuda
@@ -57,4 +60,4 @@ helm-lint: $(STAMP) ## lint and render the Helm chart with the real Helm library
 	$(PY) -m pytest -q tests/helm
 
 clean: ## remove the virtualenv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-peer .pytest_cache .ruff_cache

@@ -13,7 +13,7 @@ import resource
 import time
 from dataclasses import dataclass
 
-QUIET_LOAD = 0.5  # one-minute load average below which the machine counts as quiet
+QUIET_CORES = 0.15  # busy cores (over one second) below which the machine counts as quiet
 QUIET_WAIT_S = 120.0
 
 
@@ -54,12 +54,17 @@ def _own_cpu_s() -> float:
     return live + exited.ru_utime + exited.ru_stime
 
 
-def wait_for_quiet(limit: float = QUIET_LOAD, timeout_s: float = QUIET_WAIT_S) -> float:
-    """Wait (bounded) for the one-minute load average to fall below ``limit``; returns it."""
+def wait_for_quiet(limit: float = QUIET_CORES, timeout_s: float = QUIET_WAIT_S) -> float:
+    """Wait (bounded) until the machine's busy time over one second, this process's own
+    excluded, stays below ``limit`` cores; returns the last such reading. (The load
+    average would lag a minute behind the previous run.)"""
     deadline = time.monotonic() + timeout_s
-    while os.getloadavg()[0] >= limit and time.monotonic() < deadline:
-        time.sleep(2.0)
-    return os.getloadavg()[0]
+    while True:
+        busy, own = _busy_s(), _own_cpu_s()
+        time.sleep(1.0)
+        cores = max(0.0, (_busy_s() - busy) - (_own_cpu_s() - own))
+        if cores < limit or time.monotonic() >= deadline:
+            return cores
 
 
 @dataclass
