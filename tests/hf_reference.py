@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from baton.kv import DenseKV, KVPool
+from baton.model import decode_step, prefill
 from baton.model.config import ModelConfig
 
 VARIANTS = {
@@ -68,3 +70,53 @@ def save_case(case: tuple[str, int, int], directory: Path, seed: int):
     variant, heads, kv_heads = case
     config = tiny_config(variant, num_attention_heads=heads, num_key_value_heads=kv_heads)
     return save_random_hf_model(config, directory, seed=seed)
+
+
+# --- One scenario run by both runtimes, at any device and precision -------------------------
+
+
+def run_scenario(ours, token_sequences) -> list[torch.Tensor]:
+    """Our logits for: a full prefill of sequence 0; two-slice prefills of sequences 1 and 2
+    over a paged cache; then 8 batched decode steps that feed the tokens given in the
+    sequences (so that every runtime and precision follows the same path)."""
+    device, dtype = ours.model.device, ours.model.dtype
+    config = ours.config
+    first = token_sequences[0]
+    outputs = [prefill(ours.model, first.to(device), torch.arange(len(first), device=device),
+                       DenseKV(config.num_hidden_layers))]
+    pool = KVPool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                  block_size=4, num_blocks=256, dtype=dtype, device=device)
+    kvs = [pool.view("a"), pool.view("b")]
+    prompts = [seq[:-8] for seq in token_sequences[1:]]
+    for ids, kv in zip(prompts, kvs, strict=True):
+        ids = ids.to(device)
+        cut = len(ids) // 2 + 1
+        prefill(ours.model, ids[:cut], torch.arange(cut, device=device), kv, want_logits=False)
+        outputs.append(prefill(ours.model, ids[cut:], torch.arange(cut, len(ids), device=device), kv))
+    for step in range(8):  # step s feeds the sequence's token at position len(prompt) + s
+        tokens = torch.stack([seq[len(p) + step] for seq, p in zip(token_sequences[1:], prompts)])
+        positions = torch.tensor([len(p) + step for p in prompts], device=device)
+        outputs.extend(decode_step(ours.model, tokens.to(device), positions, kvs))
+    return [o.float().cpu() for o in outputs]
+
+
+def reference_logits(hf_model, token_sequences) -> list[torch.Tensor]:
+    """transformers' logits at the same points as ``run_scenario``."""
+    device = next(hf_model.parameters()).device
+    with torch.no_grad():
+        full = [hf_model(seq[None].to(device)).logits[0].float().cpu() for seq in token_sequences]
+    outputs = [full[0][-1]]
+    prompt_lengths = [len(seq) - 8 for seq in token_sequences[1:]]
+    outputs += [full[i + 1][n - 1] for i, n in enumerate(prompt_lengths)]
+    for step in range(8):
+        outputs += [full[i + 1][n + step] for i, n in enumerate(prompt_lengths)]
+    return outputs
+
+
+def sequences(vocab_size: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randint(0, vocab_size, (n,), generator=generator) for n in (37, 29 + 8, 11 + 8)]
+
+
+def max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))

@@ -38,9 +38,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         sees_all = num_queries == 1 and not window_matters
         mask = None if sees_all else visibility_mask(query_positions, key_positions, sliding_window)
         return _attend_grouped(q, k, v, mask)
-    # [1, heads, len, D]: CPU SDPA takes its fused kernels only for 4-D inputs with equal
-    # head counts (3-D or enable_gqa fall back to the slow math path: 6-10x at 2k tokens).
+    # [1, heads, len, D]: CPU SDPA takes its fused kernels only for 4-D inputs (3-D falls back
+    # to the slow math path: 6-10x at 2k tokens).
     qh = q.transpose(0, 1)[None]
+    if num_queries == num_keys and not window_matters and q.device.type == "cpu":
+        # A whole prompt: the fused causal kernel reads the KV heads in place (enable_gqa,
+        # 1.1-1.3x faster than copying them out to every query head, torch 2.13 on CPU; on
+        # CUDA the flash kernels take equal head counts, so the copy stays there).
+        out = F.scaled_dot_product_attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)
     kh = expand_kv_heads(k, q.shape[1]).transpose(0, 1)[None]
     vh = expand_kv_heads(v, q.shape[1]).transpose(0, 1)[None]
     if num_queries == num_keys and not window_matters:

@@ -154,8 +154,10 @@ class Engine:
         for seq in completing:
             if seq.compressor is not None:
                 self._compress(seq)
-        for seq, row in zip(sampling, logits):
-            self._accept_token(seq, seq.sampler.sample(row), outputs)
+        greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
+        for seq, row, best in zip(sampling, logits, greedy):
+            token = best if seq.params.greedy else seq.sampler.sample(row)
+            self._accept_token(seq, token, outputs)
         for seq in plan.decodes:
             if seq.compressor is not None and seq.status is Status.RUNNING:
                 seq.compressor.after_decode(self.pool, seq.request_id)
