@@ -9,9 +9,11 @@ pair runs vLLM and baton back to back, the order flipping every round. Every run
 waits for a quiet machine and records the CPU time other processes used while it
 was timed. Two models: the shipped one, and a ~100M-parameter random-weight Llama
 checkpoint saved by this script in Hugging Face's format (both systems load the same
-directory). Offline batch only: vLLM's ``LLMEngine`` step loop against baton's
-``Engine.step`` loop. Writes docs/benchmarks/peer.md (every round, medians,
-per-round ratios, TTFT P50/P99, token agreement) and peer.png.
+directory). Offline batch: vLLM's ``LLMEngine`` step loop against baton's
+``Engine.step`` loop. Served (shipped model): ``vllm serve`` against ``baton up``
+(as started by default, and with 2 threads and no chain), the same client and 64
+concurrent streams (``peer_served.py``). Writes docs/benchmarks/peer.md (every
+round, medians, per-round ratios, TTFT P50/P99, token agreement) and peer.png.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ RANDOM_MODEL_REQUESTS = 32  # a ~100M model on 2 cores: half the workload keeps 
 
 def ensure_peer_venv() -> Path:
     python = PEER_VENV / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True,
+                                          check=False).returncode == 0:
         return python
     print(f"creating {PEER_VENV} with {VLLM_PACKAGE} (a few minutes)")
     subprocess.run([sys.executable, "-m", "venv", "--clear", PEER_VENV], check=True)
@@ -99,7 +102,7 @@ def run_one(system: str, peer_python: Path, model_dir: Path, workload: Path, dty
     with log.open("w") as handle:
         completed = subprocess.run([str(python), str(script), str(model_dir), str(workload), str(out),
                                     "--dtype", dtype], env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                   timeout=900)
+                                   timeout=900, check=False)
     if completed.returncode != 0:
         raise RuntimeError(f"{system} run failed ({completed.returncode}); see {log}")
     result = json.loads(out.read_text())
@@ -108,11 +111,36 @@ def run_one(system: str, peer_python: Path, model_dir: Path, workload: Path, dty
     return result
 
 
+# (name, peer_served.py arguments): the peer's server, then baton up as a user starts it and
+# baton up with both cores on one decode pod (every prompt prefilled there, as in the engine).
+SERVED_SETUPS = (("vllm", ["vllm"]),
+                 ("baton-up", ["baton", "--threads", "1", "--chain-ranks", "2"]),
+                 ("baton-up-2t", ["baton", "--threads", "2", "--chain-ranks", "0"]))
+
+
+def run_served(argv: list[str], peer_python: Path, model_dir: Path, workload: Path, dtype: str,
+               out: Path) -> dict:
+    script = Path(__file__).resolve().parent / "peer_served.py"
+    command = [sys.executable, str(script), argv[0], str(peer_python), str(model_dir), str(workload),
+               str(out), "--dtype", dtype, *argv[1:]]
+    with out.with_suffix(".log").open("w") as log:
+        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=900,
+                                   check=False)
+    if completed.returncode != 0:
+        raise RuntimeError(f"served run {argv} failed ({completed.returncode}); see {out.with_suffix('.log')}")
+    result = json.loads(out.read_text())
+    print(f"  {out.stem:32s} {result['generated_tokens'] / result['wall_s']:7.0f} tok/s "
+          f"TTFT p50 {statistics.median(result['ttft_s']):.2f} s  errors {len(result['errors'])}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default=f"shipped,{RANDOM_MODEL}")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--served-dtypes", default="float32,bfloat16",
+                        help="dtypes of the served comparison on the shipped model ('' = none)")
     args = parser.parse_args()
     peer_python = ensure_peer_venv()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
@@ -130,9 +158,21 @@ def main() -> None:
                 out = WORK_DIR / f"{model}-{dtype}-{system}-{round_index}.json"
                 runs[system] = run_one(system, peer_python, models[model], workloads[model], dtype, out)
             results[(model, dtype)].append(runs)
+    served = {dtype: [] for dtype in filter(None, args.served_dtypes.split(","))}
+    for round_index in range(args.rounds if served else 0):
+        print(f"served round {round_index + 1}/{args.rounds}")
+        for dtype, rounds in served.items():
+            runs = {}
+            order = SERVED_SETUPS if round_index % 2 == 0 else SERVED_SETUPS[::-1]
+            for name, argv in order:
+                out = WORK_DIR / f"served-{dtype}-{name}-{round_index}.json"
+                runs[name] = run_served(argv, peer_python, models["shipped"], workloads["shipped"],
+                                        dtype, out)
+            rounds.append(runs)
     (WORK_DIR / "results.json").write_text(json.dumps(
-        {f"{model}/{dtype}": rounds for (model, dtype), rounds in results.items()}))
-    write_report("peer.md", render(results, description, args.rounds, os.getloadavg()))
+        {"offline": {f"{model}/{dtype}": rounds for (model, dtype), rounds in results.items()},
+         "served": served}))
+    write_report("peer.md", render(results, served, description, args.rounds, os.getloadavg()))
     plot_throughput(results, REPORT_DIR / "peer.png")
 
 

@@ -17,7 +17,7 @@ def throughput(run: dict) -> float:
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def agreement(rounds: list[dict]) -> tuple[int, int, int]:
@@ -35,10 +35,10 @@ def agreement(rounds: list[dict]) -> tuple[int, int, int]:
     return same, total, int(statistics.median(first_diffs)) if first_diffs else -1
 
 
-def render(results: dict, description: str, rounds: int, load_average) -> str:
-    lines = ["# baton against vLLM (offline batch)", "",
+def render(results: dict, served: dict, description: str, rounds: int, load_average) -> str:
+    lines = ["# baton against vLLM", "",
              f"Machine: {description}; load average {load_average[0]:.1f} at the end.", "",
-             "Same workload for both: `bench/peer_workload.py` (prompts of 50-900 tokens cut from "
+             ("Same workload for both: `bench/peer_workload.py` (prompts of 50-900 tokens cut from "
              "the standard library with a fixed seed, 64 new tokens each, greedy, end-of-sequence "
              "ignored; 64 requests on the shipped model, the first 32 on the ~100M random "
              "checkpoint), all submitted at once. vLLM 0.32.0 (CPU build, its own virtualenv, "
@@ -47,8 +47,8 @@ def render(results: dict, description: str, rounds: int, load_average) -> str:
              "defaults (auto token budget). Fresh processes, 2 threads each, interleaved: every "
              "round runs both systems back to back per row, the order flipping each round; each "
              "run waits for a quiet machine and records the CPU time other processes used while "
-             "it was timed. TTFT counts from submission.", "",
-             "## Medians", ""]
+             "it was timed. TTFT counts from submission."), "",
+             "## Offline batch: medians", ""]
     rows = []
     for (model, dtype), rounds_of_pair in results.items():
         ratios = [throughput(r["baton"]) / throughput(r["vllm"]) for r in rounds_of_pair]
@@ -68,7 +68,7 @@ def render(results: dict, description: str, rounds: int, load_average) -> str:
         ["model", "dtype", "vLLM tok/s", "baton tok/s", "baton / vLLM (median of rounds)",
          "vLLM TTFT P50 / P99 s", "baton TTFT P50 / P99 s", "TTFT P50 baton / vLLM",
          "identical greedy requests"], rows))
-    lines += ["", "## Every round", ""]
+    lines += ["", "## Offline batch: every round", ""]
     rows = []
     for (model, dtype), rounds_of_pair in results.items():
         for index, runs in enumerate(rounds_of_pair):
@@ -83,7 +83,41 @@ def render(results: dict, description: str, rounds: int, load_average) -> str:
         ["model", "dtype", "round", "vLLM tok/s", "baton tok/s", "ratio", "vLLM TTFT P50 s",
          "baton TTFT P50 s", "baton budget", "others' CPU s (vLLM / baton)"], rows))
     lines += ["", "![generated tokens/s](peer.png)", ""]
+    if served:
+        lines += served_section(results, served)
     return "\n".join(lines) + "\n"
+
+
+SERVED_NAMES = {"vllm": "`vllm serve`",
+                "baton-up": ("`baton up` (defaults: 1 thread per process, 2-rank chain for prompts "
+                             ">= 512 tokens)"),
+                "baton-up-2t": "`baton up --threads 2 --chain-ranks 0`"}
+
+
+def served_section(results: dict, served: dict) -> list[str]:
+    lines = ["## Served", "",
+             ("The shipped model; one client for both (`bench/peer_served.py`): 64 threads, one "
+             "streaming request each, all sent at once; vLLM over its OpenAI HTTP API, baton over "
+             "its gRPC API; KV compression off. Throughput is generated tokens over the time to "
+             "the last token. The engine column is baton's offline median above (same dtype)."), ""]
+    rows = []
+    for dtype, rounds_of_dtype in served.items():
+        engine = statistics.median(throughput(r["baton"]) for r in results.get(("shipped", dtype), [])) \
+            if ("shipped", dtype) in results else float("nan")
+        for name, label in SERVED_NAMES.items():
+            values = [throughput(r[name]) for r in rounds_of_dtype]
+            ttft = statistics.median(statistics.median(r[name]["ttft_s"]) for r in rounds_of_dtype)
+            ttft99 = statistics.median(percentile(r[name]["ttft_s"], 0.99) for r in rounds_of_dtype)
+            errors = sum(len(r[name]["errors"]) for r in rounds_of_dtype)
+            ratios = [throughput(r[name]) / throughput(r["vllm"]) for r in rounds_of_dtype]
+            rows.append([dtype, label, f"{statistics.median(values):.0f}",
+                         " / ".join(f"{v:.0f}" for v in values),
+                         f"{statistics.median(ratios):.2f}x",
+                         "" if name == "vllm" else f"{statistics.median(values) / engine:.2f}x",
+                         f"{ttft:.2f} / {ttft99:.2f}", errors])
+    lines.append(markdown_table(["dtype", "server", "tok/s (median)", "every round", "vs vllm serve",
+                                 "vs baton's engine", "TTFT P50 / P99 s", "errors"], rows))
+    return lines + [""]
 
 
 def plot_throughput(results: dict, path: Path) -> None:

@@ -12,6 +12,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from typing import Self
 
 QUIET_CORES = 0.15  # busy cores (over one second) below which the machine counts as quiet
 QUIET_WAIT_S = 120.0
@@ -75,7 +76,7 @@ class CpuWindow:
     own_cpu_s: float = 0.0
     others_cpu_s: float = 0.0
 
-    def __enter__(self) -> CpuWindow:
+    def __enter__(self) -> Self:
         self._wall = time.perf_counter()
         self._busy = _busy_s()
         self._own = _own_cpu_s()
