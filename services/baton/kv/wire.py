@@ -37,8 +37,8 @@ from typing import Self
 
 import torch
 
+from baton.dtypes import DTYPES
 from baton.kv.dense import LayerKV
-from baton.model.loader import DTYPES
 
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
 # per-message cost vanishes (bench/kv_transfer.py measures it).

@@ -17,13 +17,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from baton.dtypes import DTYPES
 from baton.model.config import ModelConfig
 from baton.model.errors import CheckpointError
 from baton.model.llama import CausalLM
 from baton.model.tokenizer import Tokenizer
 
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "baton-pystdlib"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
