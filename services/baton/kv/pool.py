@@ -117,6 +117,12 @@ class KVPool:
 
     def reserve(self, seq_id: str, new_tokens_per_layer: list[int] | int) -> None:
         """Claim blocks for new tokens in every layer, all or none (raises KVPoolExhausted)."""
+        tables = self._tables.get(seq_id)
+        if isinstance(new_tokens_per_layer, int) and tables is not None:
+            # A decode step's common case, checked cheaply: every layer has room already.
+            capacity = self.block_size
+            if all(t.length + new_tokens_per_layer <= len(t.blocks) * capacity for t in tables):
+                return
         if isinstance(new_tokens_per_layer, int):
             new_tokens_per_layer = [new_tokens_per_layer] * self.num_layers
         needed = self.blocks_needed(seq_id, new_tokens_per_layer)
