@@ -1,11 +1,11 @@
-"""linear(): the weight-major orientation gives F.linear's result, for every row count it takes."""
+"""linear(): the weight-major orientation gives F.linear's result, for every row count it takes; a packed bf16 weight gives it exactly too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from baton.model.linear import Linear, linear, weight_major
+from baton.model.linear import Linear, linear, packs, weight_major
 
 
 @pytest.mark.parametrize("num_outputs", [96, 8192])
@@ -34,3 +34,18 @@ def test_linear_module_keeps_nn_linear_parameters_and_takes_any_shape():
     assert torch.allclose(layer(batch), F.linear(batch, layer.weight, layer.bias))
     row = torch.randn(1, 16)
     assert torch.allclose(layer(row), F.linear(row, layer.weight, layer.bias), atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_packed_bf16_weight_gives_f_linear_exactly_and_follows_weight_changes():
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16)
+    assert packs(layer.weight)
+    for rows in (1, 3, 64, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():  # edited in place (a reload writes through like this)
+        layer.weight.mul_(2)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert not packs(layer.weight.float())  # fp32 keeps the plain kernels

@@ -30,7 +30,7 @@ from baton.kv.pool import PagedSequenceKV
 from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
 from baton.model.config import ModelConfig
 from baton.model.host_memory import keep_freed_memory
-from baton.model.linear import Linear, linear
+from baton.model.linear import Linear, WeightPack, linear, packs
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -153,6 +153,7 @@ class _FusedLinear:
     def __init__(self, *layers: nn.Linear) -> None:
         self.layers = layers
         self.sizes = [layer.out_features for layer in layers]
+        self.pack = WeightPack()
         self._fuse()
 
     def _fuse(self) -> None:
@@ -172,6 +173,8 @@ class _FusedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.layers[0].weight.data_ptr() != self.weight.data_ptr():  # moved since fused
             self._fuse()
+        if packs(self.weight):
+            return self.pack.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
