@@ -139,9 +139,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default=f"shipped,{RANDOM_MODEL}")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--report-only", action="store_true",
+                        help="re-render peer.md and peer.png from the last run's results.json")
     parser.add_argument("--served-dtypes", default="float32,bfloat16",
                         help="dtypes of the served comparison on the shipped model ('' = none)")
     args = parser.parse_args()
+    if args.report_only:
+        saved = json.loads((WORK_DIR / "results.json").read_text())
+        results = {tuple(key.split("/")): rounds for key, rounds in saved["offline"].items()}
+        rounds = len(next(iter(results.values())))
+        write_report("peer.md", render(results, saved["served"], saved["machine"], rounds,
+                                       tuple(saved["load_average"])))
+        plot_throughput(results, REPORT_DIR / "peer.png")
+        return
     peer_python = ensure_peer_venv()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     models = prepare_models()
@@ -171,7 +181,7 @@ def main() -> None:
             rounds.append(runs)
     (WORK_DIR / "results.json").write_text(json.dumps(
         {"offline": {f"{model}/{dtype}": rounds for (model, dtype), rounds in results.items()},
-         "served": served}))
+         "served": served, "machine": description, "load_average": os.getloadavg()}))
     write_report("peer.md", render(results, served, description, args.rounds, os.getloadavg()))
     plot_throughput(results, REPORT_DIR / "peer.png")
 

@@ -82,7 +82,9 @@ def render(results: dict, served: dict, description: str, rounds: int, load_aver
     lines.append(markdown_table(
         ["model", "dtype", "round", "vLLM tok/s", "baton tok/s", "ratio", "vLLM TTFT P50 s",
          "baton TTFT P50 s", "baton budget", "others' CPU s (vLLM / baton)"], rows))
-    lines += ["", "![generated tokens/s](peer.png)", ""]
+    lines += ["", "![generated tokens/s](peer.png)", "",
+              "Where baton's time goes on this workload, and what closing the gap needs: "
+              "[docs/runtime.md](../runtime.md).", ""]
     if served:
         lines += served_section(results, served)
     return "\n".join(lines) + "\n"
@@ -121,25 +123,39 @@ def served_section(results: dict, served: dict) -> list[str]:
 
 
 def plot_throughput(results: dict, path: Path) -> None:
+    """Left: generated tokens/s per row (median bar, every round a dot), log scale so that both
+    models read; right: baton / vLLM per round, with parity and the 1.3x goal."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{model}\n{dtype}" for model, dtype in results]
-    figure, axis = plt.subplots(figsize=(8, 4))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.38
     for offset, system in ((-width / 2, "vllm"), (width / 2, "baton")):
         medians = [statistics.median(throughput(r[system]) for r in rounds) for rounds in results.values()]
-        bars = axis.bar([i + offset for i in range(len(labels))], medians, width, label=system)
-        axis.bar_label(bars, fmt="%.0f", fontsize=8)
+        bars = left.bar([i + offset for i in range(len(labels))], medians, width, label=system)
+        left.bar_label(bars, fmt="%.0f", fontsize=8)
         for i, rounds in enumerate(results.values()):  # every round as a dot
-            axis.scatter([i + offset] * len(rounds), [throughput(r[system]) for r in rounds],
+            left.scatter([i + offset] * len(rounds), [throughput(r[system]) for r in rounds],
                          color="black", s=8, zorder=3)
-    axis.set_xticks(range(len(labels)), labels)
-    axis.set_ylabel("generated tokens/s (2 threads)")
-    axis.set_title("baton vs vLLM, offline batch, same workload")
-    axis.legend()
+    left.set_yscale("log")
+    left.set_xticks(range(len(labels)), labels)
+    left.set_ylabel("generated tokens/s (2 threads, log scale)")
+    left.set_title("offline batch, same workload")
+    left.legend()
+    for i, rounds in enumerate(results.values()):
+        ratios = [throughput(r["baton"]) / throughput(r["vllm"]) for r in rounds]
+        right.scatter([i] * len(ratios), ratios, color="tab:orange", s=18, zorder=3)
+        right.plot([i - 0.2, i + 0.2], [statistics.median(ratios)] * 2, color="tab:orange")
+    right.axhline(1.0, color="gray", linewidth=1, label="parity")
+    right.axhline(1.3, color="tab:green", linestyle="--", linewidth=1, label="goal 1.3x")
+    right.set_xticks(range(len(labels)), labels)
+    right.set_ylim(0, 1.5)
+    right.set_ylabel("baton / vLLM tokens/s, per round")
+    right.set_title("ratio (line: median of rounds)")
+    right.legend(loc="lower right")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     print(f"wrote {path}")
