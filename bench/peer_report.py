@@ -83,8 +83,8 @@ def render(results: dict, served: dict, description: str, rounds: int, load_aver
         ["model", "dtype", "round", "vLLM tok/s", "baton tok/s", "ratio", "vLLM TTFT P50 s",
          "baton TTFT P50 s", "baton budget", "others' CPU s (vLLM / baton)"], rows))
     lines += ["", "![generated tokens/s](peer.png)", "",
-              "Where baton's time goes on this workload, and what closing the gap needs: "
-              "[docs/runtime.md](../runtime.md).", ""]
+              ("Where baton's time goes on this workload, and what closing the gap needs: "
+               "[docs/runtime.md](../runtime.md)."), ""]
     if served:
         lines += served_section(results, served)
     return "\n".join(lines) + "\n"
