@@ -1,11 +1,11 @@
-"""linear(): the weight-major orientation gives F.linear's result, for every row count it takes; a packed bf16 weight gives it exactly too."""
+"""linear() and the weight-major orientation give F.linear's result, for every row count it takes; a packed bf16 weight gives it exactly too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from baton.model.linear import Linear, linear, packs, weight_major
+from baton.model.linear import Linear, linear, packs, weight_major, weight_major_linear
 
 
 @pytest.mark.parametrize("num_outputs", [96, 8192])
@@ -16,9 +16,9 @@ def test_linear_equals_f_linear(num_rows, num_outputs, with_bias):
     x = torch.randn(num_rows, 48, generator=generator)
     weight = torch.randn(num_outputs, 48, generator=generator)
     bias = torch.randn(num_outputs, generator=generator) if with_bias else None
-    out = linear(x, weight, bias)
-    assert out.shape == (num_rows, num_outputs) and out.is_contiguous()
-    assert torch.allclose(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    for out in (linear(x, weight, bias), weight_major_linear(x, weight, bias)):
+        assert out.shape == (num_rows, num_outputs) and out.is_contiguous()
+        assert torch.allclose(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_orientation_rule():
