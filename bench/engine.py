@@ -174,18 +174,16 @@ def bench_model(label: str, directory: Path, bandwidth: float) -> tuple[list[lis
 NOTES = """
 ## Reading the numbers
 
-* Decode at small batches is where baton gains most: its linear layers compute
-  ``(W @ x.T).T`` for at most 4 rows, and for the vocabulary projection up to 64
-  (`baton.model.linear`). Written as ``x @ W.T``, MKL runs few rows through
-  kernels that stream the weights at a third of copy bandwidth on this CPU.
-  Above a few rows both orientations cost the same, and so do baton and
-  transformers.
+* Which orientation a few-row matmul takes is measured per process
+  (`baton.model.linear.weight_major_pays`): on AMD EPYC's MKL, ``(W @ x.T).T``
+  streams the weights 2-6x faster than ``x @ W.T`` for up to 4 rows (this
+  report's earlier runs there: batch-1 decode of `random-50m` at 2.12x
+  transformers); on an Intel Xeon it is 2x slower and `F.linear` is kept.
 * The bound divides bytes *read* by the bandwidth of a copy, which reads and
   writes every byte. A pure read stream runs faster than that, so a step
   can come in at or under the bound. The copy itself varies with the load of
-  this shared machine (19-28 GB/s between runs), and the ratio with it:
-  `random-50m` measured 0.74x and 1.01x of its bound in two runs, the shipped
-  model 2.7x and 3.2x.
+  this shared machine (16-28 GB/s between runs, and between the AMD and
+  Intel machines this report has run on), and the ratio with it.
 * The shipped model is small enough (7.6 M parameters, 4 layers) that a step
   is ~1,100 small tensor operations (views included) whose dispatch costs
   more than reading the 15 MB of weights. Its batch-1 step is bound by per-operation overhead, not
@@ -195,9 +193,10 @@ NOTES = """
   costs ~5 ms in all, which is about what transformers' `DynamicCache`
   spends on `cat`.
 * From batch 8 up, and for prefill, both runtimes spend their time in the same
-  MKL matmuls and fused attention kernels, and the ratio is 1.0 give or take
-  this machine's noise. Three runs of this script gave 0.90x, 0.98x and 0.97x
-  for random-50m at batch 32, and 0.88x, 0.98x and 0.98x at prefill 2048.
+  matmuls and fused attention kernels, and the ratio is 1.0 give or take
+  this machine's noise (±10%: three runs on the AMD machine gave 0.90x, 0.98x
+  and 0.97x for random-50m at batch 32). The peer benchmark
+  ([peer.md](peer.md)) compares whole engines on a serving workload instead.
 """
 
 
