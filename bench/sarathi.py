@@ -41,6 +41,7 @@ from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.sarathi import Engine
+from baton.sarathi.budget import measure_token_budget
 from common import machine_description, write_report
 from sarathi_report import (
     EXPLANATION,
@@ -290,10 +291,11 @@ def balanced_workload(batch: int, budget: int, chunks: int, num_requests: int) -
     return Workload(batch, chunks * chunk, chunks * (batch - 1) + 1, budget, num_requests, balanced=True)
 
 
-def grids(quick: bool) -> dict[str, list[Workload]]:
+def grids(quick: bool, auto_budget: int) -> dict[str, list[Workload]]:
     """The full grid for a quiet machine: P:D around the balanced point (B=8, C=256), the
-    token budget (128/256/512) and the batch size (4/8/16) at their balanced points.
-    ``quick``: only the P:D sweep, one-chunk prompts and fewer requests."""
+    token budget (128/256/512 and the one the engine's rule picks, ``auto_budget``) and the
+    batch size (4/8/16) at their balanced points. ``quick``: the P:D sweep and the picked
+    budget only, one-chunk prompts and fewer requests."""
     batch, budget = 8, 256
     chunks = 1 if quick else 2
     num_requests = (lambda b: 3 * b) if quick else (lambda b: 4 * b)
@@ -306,8 +308,9 @@ def grids(quick: bool) -> dict[str, list[Workload]]:
     ratios = (10, 100) if quick else (10, 25, 50, 100)
     ratio_sweep = sorted([with_ratio(r) for r in ratios] + [middle], key=lambda w: w.ratio)
     grid = {"ratio": ratio_sweep}
+    budgets = [auto_budget] if quick else sorted({128, 256, 512, auto_budget})
+    grid["chunk"] = [balanced_workload(batch, c, chunks, num_requests(batch)) for c in budgets]
     if not quick:
-        grid["chunk"] = [balanced_workload(batch, c, chunks, num_requests(batch)) for c in (128, 256, 512)]
         grid["batch"] = [balanced_workload(b, budget, chunks, num_requests(b)) for b in (4, 8, 16)]
     return grid
 
@@ -336,6 +339,9 @@ def main() -> None:
     if (SHIPPED_MODEL_DIR / "config.json").is_file():
         dtype_name = str(dtype).removeprefix("torch.")
         models.append(("shipped", load_checkpoint("", dtype=dtype_name, device=args.device).model))
+    # The budget the engine picks by default (SARATHI's rule, measured on this machine).
+    auto_budget = measure_token_budget(models[0][1], SchedulerConfig().target_iteration_ms)
+    print(f"[budget] the engine's rule picks C={auto_budget} for random-50m", flush=True)
     started = time.perf_counter()
     costs = [iteration_costs(models[0][1], b, c) for b, c in ((4, 256), (8, 256), (16, 256), (8, 128), (8, 512))]
     for c in costs:
@@ -344,7 +350,7 @@ def main() -> None:
     balanced_runs: list[RunStats] = []
     for label, model in models:
         measured: dict[tuple, dict[str, RunStats]] = {}
-        grid = grids(args.quick)
+        grid = grids(args.quick, auto_budget)
         if label == "shipped":
             grid = {"ratio": grid["ratio"]}
         for axis, workloads in grid.items():
@@ -363,7 +369,11 @@ def main() -> None:
                            f"{prefix}_{label}_batch.png", f"{label}: C=256")
             sections.append(f"## {label}: sweep over {axis}\n\n{table(results)}\n\n![{axis}]({png})\n")
     elapsed = time.perf_counter() - started
-    sections.insert(1, goal_check(balanced_runs, costs) + ITERATION_INTRO + iteration_table(costs) + "\n"
+    budget_line = (f"The engine's default budget rule (the largest whose iteration meets "
+                   f"{SchedulerConfig().target_iteration_ms:.0f} ms, `baton.sarathi.budget`) picks "
+                   f"**C={auto_budget}** for random-50m on this machine; its balanced point is "
+                   f"in the table below and the chunk sweep.\n\n")
+    sections.insert(1, budget_line + goal_check(balanced_runs, costs) + ITERATION_INTRO + iteration_table(costs) + "\n"
                     + (GPU_EXPLANATION if on_gpu else EXPLANATION))
     load = os.getloadavg()[0]
     # The benchmark's own 2 threads count; well above that, other jobs shared the CPU.
