@@ -98,16 +98,22 @@ def run_one(system: str, peer_python: Path, model_dir: Path, workload: Path, dty
             env["LD_PRELOAD"] = str(iomp)
     else:
         python = Path(sys.executable)
+    command = [str(python), str(script), str(model_dir), str(workload), str(out), "--dtype", dtype]
+    return run_script(command, env, out, f"{system:5s} {dtype:8s}")
+
+
+def run_script(command: list[str], env: dict | None, out: Path, label: str) -> dict:
+    """Run one side in a fresh process (its output in OUT.log); returns its JSON result."""
     log = out.with_suffix(".log")
     with log.open("w") as handle:
-        completed = subprocess.run([str(python), str(script), str(model_dir), str(workload), str(out),
-                                    "--dtype", dtype], env=env, stdout=handle, stderr=subprocess.STDOUT,
+        completed = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                    timeout=900, check=False)
     if completed.returncode != 0:
-        raise RuntimeError(f"{system} run failed ({completed.returncode}); see {log}")
+        raise RuntimeError(f"{label.strip()} failed ({completed.returncode}); see {log}")
     result = json.loads(out.read_text())
-    print(f"  {system:5s} {dtype:8s} {result['generated_tokens'] / result['wall_s']:7.0f} tok/s "
-          f"TTFT p50 {statistics.median(result['ttft_s']):.2f} s  others' CPU {result['others_cpu_s']:.2f} s")
+    print(f"  {label} {result['generated_tokens'] / result['wall_s']:7.0f} tok/s "
+          f"TTFT p50 {statistics.median(result['ttft_s']):.2f} s  others' CPU "
+          f"{result['others_cpu_s']:.2f} s  errors {len(result.get('errors', []))}")
     return result
 
 
@@ -123,15 +129,7 @@ def run_served(argv: list[str], peer_python: Path, model_dir: Path, workload: Pa
     script = Path(__file__).resolve().parent / "peer_served.py"
     command = [sys.executable, str(script), argv[0], str(peer_python), str(model_dir), str(workload),
                str(out), "--dtype", dtype, *argv[1:]]
-    with out.with_suffix(".log").open("w") as log:
-        completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=900,
-                                   check=False)
-    if completed.returncode != 0:
-        raise RuntimeError(f"served run {argv} failed ({completed.returncode}); see {out.with_suffix('.log')}")
-    result = json.loads(out.read_text())
-    print(f"  {out.stem:32s} {result['generated_tokens'] / result['wall_s']:7.0f} tok/s "
-          f"TTFT p50 {statistics.median(result['ttft_s']):.2f} s  errors {len(result['errors'])}")
-    return result
+    return run_script(command, None, out, f"{out.stem:32s}")
 
 
 def main() -> None:

@@ -9,24 +9,17 @@ usage: peer_baton.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_timing import CpuWindow, wait_for_quiet
+from peer_timing import CpuWindow, run_arguments, wait_for_quiet, write_result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("workload")
-    parser.add_argument("out")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = run_arguments()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -54,15 +47,9 @@ def main() -> None:
                 if output.new_token_ids and output.request_id not in first_token_s:
                     first_token_s[output.request_id] = time.perf_counter() - t0
                 token_ids[output.request_id] += output.new_token_ids
-    result = {
-        "system": "baton", "dtype": args.dtype, "load_s": load_s,
-        "token_budget": engine.scheduler.config.token_budget,
-        "wall_s": window.wall_s, "own_cpu_s": window.own_cpu_s, "others_cpu_s": window.others_cpu_s,
-        "generated_tokens": sum(len(token_ids[r]) for r in order),
-        "ttft_s": [first_token_s[r] for r in order],
-        "token_ids": [token_ids[r] for r in order],
-    }
-    Path(args.out).write_text(json.dumps(result))
+    write_result(args.out, "baton", args.dtype, load_s, window,
+                 [first_token_s[r] for r in order], [token_ids[r] for r in order],
+                 token_budget=engine.scheduler.config.token_budget)
 
 
 if __name__ == "__main__":

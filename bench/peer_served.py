@@ -18,7 +18,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,16 +25,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baton.runahead.local import free_port
 from peer_timing import CpuWindow, wait_for_quiet
 
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def drive(send, prompts: list[list[int]], new_tokens: int) -> dict:

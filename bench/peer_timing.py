@@ -8,10 +8,13 @@ the run's own (``resource.getrusage``, all its threads).
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Self
 
 QUIET_CORES = 0.15  # busy cores (over one second) below which the machine counts as quiet
@@ -86,3 +89,25 @@ class CpuWindow:
         self.wall_s = time.perf_counter() - self._wall
         self.own_cpu_s = _own_cpu_s() - self._own
         self.others_cpu_s = max(0.0, _busy_s() - self._busy - self.own_cpu_s)
+
+
+def run_arguments() -> argparse.Namespace:
+    """The command line of both offline runners: MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype D."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("workload")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args()
+
+
+def write_result(out: str, system: str, dtype: str, load_s: float, window: CpuWindow,
+                 first_token_s: list[float], token_ids: list[list[int]], **extra) -> None:
+    """One run's JSON result, the same for both systems (requests in workload order)."""
+    result = {"system": system, "dtype": dtype, "load_s": load_s, **extra,
+              "wall_s": window.wall_s, "own_cpu_s": window.own_cpu_s,
+              "others_cpu_s": window.others_cpu_s,
+              "generated_tokens": sum(len(ids) for ids in token_ids),
+              "ttft_s": first_token_s, "token_ids": token_ids}
+    Path(out).write_text(json.dumps(result))

@@ -10,7 +10,6 @@ usage: peer_vllm.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32 [--threads 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,16 +17,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_timing import CpuWindow, wait_for_quiet
+from peer_timing import CpuWindow, run_arguments, wait_for_quiet, write_result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("workload")
-    parser.add_argument("out")
-    parser.add_argument("--dtype", default="float32")
-    args = parser.parse_args()
+    args = run_arguments()  # --threads: the environment's VLLM_CPU_OMP_THREADS_BIND decides
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
@@ -56,14 +50,8 @@ def main() -> None:
                     token_ids[output.request_id] = list(output.outputs[0].token_ids)
                     first_token_s[output.request_id] = output.metrics.first_token_ts - t0
     order = [str(i) for i in range(len(workload["prompts"]))]
-    result = {
-        "system": "vllm", "dtype": args.dtype, "load_s": load_s,
-        "wall_s": window.wall_s, "own_cpu_s": window.own_cpu_s, "others_cpu_s": window.others_cpu_s,
-        "generated_tokens": sum(len(token_ids[r]) for r in order),
-        "ttft_s": [first_token_s[r] for r in order],
-        "token_ids": [token_ids[r] for r in order],
-    }
-    Path(args.out).write_text(json.dumps(result))
+    write_result(args.out, "vllm", args.dtype, load_s, window,
+                 [first_token_s[r] for r in order], [token_ids[r] for r in order])
 
 
 if __name__ == "__main__":
