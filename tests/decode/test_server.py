@@ -280,3 +280,24 @@ def test_metrics_are_served_when_a_port_is_given(checkpoint):
     assert "baton_decode_time_to_first_token_seconds_count 1.0" in text
     assert 'baton_decode_requests_finished_total{reason="length"} 1.0' in text
     assert f"baton_decode_kv_blocks_total {server.worker.engine.pool.num_blocks}.0" in text
+
+
+@pytest.mark.parametrize("wait_s", [float("nan"), float("inf"), -1.0, 601.0])
+def test_an_attach_wait_that_is_not_a_bounded_number_of_seconds_is_invalid(stub, wait_s):
+    code, details = status_of(lambda: stub.Attach(decode_pb2.AttachRequest(
+        request_id="late", wait_s=wait_s), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and str(wait_s) in details
+
+
+def test_attach_callers_that_give_up_do_not_keep_the_servers_threads(stub):
+    # More waiting Attach calls than the server has handler threads, each abandoned by its
+    # caller after 0.3 s: their handlers must return, so that other calls are served.
+    calls = [stub.Attach(decode_pb2.AttachRequest(request_id=f"never-{i}", wait_s=60), timeout=0.3)
+             for i in range(80)]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as error:
+            list(call)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    started = time.monotonic()
+    stub.Stats(common_pb2.StatsRequest(), timeout=5)
+    assert time.monotonic() - started < 5

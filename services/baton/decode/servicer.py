@@ -10,6 +10,7 @@ frees its KV.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
 import grpc
@@ -24,6 +25,7 @@ from baton.kv.wire import KVSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_ATTACH_WAIT_S = 60.0  # an Attach that names no wait_s waits this long for the push
+MAX_ATTACH_WAIT_S = 600.0  # and none waits longer
 STREAM_POLL_S = 0.5  # how often a waiting stream checks that its caller is still there
 
 _WORKER_ERRORS = [(RequestExists, grpc.StatusCode.ALREADY_EXISTS),
@@ -45,6 +47,17 @@ def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:
     if code is grpc.StatusCode.INTERNAL and not isinstance(error, StreamFailed):
         log.error("internal error in a decode call", exc_info=error)
     context.abort(code, str(error) or type(error).__name__)
+
+
+def attach_wait_s(wait_s: float) -> float:
+    """An Attach's wait: 0 (unset) is the default; NaN, infinite, negative or above the cap is
+    refused with a message that names the value (INVALID_ARGUMENT)."""
+    if wait_s == 0:
+        return DEFAULT_ATTACH_WAIT_S
+    if not (math.isfinite(wait_s) and 0 < wait_s <= MAX_ATTACH_WAIT_S):
+        raise ValueError(f"wait_s must be a number of seconds in (0, {MAX_ATTACH_WAIT_S:g}] "
+                         f"(0 = {DEFAULT_ATTACH_WAIT_S:g}), got {wait_s}")
+    return wait_s
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -93,7 +106,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def Attach(self, request, context) -> Iterator[common_pb2.GenerateResponse]:
         worker = self._worker(context)
         try:
-            stream = worker.attach(request.request_id, request.wait_s or DEFAULT_ATTACH_WAIT_S)
+            stream = worker.attach(request.request_id, attach_wait_s(request.wait_s),
+                                   caller_active=context.is_active)
         except Exception as e:  # noqa: BLE001
             abort_with(context, e)
         yield from self._relay(worker, stream, context)

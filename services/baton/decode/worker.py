@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from baton.api.requests import DecodeRequest, Route, check_prompt
 from baton.decode.receiver import PushedCache
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # how long the idle loop sleeps before checking that it should stop
 BLOCKED_WAIT_S = 0.01  # a plan with nothing to run (all waiting for KV): wait for a change
+ATTACH_POLL_S = 0.25  # how often an Attach that waits for its KV checks that its caller is there
 ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
 
 
@@ -116,14 +118,19 @@ class DecodeWorker:
         self.metrics.kv_bytes_received.inc(cache.num_bytes)
         self.metrics.compression_ratio.observe(kept / full)
 
-    def attach(self, request_id: str, wait_s: float) -> RequestStream:
-        """The stream of a pushed request, waiting up to ``wait_s`` for its cache to arrive."""
+    def attach(self, request_id: str, wait_s: float,
+               caller_active: Callable[[], bool] = lambda: True) -> RequestStream:
+        """The stream of a pushed request, waiting up to ``wait_s`` for its cache to arrive, and
+        no longer than its caller is there (checked every ``ATTACH_POLL_S``): a caller that
+        gave up must not keep a handler thread."""
+        deadline = time.monotonic() + wait_s
         with self._changed:
-            arrived = self._changed.wait_for(
-                lambda: request_id in self._streams or request_id in self._aborted_early, wait_s)
-            if not arrived:
-                raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
-                                      f"{wait_s:g} s for its KV)")
+            while not (request_id in self._streams or request_id in self._aborted_early):
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0 or not caller_active():
+                    raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
+                                          f"{wait_s - max(remaining_s, 0):.3g} s for its KV)")
+                self._changed.wait(min(remaining_s, ATTACH_POLL_S))
             if request_id in self._aborted_early:
                 raise RequestAborted(f"request {request_id!r} was aborted")
             stream = self._streams[request_id]
