@@ -76,6 +76,9 @@ def raw(**fields) -> api_pb2.GenerateRequest:
     (raw(token_ids=api_pb2.TokenIds(ids=[1] * 1000), sampling=common_pb2.SamplingParams(max_tokens=30)),
      "1000 tokens + max_tokens 30 = 1030 exceeds the model's limit of 1024"),
     (raw(text="x", compression=common_pb2.CompressionParams(keep_ratio=0)), "keep_ratio must be in (0, 1], got 0"),
+    # refused before tokenizing: 1024 tokens of context x 32 bytes
+    (raw(text="x" * 40000), "prompt text is 40000 bytes; at most 32768 for a context of 1024 tokens"),
+    (raw(text="x", request_id="r" * 300), "request_id is 300 characters; at most 256"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_value(gateway, message, words):
     _, _, stub, _ = gateway

@@ -16,6 +16,27 @@ from baton.configtree import require
 from baton.kv.wire import KVHeader
 from baton.model.sampling import CompressionParams, SamplingParams
 
+# A request id is echoed in every streamed message and stored in the routing table: long
+# enough for a UUID with a prefix, short enough that it cannot inflate either.
+MAX_REQUEST_ID_CHARS = 256
+# A text prompt is refused before it is tokenized when it has more UTF-8 bytes than this
+# many per token of the model's context: no real text averages more bytes per token, and
+# tokenizing megabytes would stall the caller's server for everyone.
+MAX_PROMPT_BYTES_PER_TOKEN = 32
+
+
+def check_request_id(request_id: str) -> None:
+    require(len(request_id) <= MAX_REQUEST_ID_CHARS,
+            f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+
+
+def check_prompt_text(text: str, max_model_len: int) -> None:
+    """Raise ValueError when a text prompt is too large to be tokenized for this model."""
+    limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
+    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+    require(size <= limit, f"prompt text is {size} bytes; at most {limit} for a context of "
+                           f"{max_model_len} tokens")
+
 
 def check_prompt(token_ids: tuple[int, ...], sampling: SamplingParams, vocab_size: int,
                  max_model_len: int) -> None:
@@ -46,6 +67,7 @@ class GenerateRequest:
         require((self.text is None) != (self.token_ids is None),
                  "a request needs a prompt as text or as token ids (exactly one)")
         require(bool(self.text) or bool(self.token_ids), "the prompt is empty")
+        check_request_id(self.request_id)
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,7 @@ class PrefillRequest:
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a prefill request needs a request_id")
+        check_request_id(self.request_id)
         require(len(self.prompt_token_ids) > 0, "the prompt is empty")
         require(bool(self.decode_address), "a prefill request needs the decode pod's address")
 
@@ -76,6 +99,7 @@ class DecodeRequest:
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a decode request needs a request_id")
+        check_request_id(self.request_id)
         require(len(self.prompt_token_ids) > 0, "the prompt is empty")
 
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton.api.requests import GenerateRequest, ModelInfo, Tokenization, check_prompt
+from baton.api.requests import (
+    GenerateRequest,
+    ModelInfo,
+    Tokenization,
+    check_prompt,
+    check_prompt_text,
+)
 from baton.config import ModelSourceConfig
 from baton.model.config import ModelConfig
 from baton.model.loader import SHIPPED_MODEL_DIR
@@ -45,6 +51,7 @@ class ServedModel:
         """The request's prompt as token ids, checked against the vocabulary and the context."""
         self.check_name(request.model)
         if request.text is not None:
+            check_prompt_text(request.text, self.info.max_model_len)
             token_ids = tuple(self.tokenizer.encode(request.text))
             if not token_ids:
                 raise ValueError(f"the prompt {request.text!r} has no tokens")
@@ -55,6 +62,7 @@ class ServedModel:
 
     def tokenize(self, model: str, text: str) -> Tokenization:
         self.check_name(model)
+        check_prompt_text(text, self.info.max_model_len)
         token_ids = self.tokenizer.encode(text)
         return Tokenization(token_ids=tuple(token_ids),
                             pieces=tuple(self.tokenizer.decode([token]) for token in token_ids))
