@@ -26,8 +26,11 @@ log = logging.getLogger(__name__)
 # A pushed KV chunk is ~1 MiB (baton.kv.wire.CHUNK_BYTES); leave room for the framing and for
 # callers that send larger chunks, far below anything that could exhaust memory.
 MAX_MESSAGE_BYTES = 16 << 20
+# Ports are bound exclusively: with gRPC's default SO_REUSEPORT a second server (a second
+# `baton up`) binds the same address silently and takes a share of the connections.
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0)]
 
 
 def release_version() -> str:
@@ -58,14 +61,21 @@ class GrpcServer:
         log.info("gRPC server on %s (advertised as %s)", config.listen, self.address)
 
     def _bind(self) -> int:
-        if not self.config.tls_cert:
-            port = self.server.add_insecure_port(self.config.listen)
+        try:
+            if not self.config.tls_cert:
+                port = self.server.add_insecure_port(self.config.listen)
+            else:
+                credentials = grpc.ssl_server_credentials([
+                    (Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
+                port = self.server.add_secure_port(self.config.listen, credentials)
+        except RuntimeError as e:  # grpc's "Failed to bind": the address is taken or not ours
+            port = 0
+            cause = e
         else:
-            credentials = grpc.ssl_server_credentials([(Path(self.config.tls_key).read_bytes(),
-                                                        Path(self.config.tls_cert).read_bytes())])
-            port = self.server.add_secure_port(self.config.listen, credentials)
+            cause = None
         if port == 0:
-            raise ValueError(f"cannot bind the gRPC server to {self.config.listen!r}")
+            raise ValueError(f"cannot bind the gRPC server to {self.config.listen!r}: the address "
+                             f"is in use (another baton?) or not available here") from cause
         return port
 
     def _advertised_address(self) -> str:
