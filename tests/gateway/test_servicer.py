@@ -6,6 +6,7 @@ Token streams through real worker processes are in tests/e2e."""
 from __future__ import annotations
 
 import math
+import time
 
 import grpc
 import pytest
@@ -87,6 +88,27 @@ def test_bad_input_is_invalid_argument_naming_the_value(gateway, message, words)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in error.value.details()
     assert stub.ListModels(api_pb2.ListModelsRequest()).models, "the server keeps serving"
+
+
+def test_a_pod_that_registered_after_the_last_view_is_found_before_unavailable(gateway):
+    # Right after start-up the gateway's view may predate the decode pods: a request that
+    # finds none re-reads the store once instead of failing UNAVAILABLE.
+    server, store, stub, _ = gateway
+    request = GenerateRequest(text="x", sampling=SamplingParams(max_tokens=2))
+    previous_refresh_s = server.servicer.view.refresh_s
+    server.servicer.view.refresh_s = 3600  # no periodic refresh during this test
+    server.servicer.view.snapshot(fresh=True)  # a view without the pod below
+    full = decode("late-pod", free=0, model=server.model.info.id)
+    store.register_worker(full, ttl_s=60)
+    try:
+        time.sleep(0.06)  # older than the shortest interval between two fresh reads
+        code, details = first_status(stub, request)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of KV blocks" in details
+    finally:
+        store.remove_worker(full.worker_id)
+        server.servicer.view.refresh_s = 0
+        server.servicer.view.snapshot()  # leave the next test a view without the pod
+        server.servicer.view.refresh_s = previous_refresh_s
 
 
 def test_routing_errors_no_decode_pod_is_unavailable_all_full_is_resource_exhausted(gateway):

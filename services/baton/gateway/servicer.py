@@ -137,15 +137,21 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         request = convert.generate_request_from_proto(message)
         prompt_ids = self.model.prompt_ids(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight())
+        try:
+            decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight())
+        except NoLiveWorkers:
+            # The view may predate a pod that registered since (right after start-up): one
+            # fresh read of the store before the caller is told there is none.
+            decision = self.policy.route(len(prompt_ids), self._snapshot(fresh=True),
+                                         self.table.in_flight())
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
                                chain_id=decision.chain.chain_id if decision.chain else "",
                                prefill_address=decision.chain.address if decision.chain else "")
         live = self.table.admit(record, len(prompt_ids))
         return live, request, prompt_ids, decision
 
-    def _snapshot(self):
-        snapshot = self.view.snapshot()
+    def _snapshot(self, fresh: bool = False):
+        snapshot = self.view.snapshot(fresh)
         self.metrics.routing_view_stale.set(1 if snapshot.stale else 0)
         for role in ("decode", "prefill"):
             self.metrics.live_workers.labels(role=role).set(len(snapshot.of_role(role)))

@@ -29,6 +29,10 @@ class RoutingSnapshot:
         return [worker for worker in self.workers if worker.role == role]
 
 
+FRESH_READ_MIN_S = 0.05  # a view this young is not re-read even when a caller asks
+FRESH_READ_WAIT_S = 1.0  # how long a caller that asks waits for a read in progress
+
+
 class RoutingView:
     def __init__(self, store: RoutingStore, refresh_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -41,14 +45,22 @@ class RoutingView:
         self._last_attempt = -float("inf")
         self._refreshing = threading.Lock()
 
-    def snapshot(self) -> RoutingSnapshot:
+    def snapshot(self, fresh: bool = False) -> RoutingSnapshot:
         """The current view; re-reads the store when the last attempt is older than refresh_s.
 
         Concurrent callers never queue behind a slow store: while one thread re-reads, the
-        others get the previous snapshot.
+        others get the previous snapshot. ``fresh``: the caller found the view lacking (no
+        live decode worker, as right after start-up, before the first refresh has seen the
+        pods): re-read unless a read is under ``FRESH_READ_MIN_S`` old, waiting at most
+        ``FRESH_READ_WAIT_S`` for a read in progress.
         """
-        due = self._clock() - self._last_attempt >= self.refresh_s
-        if due and self._refreshing.acquire(blocking=False):
+        age_s = self._clock() - self._last_attempt
+        if fresh:
+            due = age_s >= min(self.refresh_s, FRESH_READ_MIN_S)
+            acquired = due and self._refreshing.acquire(timeout=FRESH_READ_WAIT_S)
+        else:
+            acquired = age_s >= self.refresh_s and self._refreshing.acquire(blocking=False)
+        if acquired:
             try:
                 self._refresh()
             finally:
