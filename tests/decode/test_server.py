@@ -301,3 +301,17 @@ def test_attach_callers_that_give_up_do_not_keep_the_servers_threads(stub):
     started = time.monotonic()
     stub.Stats(common_pb2.StatsRequest(), timeout=5)
     assert time.monotonic() - started < 5
+
+
+def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once(stub, checkpoint):
+    # max_tokens 1: the chain's first token is the whole answer, so the pod finishes the
+    # request as the cache arrives, before any Attach; the Attach must get its end, not
+    # wait for a cache that already came.
+    handoff, chunks = prefilled_handoff(checkpoint, "one-token", PROMPT, 1)
+    push(stub, handoff, chunks)
+    time.sleep(0.3)  # the engine admits and finishes it meanwhile
+    started = time.monotonic()
+    tokens, messages = collect(stub.Attach(decode_pb2.AttachRequest(request_id="one-token", wait_s=20),
+                                           timeout=30))
+    assert time.monotonic() - started < 5
+    assert tokens == [] and messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # how long the idle loop sleeps before checking that it should stop
 BLOCKED_WAIT_S = 0.01  # a plan with nothing to run (all waiting for KV): wait for a change
+UNCLAIMED_LEASE_S = 30.0  # how long a finished pushed request's steps wait for their Attach
 ATTACH_POLL_S = 0.25  # how often an Attach that waits for its KV checks that its caller is there
 ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
 
@@ -59,7 +60,11 @@ class DecodeWorker:
         self.model_config = engine.model.config
         self._streams: dict[str, RequestStream] = {}
         self._aborted_early: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._changed = threading.Condition()  # guards the two above; notified on every change
+        # Pushed requests that finished before anyone attached (max_tokens 1, or a stop token
+        # first): their steps wait here for the Attach, for UNCLAIMED_LEASE_S at most.
+        self._unclaimed: collections.OrderedDict[str, tuple[RequestStream, float]] = \
+            collections.OrderedDict()
+        self._changed = threading.Condition()  # guards the three above; notified on every change
         self._queued_prompt_tokens = 0  # local prompts accepted, not yet at their first token
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
                                total_kv_blocks=engine.pool.num_blocks)
@@ -126,6 +131,10 @@ class DecodeWorker:
         deadline = time.monotonic() + wait_s
         with self._changed:
             while not (request_id in self._streams or request_id in self._aborted_early):
+                unclaimed = self._unclaimed.pop(request_id, None)
+                if unclaimed is not None:  # it finished before we came: its steps are kept
+                    unclaimed[0].attached = True
+                    return unclaimed[0]
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0 or not caller_active():
                     raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
@@ -210,6 +219,17 @@ class DecodeWorker:
                 self.metrics.requests_finished.labels(reason=output.finish_reason).inc()
                 with self._changed:
                     self._streams.pop(output.request_id, None)
+                    if stream.pushed is not None and not stream.attached:
+                        self._keep_unclaimed(stream, now_s)
+                    self._changed.notify_all()
+
+    def _keep_unclaimed(self, stream: RequestStream, now_s: float) -> None:
+        """Hold a finished pushed stream for its Attach (caller holds ``_changed``); the
+        oldest go first past the lease or the cap, so nothing a caller never claims stays."""
+        self._unclaimed[stream.request_id] = (stream, now_s)
+        while self._unclaimed and (len(self._unclaimed) > ABORTED_MEMORY or
+                                   now_s - next(iter(self._unclaimed.values()))[1] > UNCLAIMED_LEASE_S):
+            self._unclaimed.popitem(last=False)
 
     def _settle_queued(self, stream: RequestStream) -> None:
         """A local prompt leaves the queue once (at its first token, or when it ends first)."""
