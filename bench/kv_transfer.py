@@ -3,7 +3,7 @@
 Ships one pyramid-shaped fp32 cache (the codec's header + 1 MiB chunks) through the
 generated Decode service to a receiver that assembles and checks it, and the same bytes
 through a plain socket in 1 MiB sends; writes docs/benchmarks/kv_transfer.md.
-Goal (DESIGN.md §7): gRPC at least half of raw TCP.
+Goal (docs/architecture.md, "KV on the wire"): gRPC at least half of raw TCP.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The gateway: the client API in front of prefill chains and decode pods (DESIGN.md §1, §8, §9).
+"""The gateway: the client API in front of prefill chains and decode pods (docs/architecture.md).
 
 ``server`` builds the gRPC server, ``servicer`` is the thin client-API layer, ``relay`` moves
 one request through the pods the routing policy picked (``routing_policy`` + ``policies/``),

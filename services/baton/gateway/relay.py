@@ -1,6 +1,6 @@
 """One request's trip through the pods the policy picked, as the client's stream of steps.
 
-Two paths (DESIGN.md §1):
+Two paths (docs/architecture.md, "A request's path"):
 
 * local: ``Decode.Generate`` on the decode pod, relayed as it streams;
 * chain: ``Prefill.Prefill`` on the chain's rank 0 — its first event is the tail's first

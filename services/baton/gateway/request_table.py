@@ -3,8 +3,8 @@
 Design: the gateway keeps its own table of the requests it is streaming (their downstream
 calls, so a client cancellation or an Abort can reach them) and writes a ``RequestRecord``
 per request into the routing store with a TTL, so that an Abort arriving at another gateway
-replica finds the pods that hold state. The store is disposable (DESIGN.md §8): when it is
-down the gateway goes on with its own table, logs once, and duplicate ids are then caught
+replica finds the pods that hold state. The store is disposable (docs/architecture.md,
+"Routing state"): when it is down the gateway goes on with its own table, logs once, and duplicate ids are then caught
 only among its own requests.
 
 ``in_flight()`` sums the live requests per address for the routing policy: it covers what

@@ -1,4 +1,5 @@
-"""The KV cache on the wire (DESIGN.md §7): a header, then raw tensor bytes in ~1 MiB chunks.
+"""The KV cache on the wire: a header, then raw tensor bytes in ~1 MiB chunks
+(docs/architecture.md, "KV on the wire").
 
 Design: a prefill chain's tail ships a (pyramid-shaped) cache to a decode pod. The sender
 describes the payload in a ``KVHeader`` and streams the bytes of the tensors themselves; no
