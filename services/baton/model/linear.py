@@ -35,11 +35,12 @@ The packed copy gives bit-identical results and costs one more copy of the weigh
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from baton.model.probe import fastest_run_s
 
 MAX_ROWS_WEIGHT_MAJOR = 4
 VOCABULARY_OUTPUTS = 8192
@@ -60,16 +61,9 @@ def weight_major_pays() -> bool:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 512, generator=generator)
     weight = torch.randn(2816, 512, generator=generator)
-    timings = []
-    for product in (lambda: F.linear(x, weight), lambda: weight_major_linear(x, weight)):
-        product()
-        runs = []
-        for _ in range(5):
-            started = time.perf_counter()
-            product()
-            runs.append(time.perf_counter() - started)
-        timings.append(min(runs))
-    return timings[0] >= 1.2 * timings[1]
+    plain = fastest_run_s(lambda: F.linear(x, weight), runs=5)
+    weight_major_s = fastest_run_s(lambda: weight_major_linear(x, weight), runs=5)
+    return plain >= 1.2 * weight_major_s
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,13 +113,21 @@ class WeightPack:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            pack: WeightPack) -> torch.Tensor:
+    """x @ weight.T + bias by the fastest route for the weight: its packed copy where
+    ``packs`` says so, else ``linear()``."""
+    if packs(weight):
+        return pack.linear(x, weight, bias)
+    return linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) whose forward uses ``linear()``, or a packed
-    copy of its weight where ``packs`` says so."""
+    """``nn.Linear`` (same parameters and names) whose forward uses ``project()``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pack = WeightPack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if packs(self.weight):
-            if "_pack" not in self.__dict__:
-                self._pack = WeightPack()
-            return self._pack.linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias, self.pack)

@@ -30,7 +30,7 @@ from baton.kv.pool import PagedSequenceKV
 from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
 from baton.model.config import ModelConfig
 from baton.model.host_memory import keep_freed_memory
-from baton.model.linear import Linear, WeightPack, linear, packs
+from baton.model.linear import Linear, WeightPack, project
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -173,9 +173,7 @@ class _FusedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.layers[0].weight.data_ptr() != self.weight.data_ptr():  # moved since fused
             self._fuse()
-        if packs(self.weight):
-            return self.pack.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return project(x, self.weight, self.bias, self.pack).split(self.sizes, dim=-1)
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from baton.dtypes import DTYPES
 from baton.model.config import ModelConfig
 from baton.model.errors import CheckpointError
 from baton.model.llama import CausalLM
+from baton.model.probe import fastest_run_s
 from baton.model.tokenizer import Tokenizer
 
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "baton-pystdlib"
@@ -64,13 +64,7 @@ def cpu_bfloat16_speedup() -> float:
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(512, 1024).to(dtype)
         b = torch.randn(1024, 1024).to(dtype)
-        a @ b  # warm-up: kernel selection, weight packing
-        runs = []
-        for _ in range(3):
-            started = time.perf_counter()
-            a @ b
-            runs.append(time.perf_counter() - started)
-        timings[dtype] = min(runs)
+        timings[dtype] = fastest_run_s(lambda a=a, b=b: a @ b, runs=3)
     return timings[torch.float32] / timings[torch.bfloat16]
 
 

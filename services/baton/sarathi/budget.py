@@ -12,12 +12,11 @@ of up to 512 tokens), largest candidate first under the target wins.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from baton.kv.dense import DenseKV
 from baton.model.llama import CausalLM, Segment
+from baton.model.probe import fastest_run_s
 
 CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)
 CHUNK_TOKENS = 512  # prompt chunks of this length fill a measured iteration
@@ -38,15 +37,15 @@ def measure_token_budget(model: CausalLM, target_iteration_ms: float) -> int:
 def _measure(model: CausalLM, target_s: float) -> int:
     chosen = CANDIDATES[0]
     for budget in CANDIDATES:
-        # The faster of two: a shape's first forward also builds its kernels (oneDNN
-        # primitives, packed weights), a cost that is paid once, not every iteration.
-        if min(_iteration_s(model, budget) for _ in range(2)) > target_s:
+        if _iteration_s(model, budget) > target_s:
             break
         chosen = budget
     return chosen
 
 
 def _iteration_s(model: CausalLM, num_tokens: int) -> float:
+    """The faster of two forwards of ``num_tokens`` prompt tokens in chunks (the first also
+    builds the shape's kernels: oneDNN primitives, packed weights)."""
     chunk = min(CHUNK_TOKENS, model.config.max_position_embeddings)
     lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
     device = model.device
@@ -54,10 +53,6 @@ def _iteration_s(model: CausalLM, num_tokens: int) -> float:
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
     layers = model.config.num_hidden_layers
     rows = torch.tensor([num_tokens - 1], device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    model(token_ids, positions, [Segment(n, DenseKV(layers)) for n in lengths], rows)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
+    return fastest_run_s(
+        lambda: model(token_ids, positions, [Segment(n, DenseKV(layers)) for n in lengths], rows),
+        runs=2, warmup=0, device=device)
