@@ -1,6 +1,12 @@
 """What every baton gRPC server shares: binding (plaintext or TLS), the standard health
 service, the advertised address, the release version and a graceful stop on SIGTERM/SIGINT.
 
+Two kinds of server: ``AsyncGrpcServer`` (``grpc.aio`` on an event loop of its own thread:
+no thread per stream, a stream that waits costs a coroutine, at most
+``server.max_streams`` calls at once, RESOURCE_EXHAUSTED beyond) for servicers written with
+``async def``; ``GrpcServer`` (a pool of ``server.worker_threads`` handler threads) for the
+ones not yet moved. Both start in the constructor and stop with ``stop(grace_s)``.
+
 A server starts NOT_SERVING (its model is still loading) and turns SERVING once it can take
 requests; during a graceful stop it is NOT_SERVING again, so load balancers and the gateway
 stop sending work while in-flight calls get ``grace_s`` to finish.
@@ -8,6 +14,7 @@ stop sending work while in-flight calls get ``grace_s`` to finish.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import signal
@@ -41,7 +48,44 @@ def release_version() -> str:
         return "dev"
 
 
-class GrpcServer:
+class _Binding:
+    """Binding and the advertised address, the same for both kinds of server."""
+
+    config: ServerConfig
+
+    def _bind(self, server) -> int:
+        try:
+            if not self.config.tls_cert:
+                port = server.add_insecure_port(self.config.listen)
+            else:
+                credentials = grpc.ssl_server_credentials([
+                    (Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
+                port = server.add_secure_port(self.config.listen, credentials)
+        except RuntimeError as e:  # grpc's "Failed to bind": the address is taken or not ours
+            port = 0
+            cause = e
+        else:
+            cause = None
+        if port == 0:
+            raise ValueError(f"cannot bind the gRPC server to {self.config.listen!r}: the address "
+                             f"is in use (another baton?) or not available here") from cause
+        return port
+
+    def _advertised_address(self, port: int) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.config.listen.rpartition(":")[0]
+        if host in ("", "0.0.0.0", "[::]"):
+            host = "127.0.0.1"
+        return f"{host}:{port}"
+
+
+def _serving_status(serving: bool):
+    return (health_pb2.HealthCheckResponse.SERVING if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+class GrpcServer(_Binding):
     """A started gRPC server with the health service; servicers are added by ``register``."""
 
     def __init__(self, config: ServerConfig, register: Callable[[grpc.Server], None],
@@ -55,47 +99,82 @@ class GrpcServer:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.set_serving(False)
-        self.port = self._bind()
+        self.port = self._bind(self.server)
         self.server.start()
-        self.address = self._advertised_address()
+        self.address = self._advertised_address(self.port)
         log.info("gRPC server on %s (advertised as %s)", config.listen, self.address)
 
-    def _bind(self) -> int:
-        try:
-            if not self.config.tls_cert:
-                port = self.server.add_insecure_port(self.config.listen)
-            else:
-                credentials = grpc.ssl_server_credentials([
-                    (Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
-                port = self.server.add_secure_port(self.config.listen, credentials)
-        except RuntimeError as e:  # grpc's "Failed to bind": the address is taken or not ours
-            port = 0
-            cause = e
-        else:
-            cause = None
-        if port == 0:
-            raise ValueError(f"cannot bind the gRPC server to {self.config.listen!r}: the address "
-                             f"is in use (another baton?) or not available here") from cause
-        return port
-
-    def _advertised_address(self) -> str:
-        if self.config.advertise:
-            return self.config.advertise
-        host = self.config.listen.rpartition(":")[0]
-        if host in ("", "0.0.0.0", "[::]"):
-            host = "127.0.0.1"
-        return f"{host}:{self.port}"
-
     def set_serving(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ["", *self.service_names]:
-            self.health.set(name, status)
+            self.health.set(name, _serving_status(serving))
 
     def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, then stop taking calls; in-flight ones get ``grace_s`` to finish."""
         self.set_serving(False)
         self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
+
+
+class AsyncGrpcServer(_Binding):
+    """A started ``grpc.aio`` server on an event loop in its own thread ("grpc-aio").
+
+    ``register(server)`` adds servicers whose handlers are coroutines; they run on ``loop``,
+    so they must not block it (hand blocking work to ``loop.run_in_executor``). Other threads
+    reach the loop through ``loop.call_soon_threadsafe`` (as the decode engine's thread does
+    once per step) or ``call``."""
+
+    def __init__(self, config: ServerConfig, register: Callable[[grpc.aio.Server], None],
+                 service_names: list[str]) -> None:
+        self.config = config
+        self.service_names = service_names
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+        try:
+            self.port = self.call(self._start(register))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.address = self._advertised_address(self.port)
+        log.info("gRPC server on %s (advertised as %s, at most %d calls at once)", config.listen,
+                 self.address, config.max_streams)
+
+    def call(self, coroutine, timeout_s: float | None = None):
+        """Run a coroutine on the server's loop from another thread and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    async def _start(self, register) -> int:
+        self.server = grpc.aio.server(options=GRPC_OPTIONS,
+                                      maximum_concurrent_rpcs=self.config.max_streams)
+        register(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        await self._set_serving(False)
+        port = self._bind(self.server)
+        await self.server.start()
+        return port
+
+    async def _set_serving(self, serving: bool) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, _serving_status(serving))
+
+    def set_serving(self, serving: bool) -> None:
+        self.call(self._set_serving(serving))
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, then stop taking calls; in-flight ones get ``grace_s`` to finish."""
+        grace_s = self.config.grace_s if grace_s is None else grace_s
+        try:
+            self.call(self._stop(grace_s), timeout_s=grace_s + 10.0)
+        finally:
+            self._stop_loop()
+
+    async def _stop(self, grace_s: float) -> None:
+        await self._set_serving(False)
+        await self.server.stop(grace_s)
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
 
 
 def run_until_signalled(stop: Callable[[], None], stopping: threading.Event | None = None) -> None:

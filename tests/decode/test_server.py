@@ -4,6 +4,7 @@ bad input's status code, abort and cancellation freeing the KV, health and routi
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import urllib.request
 
@@ -315,3 +316,48 @@ def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once
                                            timeout=30))
     assert time.monotonic() - started < 5
     assert tokens == [] and messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def _header_then_stall(handoff, release):
+    """A PushKV that sends its header and then nothing until ``release`` is set."""
+    yield next(iter(convert.push_kv_messages(handoff, [])))
+    release.wait(60)
+
+
+def test_a_push_that_stalls_after_its_header_is_cut_off_and_frees_nothing(stub, server, checkpoint,
+                                                                           monkeypatch):
+    from baton.decode import receiver
+    monkeypatch.setattr(receiver, "STALL_S", 0.5)
+    handoff, _ = prefilled_handoff(checkpoint, "stalled", PROMPT, MAX_TOKENS)
+    free = server.worker.engine.pool.num_free_blocks
+    release = threading.Event()
+    try:
+        code, details = status_of(lambda: stub.PushKV(_header_then_stall(handoff, release), timeout=20))
+    finally:
+        release.set()
+    assert code == grpc.StatusCode.DATA_LOSS and "stalled" in details and "0.5 s" in details
+    assert server.worker.engine.pool.num_free_blocks == free
+
+
+def test_stalled_pushes_and_waiting_attaches_do_not_hold_up_a_generate(stub, checkpoint, reference):
+    # More stalled uploads and waiting Attach calls than a thread-per-call server had
+    # threads: a streamed request beside them is served at its usual pace.
+    handoff, _ = prefilled_handoff(checkpoint, "stall-many", PROMPT, MAX_TOKENS)
+    release = threading.Event()
+    pushes = [stub.PushKV.future(_header_then_stall(_header(handoff, request_id=f"s{i}"),
+                                                    release), timeout=30) for i in range(80)]
+    attaches = [stub.Attach(decode_pb2.AttachRequest(request_id=f"w{i}", wait_s=30), timeout=30)
+                for i in range(80)]
+    try:
+        started = time.monotonic()
+        tokens, _ = collect(stub.Generate(generate_request("beside-stalls"), timeout=20))
+        assert tokens == reference
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+        for call in attaches:
+            call.cancel()
+    for future in pushes:  # released: each upload ended without its chunks
+        with pytest.raises(grpc.RpcError) as error:
+            future.result()
+        assert error.value.code() == grpc.StatusCode.DATA_LOSS

@@ -288,6 +288,22 @@ def push_kv_messages(handoff: KVHandoff, chunks: Iterable[bytes],
         yield decode_pb2.PushKVRequest(chunk=chunk)
 
 
+def push_kv_header(first: decode_pb2.PushKVRequest | None) -> KVHandoff:
+    """The handoff a PushKV stream opens with (``first`` is None for an empty stream)."""
+    if first is None:
+        raise KVDataLoss("PushKV stream ended before its header")
+    if first.WhichOneof("part") != "header":
+        raise KVMalformed("PushKV stream must open with a header, got a chunk")
+    return handoff_from_proto(first.header)
+
+
+def push_kv_chunk(message: decode_pb2.PushKVRequest) -> bytes:
+    """A payload chunk of a PushKV stream (any message after the header)."""
+    if message.WhichOneof("part") != "chunk":
+        raise KVMalformed("PushKV stream sent a second header")
+    return message.chunk
+
+
 def read_push_kv(messages: Iterator[decode_pb2.PushKVRequest],
                  ) -> tuple[KVHandoff, Iterator[bytes]]:
     """Split a PushKV stream into its handoff and its payload chunks.
@@ -295,19 +311,8 @@ def read_push_kv(messages: Iterator[decode_pb2.PushKVRequest],
     Raises KVMalformed when the stream does not open with a header or repeats it; an empty
     stream is KVDataLoss (nothing arrived).
     """
-    first = next(messages, None)
-    if first is None:
-        raise KVDataLoss("PushKV stream ended before its header")
-    if first.WhichOneof("part") != "header":
-        raise KVMalformed("PushKV stream must open with a header, got a chunk")
-
-    def chunks() -> Iterator[bytes]:
-        for message in messages:
-            if message.WhichOneof("part") != "chunk":
-                raise KVMalformed("PushKV stream sent a second header")
-            yield message.chunk
-
-    return handoff_from_proto(first.header), chunks()
+    handoff = push_kv_header(next(messages, None))
+    return handoff, (push_kv_chunk(message) for message in messages)
 
 
 # --- errors --------------------------------------------------------------------------------------

@@ -6,20 +6,25 @@ opens with a header; the header matches this pod's model, dtype and shape
 (``baton.kv.wire.check_header``); the prompt, the first token and the sampling parameters fit
 the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
 sender can pick another pod). Then the bytes: ``KVAssembler`` counts them and checks the
-CRC-32 and the positions; a stream that ends early or fails half way frees its buffer.
+CRC-32 and the positions; a stream that ends early or fails half way frees its buffer. A
+sender that stalls (no message for ``STALL_S``) is cut off with DATA_LOSS: a push holds pool
+room and memory, so it cannot wait on a silent peer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from baton.api import convert
 from baton.api.requests import KVHandoff, check_prompt
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool, KVPoolExhausted
-from baton.kv.wire import KVAssembler, KVMalformed, KVSpec, check_header
+from baton.kv.wire import KVAssembler, KVDataLoss, KVMalformed, KVSpec, check_header
 from baton.model.config import ModelConfig
+
+STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
 
 
 @dataclass
@@ -65,15 +70,16 @@ def check_room(pool: KVPool, layer_num_tokens: tuple[int, ...]) -> None:
         raise KVPoolExhausted(needed, free)
 
 
-def receive_cache(messages: Iterator, spec: KVSpec, model_config: ModelConfig,
-                  pool: KVPool) -> PushedCache:
+async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: ModelConfig,
+                        pool: KVPool, stall_s: float | None = None) -> PushedCache:
     """Read a whole PushKV stream into a checked cache (views into one receive buffer)."""
-    handoff, chunks = convert.read_push_kv(messages)
+    stall_s = STALL_S if stall_s is None else stall_s
+    handoff = convert.push_kv_header(await _next(messages, stall_s))
     check_handoff(handoff, spec, model_config)
     check_room(pool, handoff.kv.layer_num_tokens)
     with KVAssembler(handoff.kv, spec) as assembler:
-        for chunk in chunks:
-            assembler.add(chunk)
+        while (message := await _next(messages, stall_s)) is not None:
+            assembler.add(convert.push_kv_chunk(message))
         layers = assembler.finish()
     last_position = len(handoff.prompt_token_ids) - 1
     for index, layer in enumerate(layers):
@@ -81,3 +87,11 @@ def receive_cache(messages: Iterator, spec: KVSpec, model_config: ModelConfig,
             raise KVMalformed(f"KV layer {index} has position {int(layer.positions[-1])}, past the "
                               f"prompt's last position {last_position}")
     return PushedCache(handoff, layers, handoff.kv.total_bytes)
+
+
+async def _next(messages: AsyncIterator, stall_s: float):
+    """The stream's next message, None at its end; KVDataLoss when none comes in ``stall_s``."""
+    try:
+        return await asyncio.wait_for(anext(messages, None), stall_s)
+    except TimeoutError:
+        raise KVDataLoss(f"the PushKV stream stalled: no message for {stall_s:g} s") from None

@@ -24,7 +24,7 @@ from baton.model.loader import load_checkpoint
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.sarathi.engine import Engine
-from baton.serving import GrpcServer, release_version, run_until_signalled
+from baton.serving import AsyncGrpcServer, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class DecodeServer:
         self.registry = CollectorRegistry()
         self.metrics = DecodeMetrics(self.registry)
         self.servicer = DecodeServicer()
-        self.grpc = GrpcServer(config.server, self._register, [SERVICE_NAME])
+        self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME])
         self.port, self.address = self.grpc.port, self.grpc.address
         self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)
         self._init_worker()
@@ -63,7 +63,7 @@ class DecodeServer:
         self.worker.start()
         spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
                        str(self.loaded.model.dtype).removeprefix("torch."))
-        self.servicer.ready(self.worker, spec)
+        self.servicer.ready(self.worker, spec, self.grpc.loop)
         log.info("decode pod %s serves %s (revision %s), %d KV blocks", self.address,
                  self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks)
 

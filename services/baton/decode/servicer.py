@@ -1,17 +1,20 @@
 """The Decode gRPC service: convert, call the worker, convert back.
 
-Every error a handler meets becomes a gRPC status with a message that names the value
+The handlers are coroutines on the server's event loop (``baton.serving.AsyncGrpcServer``):
+a stream that waits for tokens, or an Attach that waits for its KV, holds no thread. Every
+wait is bounded and ends when the caller cancels or its deadline passes (gRPC cancels the
+handler); a caller that leaves aborts its request, which frees its KV. Every error a
+handler meets becomes a gRPC status with a message that names the value
 (``baton.api.convert.status_for`` plus the worker's own request errors); nothing a caller
-sends can stop the server. Streams (Generate, Attach) poll their request's queue so that a
-caller who went away is noticed, and a cancelled or dropped call aborts its request, which
-frees its KV.
+sends can stop the server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -26,7 +29,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ATTACH_WAIT_S = 60.0  # an Attach that names no wait_s waits this long for the push
 MAX_ATTACH_WAIT_S = 600.0  # and none waits longer
-STREAM_POLL_S = 0.5  # how often a waiting stream checks that its caller is still there
 
 _WORKER_ERRORS = [(RequestExists, grpc.StatusCode.ALREADY_EXISTS),
                   (RequestNotFound, grpc.StatusCode.NOT_FOUND),
@@ -41,12 +43,12 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return convert.status_for(error)
 
 
-def abort_with(context: grpc.ServicerContext, error: BaseException) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the error's status (raises, as ``context.abort`` does)."""
     code = status_of(error)
     if code is grpc.StatusCode.INTERNAL and not isinstance(error, StreamFailed):
         log.error("internal error in a decode call", exc_info=error)
-    context.abort(code, str(error) or type(error).__name__)
+    await context.abort(code, str(error) or type(error).__name__)
 
 
 def attach_wait_s(wait_s: float) -> float:
@@ -60,85 +62,135 @@ def attach_wait_s(wait_s: float) -> float:
     return wait_s
 
 
+class Changes:
+    """Wakes the coroutines waiting for a change in the worker's request table (an arrival, an
+    abort, an end); ``notify`` may be called from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self.loop.call_soon_threadsafe(self._set)
+
+    def _set(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the next change or ``timeout_s``, whichever comes first."""
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Serves one ``DecodeWorker``; UNAVAILABLE until ``ready(worker, spec)`` and after ``drain()``."""
+    """Serves one ``DecodeWorker``; UNAVAILABLE until ``ready(worker, spec, loop)`` and after
+    ``drain()``."""
 
     def __init__(self) -> None:
         self.worker: DecodeWorker | None = None
         self.spec: KVSpec | None = None
+        self.changes: Changes | None = None
         self.draining = False
 
-    def ready(self, worker: DecodeWorker, spec: KVSpec) -> None:
+    def ready(self, worker: DecodeWorker, spec: KVSpec, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve ``worker``; ``loop`` is the server's event loop, where the worker's engine
+        thread hands each step's streams (one hop per step, not one per token)."""
+        self.changes = Changes(loop)
+
+        def wake(streams: Iterable[RequestStream]) -> None:
+            for stream in streams:
+                stream.wake()
+
+        worker.on_published = lambda streams: loop.call_soon_threadsafe(wake, streams)
+        worker.on_change = self.changes.notify
         self.worker, self.spec = worker, spec
 
     def drain(self) -> None:
         self.draining = True
 
-    def _worker(self, context: grpc.ServicerContext) -> DecodeWorker:
+    async def _worker(self, context: grpc.aio.ServicerContext) -> DecodeWorker:
         if self.worker is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the decode pod is still loading its model")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode pod is still loading its model")
         if self.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the decode pod is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode pod is shutting down")
         return self.worker
 
     # --- RPCs ------------------------------------------------------------------------------
 
-    def PushKV(self, request_iterator, context) -> decode_pb2.PushKVResponse:
-        worker = self._worker(context)
+    async def PushKV(self, request_iterator: AsyncIterator[decode_pb2.PushKVRequest],
+                     context) -> decode_pb2.PushKVResponse:
+        worker = await self._worker(context)
         try:
-            cache = receive_cache(request_iterator, self.spec, worker.model_config,
-                                  worker.engine.pool)
+            cache = await receive_cache(request_iterator, self.spec, worker.model_config,
+                                        worker.engine.pool)
             worker.submit_pushed(cache)
         except Exception as e:  # noqa: BLE001 - every failure becomes the caller's status
             worker.metrics.kv_pushes_rejected.labels(code=status_of(e).name).inc()
-            abort_with(context, e)
+            await abort_with(context, e)
         return decode_pb2.PushKVResponse(request_id=cache.request_id,
                                          bytes_received=cache.num_bytes)
 
-    def Generate(self, request, context) -> Iterator[common_pb2.GenerateResponse]:
-        worker = self._worker(context)
+    async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
+        worker = await self._worker(context)
         try:
             stream = worker.submit_prompt(convert.decode_request_from_proto(request))
         except Exception as e:  # noqa: BLE001
-            abort_with(context, e)
-        yield from self._relay(worker, stream, context)
+            await abort_with(context, e)
+        async for message in self._relay(worker, stream, context):
+            yield message
 
-    def Attach(self, request, context) -> Iterator[common_pb2.GenerateResponse]:
-        worker = self._worker(context)
+    async def Attach(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
+        worker = await self._worker(context)
         try:
-            stream = worker.attach(request.request_id, attach_wait_s(request.wait_s),
-                                   caller_active=context.is_active)
+            stream = await self._attach(worker, request.request_id, attach_wait_s(request.wait_s))
         except Exception as e:  # noqa: BLE001
-            abort_with(context, e)
-        yield from self._relay(worker, stream, context)
+            await abort_with(context, e)
+        async for message in self._relay(worker, stream, context):
+            yield message
 
-    def Abort(self, request, context) -> common_pb2.AbortResponse:
-        worker = self._worker(context)
+    async def Abort(self, request, context) -> common_pb2.AbortResponse:
+        worker = await self._worker(context)
         if not worker.abort(request.request_id):
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no request {request.request_id!r} on this decode pod")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no request {request.request_id!r} on this decode pod")
         return common_pb2.AbortResponse(found=True)
 
-    def Stats(self, request, context) -> common_pb2.WorkerLoad:
-        return convert.worker_load_to_proto(self._worker(context).load)
+    async def Stats(self, request, context) -> common_pb2.WorkerLoad:
+        return convert.worker_load_to_proto((await self._worker(context)).load)
 
-    # --- streaming -------------------------------------------------------------------------
+    # --- waiting and streaming -----------------------------------------------------------------
+
+    async def _attach(self, worker: DecodeWorker, request_id: str, wait_s: float) -> RequestStream:
+        """The pushed request's stream, waiting up to ``wait_s`` for its cache to arrive (a
+        caller that leaves first cancels this wait)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (stream := worker.try_attach(request_id)) is None:
+            remaining_s = deadline - loop.time()
+            if remaining_s <= 0:
+                raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
+                                      f"{wait_s:.3g} s for its KV)")
+            await self.changes.wait(remaining_s)
+        return stream
 
     @staticmethod
-    def _relay(worker: DecodeWorker, stream: RequestStream,
-               context: grpc.ServicerContext) -> Iterator[common_pb2.GenerateResponse]:
-        """Yield the request's steps until its last; a caller who leaves aborts it."""
-        context.add_callback(lambda: worker.cancel(stream.request_id))
-        while True:
-            try:
-                step = stream.next_step(STREAM_POLL_S)
-            except StreamFailed as e:
-                abort_with(context, e)
-            if step is None:
-                if not context.is_active():
-                    worker.cancel(stream.request_id)
-                    return
-                continue
-            yield convert.step_to_proto(step)
-            if step.finish_reason is not None:
-                return
+    async def _relay(worker: DecodeWorker, stream: RequestStream,
+                     context) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Yield the request's steps until its last (what arrived together goes as one
+        message); a caller who leaves (the handler is cancelled) aborts it."""
+        finished = False
+        try:
+            while not finished:
+                try:
+                    step = await stream.next_steps()
+                except StreamFailed as e:
+                    finished = True
+                    await abort_with(context, e)
+                finished = step.finish_reason is not None
+                yield convert.step_to_proto(step)
+        finally:
+            if not finished:
+                worker.cancel(stream.request_id)

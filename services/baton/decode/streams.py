@@ -1,11 +1,13 @@
 """One request's token stream on a decode pod: the engine's loop thread writes, a gRPC
-handler thread reads.
+handler coroutine on the server's event loop reads.
 
-The loop thread turns each ``RequestOutput`` into a ``GenerationStep`` (``publish``) and puts
-it on the stream's queue; the handler that serves the request (Generate, or Attach for a
-pushed cache) takes steps off it (``next_step``) and converts them to protobuf. Steps pile up
-in the queue until someone reads them, so tokens produced before an Attach arrives are not
-lost. The last step carries the finish reason, usage and timings.
+The loop thread turns each ``RequestOutput`` into a ``GenerationStep`` (``publish``) and
+appends it to the stream; once per engine step the worker wakes every stream it touched with
+one hop onto the event loop (``wake``), and the handler that serves the request (Generate,
+or Attach for a pushed cache) takes everything that arrived (``next_steps``), merged into one
+message (``merge_steps``): a reader that falls behind sends fewer, larger messages instead of
+a growing backlog. Steps pile up until someone reads them, so tokens produced before an
+Attach arrives are not lost. The last step carries the finish reason, usage and timings.
 
 A pushed request's first token was sampled and streamed by the chain's tail: its token id
 is left out of this stream, but its text is in the first step's text (the decode pod owns
@@ -14,7 +16,9 @@ the detokenizer, so the caller can relay text without one).
 
 from __future__ import annotations
 
-import queue
+import asyncio
+import collections
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -52,7 +56,8 @@ class RequestStream:
     finished: bool = False
     attached: bool = False  # a handler is reading this stream
     queued: bool = False  # a local prompt counted in the worker's queue until its first token
-    _steps: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _steps: collections.deque = field(default_factory=collections.deque)  # appended by the loop thread
+    _ready: asyncio.Event | None = None  # made by the reader, on the server's event loop
 
     # --- the loop thread -----------------------------------------------------------------
 
@@ -74,12 +79,12 @@ class RequestStream:
             self.finished = True
             step = self._final(step, FINISH_REASONS[output.finish_reason], now_s)
         if step.token_ids or step.text or output.finished:
-            self._steps.put(step)
+            self._steps.append(step)
         return gaps
 
     def fail(self, message: str) -> None:
         self.finished = True
-        self._steps.put(StreamFailed(message))
+        self._steps.append(StreamFailed(message))
 
     def _final(self, step: GenerationStep, reason: FinishReason, now_s: float) -> GenerationStep:
         pushed = self.pushed or PushedKVInfo(0, 0, 0)
@@ -97,14 +102,34 @@ class RequestStream:
         return GenerationStep(step.request_id, step.token_ids, step.text, reason, usage, timings,
                               self.route)
 
-    # --- the handler thread --------------------------------------------------------------
+    # --- the server's event loop ------------------------------------------------------------
 
-    def next_step(self, timeout_s: float) -> GenerationStep | None:
-        """The next step, None when none came within ``timeout_s``; raises StreamFailed."""
-        try:
-            item = self._steps.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        if isinstance(item, StreamFailed):
-            raise item
-        return item
+    def wake(self) -> None:
+        """Steps were appended (called on the event loop, after the appends)."""
+        if self._ready is not None:
+            self._ready.set()
+
+    async def next_steps(self) -> GenerationStep:
+        """Everything published since the last call, merged into one step; waits for at least
+        one. Raises StreamFailed (after the steps that came before the failure were taken)."""
+        if self._ready is None:
+            self._ready = asyncio.Event()
+        while not self._steps:  # a step appended after this check comes with a wake after it
+            self._ready.clear()
+            await self._ready.wait()
+        steps = []
+        while self._steps and not isinstance(self._steps[0], StreamFailed):
+            steps.append(self._steps.popleft())
+        if not steps:
+            raise self._steps.popleft()
+        return merge_steps(steps)
+
+
+def merge_steps(steps: list[GenerationStep]) -> GenerationStep:
+    """Consecutive steps of one request as one: their tokens and text in order, the last
+    one's finish reason and summary."""
+    if len(steps) == 1:
+        return steps[0]
+    token_ids = tuple(token for step in steps for token in step.token_ids)
+    return dataclasses.replace(steps[-1], token_ids=token_ids,
+                               text="".join(step.text for step in steps))

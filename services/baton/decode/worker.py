@@ -1,17 +1,18 @@
 """The decode pod's engine loop and the table of the requests it serves.
 
 Design: one loop thread owns the SARATHI ``Engine`` and calls ``step()`` (the engine is not
-reentrant); gRPC handler threads only use the engine's thread-safe entry points
-(``add_request``, ``add_prefilled_request``, ``abort``) and read the ``RequestStream`` of
-their request. The loop reads as verbs: wait for work -> step -> publish every output to its
-stream -> publish the load (free blocks, running sequences, queued prompt tokens) that
-``Stats``, the heartbeat and the metrics read. Only the loop thread touches the scheduler,
-so the load is a snapshot it takes, never a read of its queues from another thread.
+reentrant); the gRPC handlers (coroutines on the server's event loop) only use the engine's
+thread-safe entry points (``add_request``, ``add_prefilled_request``, ``abort``) and read the
+``RequestStream`` of their request. The loop reads as verbs: wait for work -> step ->
+publish every output to its stream and tell the server once (``on_published``) -> publish
+the load (free blocks, running sequences, queued prompt tokens) that ``Stats``, the
+heartbeat and the metrics read. Only the loop thread touches the scheduler, so the load is
+a snapshot it takes, never a read of its queues from another thread.
 
 Requests enter two ways: a prompt prefilled here (``submit_prompt``), or a cache a chain
-pushed (``submit_pushed``); a pushed request is read by ``attach``, which may come before
-the push has finished (it waits for it). A failing step fails the streams it touched, never
-the loop.
+pushed (``submit_pushed``); a pushed request is claimed by ``try_attach``, which may come
+before the push has finished: the caller waits for ``on_change`` and tries again. A failing
+step fails the streams it touched, never the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from baton.api.requests import DecodeRequest, Route, check_prompt
 from baton.decode.receiver import PushedCache
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.1  # how long the idle loop sleeps before checking that it should stop
 BLOCKED_WAIT_S = 0.01  # a plan with nothing to run (all waiting for KV): wait for a change
 UNCLAIMED_LEASE_S = 30.0  # how long a finished pushed request's steps wait for their Attach
-ATTACH_POLL_S = 0.25  # how often an Attach that waits for its KV checks that its caller is there
 ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
 
 
@@ -64,12 +64,16 @@ class DecodeWorker:
         # first): their steps wait here for the Attach, for UNCLAIMED_LEASE_S at most.
         self._unclaimed: collections.OrderedDict[str, tuple[RequestStream, float]] = \
             collections.OrderedDict()
-        self._changed = threading.Condition()  # guards the three above; notified on every change
+        self._lock = threading.Lock()  # guards the three above
         self._queued_prompt_tokens = 0  # local prompts accepted, not yet at their first token
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
                                total_kv_blocks=engine.pool.num_blocks)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        # Set by the server: called (from the loop thread) once per step with the streams that
+        # got steps, and (from any thread) whenever a request arrives, ends or is aborted.
+        self.on_published: Callable[[Iterable[RequestStream]], None] = lambda streams: None
+        self.on_change: Callable[[], None] = lambda: None
         metrics.kv_blocks_total.set(engine.pool.num_blocks)
 
     def start(self) -> None:
@@ -89,7 +93,7 @@ class DecodeWorker:
         num_prompt_tokens = len(request.prompt_token_ids)
         stream = RequestStream(request.request_id, num_prompt_tokens, Route(self.address),
                                attached=True, queued=True)
-        with self._changed:
+        with self._lock:
             self._claim(stream)
             # A bounded queue: at most one pool's worth of prompt tokens waits for a prefill.
             if self._queued_prompt_tokens + num_prompt_tokens > capacity and self._queued_prompt_tokens:
@@ -105,13 +109,13 @@ class DecodeWorker:
         return stream
 
     def submit_pushed(self, cache: PushedCache) -> None:
-        """A checked cache from a chain joins the running set; ``attach`` reads its tokens."""
+        """A checked cache from a chain joins the running set; ``try_attach`` claims its tokens."""
         handoff = cache.handoff
         full = len(handoff.prompt_token_ids) * len(cache.layers)
         kept = sum(layer.num_tokens for layer in cache.layers)
         stream = RequestStream(handoff.request_id, len(handoff.prompt_token_ids),
                                Route(self.address), PushedKVInfo(cache.num_bytes, kept, full))
-        with self._changed:
+        with self._lock:
             if handoff.request_id in self._aborted_early:
                 raise RequestAborted(f"request {handoff.request_id!r} was aborted before its KV "
                                      f"arrived")
@@ -123,26 +127,19 @@ class DecodeWorker:
         self.metrics.kv_bytes_received.inc(cache.num_bytes)
         self.metrics.compression_ratio.observe(kept / full)
 
-    def attach(self, request_id: str, wait_s: float,
-               caller_active: Callable[[], bool] = lambda: True) -> RequestStream:
-        """The stream of a pushed request, waiting up to ``wait_s`` for its cache to arrive, and
-        no longer than its caller is there (checked every ``ATTACH_POLL_S``): a caller that
-        gave up must not keep a handler thread."""
-        deadline = time.monotonic() + wait_s
-        with self._changed:
-            while not (request_id in self._streams or request_id in self._aborted_early):
-                unclaimed = self._unclaimed.pop(request_id, None)
-                if unclaimed is not None:  # it finished before we came: its steps are kept
-                    unclaimed[0].attached = True
-                    return unclaimed[0]
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0 or not caller_active():
-                    raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
-                                          f"{wait_s - max(remaining_s, 0):.3g} s for its KV)")
-                self._changed.wait(min(remaining_s, ATTACH_POLL_S))
+    def try_attach(self, request_id: str) -> RequestStream | None:
+        """The stream of a pushed request, None while its cache has not arrived; a finished
+        one that nobody claimed yet is still there (its steps kept for ``UNCLAIMED_LEASE_S``)."""
+        with self._lock:
             if request_id in self._aborted_early:
                 raise RequestAborted(f"request {request_id!r} was aborted")
-            stream = self._streams[request_id]
+            unclaimed = self._unclaimed.pop(request_id, None)
+            if unclaimed is not None:
+                unclaimed[0].attached = True
+                return unclaimed[0]
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return None
             if stream.attached:
                 raise RequestExists(f"request {request_id!r} is already being streamed")
             stream.attached = True
@@ -150,19 +147,19 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV; True when this pod held (or awaited) it."""
-        with self._changed:
+        with self._lock:
             if request_id in self._streams:
                 self.engine.abort(request_id)  # its stream ends with finish reason "aborted"
                 return True
             self._aborted_early[request_id] = None  # a push or attach may still be on its way
             while len(self._aborted_early) > ABORTED_MEMORY:
                 self._aborted_early.popitem(last=False)
-            self._changed.notify_all()
+        self.on_change()
         return False
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: abort quietly (nothing to tell)."""
-        with self._changed:
+        with self._lock:
             live = request_id in self._streams
         if live:
             self.engine.abort(request_id)
@@ -171,14 +168,14 @@ class DecodeWorker:
         if stream.request_id in self._streams:
             raise RequestExists(f"request id {stream.request_id!r} is already live on this pod")
         self._streams[stream.request_id] = stream
-        self._changed.notify_all()
+        self.on_change()  # the caller holds _lock: on_change only schedules, it never waits
 
     def _enter(self, stream: RequestStream, add, queued_tokens: int = 0) -> None:
         """Hand the request to the engine; on refusal, forget the stream again."""
         try:
             add()
         except Exception:
-            with self._changed:
+            with self._lock:
                 self._streams.pop(stream.request_id, None)
                 self._queued_prompt_tokens -= queued_tokens
             raise
@@ -203,11 +200,13 @@ class DecodeWorker:
 
     def _publish(self, outputs) -> None:
         now_s = time.monotonic()
+        touched = []
         for output in outputs:
-            with self._changed:
+            with self._lock:
                 stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            touched.append(stream)
             first = stream.first_token_s is None and bool(output.new_token_ids)
             for gap_s in stream.publish(output, now_s):
                 self.metrics.time_between_tokens_s.observe(gap_s)
@@ -217,14 +216,16 @@ class DecodeWorker:
                 self._settle_queued(stream)
             if output.finished:
                 self.metrics.requests_finished.labels(reason=output.finish_reason).inc()
-                with self._changed:
+                with self._lock:
                     self._streams.pop(output.request_id, None)
                     if stream.pushed is not None and not stream.attached:
                         self._keep_unclaimed(stream, now_s)
-                    self._changed.notify_all()
+                self.on_change()
+        if touched:
+            self.on_published(touched)
 
     def _keep_unclaimed(self, stream: RequestStream, now_s: float) -> None:
-        """Hold a finished pushed stream for its Attach (caller holds ``_changed``); the
+        """Hold a finished pushed stream for its Attach (caller holds ``_lock``); the
         oldest go first past the lease or the cap, so nothing a caller never claims stays."""
         self._unclaimed[stream.request_id] = (stream, now_s)
         while self._unclaimed and (len(self._unclaimed) > ABORTED_MEMORY or
@@ -236,7 +237,7 @@ class DecodeWorker:
         if not stream.queued:
             return
         stream.queued = False
-        with self._changed:
+        with self._lock:
             self._queued_prompt_tokens -= stream.num_prompt_tokens
 
     def _publish_load(self) -> None:
@@ -253,10 +254,11 @@ class DecodeWorker:
         self.metrics.kv_blocks_used.set(pool.num_used_blocks)
 
     def _fail_all(self, message: str) -> None:
-        with self._changed:
+        with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
             self._queued_prompt_tokens = 0
         for stream in streams:
             stream.fail(message)
             self.engine.abort(stream.request_id)
+        self.on_published(streams)

@@ -1,0 +1,63 @@
+"""A request's stream on the decode pod: steps published by the engine's thread reach the
+reader on the event loop, merged when they pile up, in order, the failure last."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from baton.api.requests import FinishReason, Route
+from baton.decode.streams import RequestStream, StreamFailed, merge_steps
+from baton.sarathi.request import RequestOutput
+
+
+def output(tokens, text, finished=False):
+    return RequestOutput(request_id="r", new_token_ids=list(tokens), text_delta=text,
+                         finish_reason="length" if finished else None)
+
+
+def test_steps_that_pile_up_reach_the_reader_as_one_message_in_order():
+    async def run():
+        stream = RequestStream("r", 4, Route("here"))
+        loop = asyncio.get_running_loop()
+
+        def engine_thread():
+            for i in range(5):
+                stream.publish(output([i], f"<{i}>", finished=i == 4), now_s=float(i))
+            loop.call_soon_threadsafe(stream.wake)
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        step = await asyncio.wait_for(stream.next_steps(), 5)
+        thread.join()
+        return step
+
+    step = asyncio.run(run())
+    assert step.token_ids == (0, 1, 2, 3, 4)
+    assert step.text == "<0><1><2><3><4>"
+    assert step.finish_reason is FinishReason.LENGTH and step.usage.completion_tokens == 5
+
+
+def test_a_reader_waits_for_the_wake_and_gets_the_failure_after_the_steps_before_it():
+    async def run():
+        stream = RequestStream("r", 4, Route("here"))
+        reader = asyncio.ensure_future(stream.next_steps())
+        await asyncio.sleep(0.05)
+        assert not reader.done()  # nothing published yet
+        stream.publish(output([7], "x"), now_s=0.0)
+        stream.fail("the engine failed")
+        stream.wake()
+        first = await asyncio.wait_for(reader, 5)
+        with pytest.raises(StreamFailed, match="engine failed"):
+            await stream.next_steps()
+        return first
+
+    assert asyncio.run(run()).token_ids == (7,)
+
+
+def test_merge_of_one_step_is_the_step():
+    stream = RequestStream("r", 1, Route("here"))
+    stream.publish(output([1], "a"), now_s=0.0)
+    (step,) = list(stream._steps)
+    assert merge_steps([step]) is step
