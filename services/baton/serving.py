@@ -19,7 +19,7 @@ import importlib.metadata
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -160,17 +160,22 @@ class AsyncGrpcServer(_Binding):
     def set_serving(self, serving: bool) -> None:
         self.call(self._set_serving(serving))
 
-    def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, then stop taking calls; in-flight ones get ``grace_s`` to finish."""
+    def stop(self, grace_s: float | None = None,
+             cleanup: Callable[[], Awaitable[None]] | None = None) -> None:
+        """NOT_SERVING, then stop taking calls; in-flight ones get ``grace_s`` to finish.
+        ``cleanup`` runs on the loop after the server stopped (e.g. closing client channels
+        that belong to this loop)."""
         grace_s = self.config.grace_s if grace_s is None else grace_s
         try:
-            self.call(self._stop(grace_s), timeout_s=grace_s + 10.0)
+            self.call(self._stop(grace_s, cleanup), timeout_s=grace_s + 10.0)
         finally:
             self._stop_loop()
 
-    async def _stop(self, grace_s: float) -> None:
+    async def _stop(self, grace_s: float, cleanup) -> None:
         await self._set_serving(False)
         await self.server.stop(grace_s)
+        if cleanup is not None:
+            await cleanup()
 
     def _stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -10,15 +10,15 @@ Two paths (docs/architecture.md, "A request's path"):
 The relay fills in what only it knows on the last step: the route, and the chain's share of
 usage and timings (bytes shipped, prefill and push time). Errors are downstream
 ``grpc.RpcError``s; the servicer turns them into the client's status. Every downstream call
-is registered on the ``LiveRequest`` so a cancellation reaches it.
+is registered on the ``LiveRequest`` so a cancellation reaches it. Everything here runs on
+the gateway's event loop (``grpc.aio`` channels, one per pod, shared by every request).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -49,17 +49,16 @@ class ChainIncomplete(RuntimeError):
 
 
 class Channels:
-    """One gRPC channel per pod address, reused by every request (a channel multiplexes)."""
+    """One gRPC channel per pod address, reused by every request (a channel multiplexes).
+    Used only on the gateway's event loop, which its channels belong to."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-            return self._channels[address]
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return self._channels[address]
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:
         return decode_pb2_grpc.DecodeStub(self._channel(address))
@@ -67,11 +66,10 @@ class Channels:
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         return prefill_pb2_grpc.PrefillStub(self._channel(address))
 
-    def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
-            channel.close()
+            await channel.close()
 
 
 class Relay:
@@ -83,26 +81,26 @@ class Relay:
         self.kv_wait_s = kv_wait_s
 
     def stream(self, live: LiveRequest, request: GenerateRequest, prompt_ids: tuple[int, ...],
-               decision: RouteDecision) -> Iterator[GenerationStep]:
+               decision: RouteDecision) -> AsyncIterator[GenerationStep]:
         if decision.chain is None:
             return self._local(live, request, prompt_ids, decision)
         return self._through_chain(live, request, prompt_ids, decision)
 
-    def _local(self, live: LiveRequest, request: GenerateRequest, prompt_ids: tuple[int, ...],
-               decision: RouteDecision) -> Iterator[GenerationStep]:
+    async def _local(self, live: LiveRequest, request: GenerateRequest, prompt_ids: tuple[int, ...],
+                     decision: RouteDecision) -> AsyncIterator[GenerationStep]:
         decode_request = DecodeRequest(request_id=live.request_id, prompt_token_ids=prompt_ids,
                                        sampling=request.sampling, compression=request.compression)
         call = self.channels.decode(decision.decode.address).Generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)
         route = Route(decode_address=decision.decode.address)
-        for message in call:
+        async for message in call:
             step = convert.step_from_proto(message)
             yield dataclasses.replace(step, route=route) if step.finish_reason else step
 
-    def _through_chain(self, live: LiveRequest, request: GenerateRequest,
-                       prompt_ids: tuple[int, ...], decision: RouteDecision
-                       ) -> Iterator[GenerationStep]:
+    async def _through_chain(self, live: LiveRequest, request: GenerateRequest,
+                             prompt_ids: tuple[int, ...], decision: RouteDecision
+                             ) -> AsyncIterator[GenerationStep]:
         prefill_request = PrefillRequest(
             request_id=live.request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
@@ -113,7 +111,7 @@ class Relay:
         first: PrefillFirstToken | None = None
         shipped: PrefillShipped | None = None
         first_text = ""
-        for message in call:
+        async for message in call:
             event = convert.prefill_event_from_proto(message)
             if isinstance(event, PrefillFirstToken):
                 first = event
@@ -132,7 +130,7 @@ class Relay:
         # The pod's first step repeats the first token's text (it owns the detokenizer and
         # leaves out only the token id); the client already has what we showed of it.
         shown = first_text
-        for message in attach:
+        async for message in attach:
             step = convert.step_from_proto(message)
             if shown and step.text:
                 overlap = len(os.path.commonprefix([shown, step.text]))
@@ -149,7 +147,7 @@ class Relay:
             return ""
         return IncrementalDecoder(self.tokenizer).push(token_id)
 
-    def abort_pods(self, record: RequestRecord) -> bool:
+    async def abort_pods(self, record: RequestRecord) -> bool:
         """Abort a request on every pod that may hold state for it (the chain first, so it
         pushes nothing more, then the decode pod); True when any pod held some. A pod that
         cannot be reached holds nothing that outlives it (its state dies with it or by TTL)."""
@@ -159,8 +157,8 @@ class Relay:
         found = False
         for stub in stubs:
             try:
-                answer = stub.Abort(common_pb2.AbortRequest(request_id=record.request_id),
-                                    timeout=ABORT_TIMEOUT_S)
+                answer = await stub.Abort(common_pb2.AbortRequest(request_id=record.request_id),
+                                          timeout=ABORT_TIMEOUT_S)
             except grpc.RpcError:
                 continue
             found = found or answer.found

@@ -24,7 +24,7 @@ from baton.gateway.served_model import ServedModel
 from baton.gateway.servicer import BatonServicer
 from baton.metrics import GatewayMetrics, serve_metrics
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
-from baton.serving import GrpcServer, release_version, run_until_signalled
+from baton.serving import AsyncGrpcServer, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class GatewayServer:
             relay=Relay(self.channels, self.model.tokenizer, self.model.info.id,
                         config.gateway.kv_wait_s),
             metrics=self.metrics)
-        self.grpc = GrpcServer(config.server, self._register,
+        self.grpc = AsyncGrpcServer(config.server, self._register,
                                [api_pb2.DESCRIPTOR.services_by_name["Baton"].full_name])
         self.address = self.grpc.address
         self.port = self.grpc.port
@@ -67,10 +67,9 @@ class GatewayServer:
         """Drain: NOT_SERVING and UNAVAILABLE for new calls, in-flight streams get ``grace_s``."""
         self.servicer.draining = True
         self.heartbeat.stop()
-        self.grpc.stop(grace_s)
+        self.grpc.stop(grace_s, cleanup=self.channels.close)
         if self._stop_metrics is not None:
             self._stop_metrics()
-        self.channels.close()
         self.store.close()
 
 

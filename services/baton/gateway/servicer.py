@@ -7,14 +7,18 @@ cancels, or an Abort naming the request, reaches every pod that holds state for 
 get Abort, the open downstream calls are cancelled, and an aborted stream still ends with a
 last message whose finish reason is ABORTED. Tokenize and ListModels are answered here.
 Nothing a request does can stop the server: every error becomes the call's status.
+
+The handlers are coroutines on the server's event loop: a stream costs no thread. Work that
+blocks (tokenizing, reading and writing the routing store) runs in the loop's executor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -87,48 +91,67 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         self.relay = relay
         self.metrics = metrics
         self.draining = False
+        self._background: set[asyncio.Future] = set()
 
     # --- Generate ------------------------------------------------------------------------
 
-    def Generate(self, message: api_pb2.GenerateRequest, context: grpc.ServicerContext
-                 ) -> Iterator[common_pb2.GenerateResponse]:
+    async def Generate(self, message: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
         arrival = time.monotonic()
+        loop = asyncio.get_running_loop()
         try:
-            live, request, prompt_ids, decision = self._admit(message)
+            live, request, prompt_ids, decision = await loop.run_in_executor(None, self._admit, message)
         except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
             self.metrics.requests_finished.labels(path="none", outcome=status_of(e).name).inc()
-            context.abort(status_of(e), str(e))
+            await context.abort(status_of(e), str(e))
         path = "local" if decision.chain is None else "chain"
         clock = StreamClock(self.metrics, path, arrival)
-        context.add_callback(lambda: self._on_call_done(live))
         self.metrics.requests_in_flight.inc()
         outcome = "INTERNAL"
         try:
-            for step in self.relay.stream(live, request, prompt_ids, decision):
-                step = clock.stamp(step)
-                if step.finish_reason is not None:
-                    live.completed = True
-                    outcome = step.finish_reason.value
-                    self._record_usage(step)
-                yield convert.step_to_proto(step)
-        except grpc.RpcError as e:
-            if not live.aborted.is_set():
-                outcome = e.code().name
-                context.abort(e.code(), f"{live.request_id}: {e.details()}")
-            outcome = FinishReason.ABORTED.value
-            route = Route(decode_address=live.record.decode_address, chain_id=live.record.chain_id)
-            yield convert.step_to_proto(clock.stamp(
-                GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED, route=route)))
-        except ChainIncomplete as e:
-            outcome = status_of(e).name
-            context.abort(status_of(e), str(e))
-        except GeneratorExit:  # the client went away; _on_call_done aborts the pods
+            try:
+                async for step in self.relay.stream(live, request, prompt_ids, decision):
+                    step = clock.stamp(step)
+                    if step.finish_reason is not None:
+                        live.completed = True
+                        outcome = step.finish_reason.value
+                        self._record_usage(step)
+                    yield convert.step_to_proto(step)
+            except (grpc.RpcError, asyncio.CancelledError) as e:
+                # An aio call cancelled here (the Abort RPC cancels the request's downstream
+                # calls) raises CancelledError in its reader; this handler's own cancellation
+                # (the client left) is told apart by the task's pending cancellation.
+                if isinstance(e, asyncio.CancelledError) and (
+                        not live.aborted.is_set() or asyncio.current_task().cancelling()):
+                    raise
+                if not live.aborted.is_set():
+                    outcome = e.code().name
+                    await context.abort(e.code(), f"{live.request_id}: {e.details()}")
+                outcome = FinishReason.ABORTED.value
+                route = Route(decode_address=live.record.decode_address, chain_id=live.record.chain_id)
+                yield convert.step_to_proto(clock.stamp(
+                    GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED, route=route)))
+            except ChainIncomplete as e:
+                outcome = status_of(e).name
+                await context.abort(status_of(e), str(e))
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
             outcome = grpc.StatusCode.CANCELLED.name
             raise
         finally:
-            self.table.finish(live.request_id)
+            # Cancelled, failed or closed before its end (the client went away): the pods
+            # still hold the request; abort it there. Nothing is awaited here, so this runs
+            # as well when the stream is closed from outside.
+            if not live.completed and not live.aborted.is_set():
+                self._in_background(self._abort(live))
+            self._in_background(loop.run_in_executor(None, self.table.finish, live.request_id))
             self.metrics.requests_in_flight.dec()
             self.metrics.requests_finished.labels(path=path, outcome=outcome).inc()
+
+    def _in_background(self, awaitable) -> None:
+        """Run without waiting for it; the reference is kept until it ends."""
+        task = asyncio.ensure_future(awaitable)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _admit(self, message: api_pb2.GenerateRequest
                ) -> tuple[LiveRequest, GenerateRequest, tuple[int, ...], RouteDecision]:
@@ -164,37 +187,35 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         if step.usage.kv_tokens_full:
             self.metrics.compression_ratio.observe(step.usage.kv_tokens_kept / step.usage.kv_tokens_full)
 
-    def _on_call_done(self, live: LiveRequest) -> None:
-        """Runs when the client's call ends for any reason; a call that ends before its stream
-        did (the client cancelled or went away) aborts the request on its pods."""
-        if not live.completed and not live.aborted.is_set():
-            self._abort(live)
-
-    def _abort(self, live: LiveRequest) -> bool:
+    async def _abort(self, live: LiveRequest) -> bool:
         live.aborted.set()
-        found = self.relay.abort_pods(live.record)
+        found = await self.relay.abort_pods(live.record)
         live.cancel_calls()
         return found
 
     # --- Abort, Tokenize, ListModels ---------------------------------------------------------
 
-    def Abort(self, message: common_pb2.AbortRequest, context: grpc.ServicerContext
-              ) -> common_pb2.AbortResponse:
+    async def Abort(self, message: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+                    ) -> common_pb2.AbortResponse:
         live = self.table.get(message.request_id)
         if live is not None:
-            return common_pb2.AbortResponse(found=self._abort(live))
-        record = self.table.find_record(message.request_id)  # a request another gateway streams
+            return common_pb2.AbortResponse(found=await self._abort(live))
+        # a request another gateway streams: its record is in the store
+        record = await asyncio.get_running_loop().run_in_executor(None, self.table.find_record,
+                                                                  message.request_id)
         if record is None:
             return common_pb2.AbortResponse(found=False)
-        return common_pb2.AbortResponse(found=self.relay.abort_pods(record))
+        return common_pb2.AbortResponse(found=await self.relay.abort_pods(record))
 
-    def Tokenize(self, message: api_pb2.TokenizeRequest, context: grpc.ServicerContext
-                 ) -> api_pb2.TokenizeResponse:
+    async def Tokenize(self, message: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+                       ) -> api_pb2.TokenizeResponse:
         try:
-            return convert.tokenization_to_proto(self.model.tokenize(message.model, message.text))
+            tokenization = await asyncio.get_running_loop().run_in_executor(
+                None, self.model.tokenize, message.model, message.text)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return convert.tokenization_to_proto(tokenization)
 
-    def ListModels(self, message: api_pb2.ListModelsRequest, context: grpc.ServicerContext
-                   ) -> api_pb2.ListModelsResponse:
+    async def ListModels(self, message: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+                         ) -> api_pb2.ListModelsResponse:
         return convert.models_to_proto([self.model.info])
