@@ -7,7 +7,9 @@
 
 Routing state must be shared by the processes, so without ``--redis URL`` a private
 ``redis-server`` is started on a free port and stopped on exit (``make setup`` installs it).
-Ctrl-C (or SIGTERM) stops every process; so does any failure during start-up.
+Ctrl-C (or SIGTERM) stops every process; so does any failure during start-up. Once up,
+a process that dies is restarted with backoff and the restart is printed
+(``LocalCluster.supervise``): the service as a whole keeps serving.
 Heavy imports happen in ``run`` only.
 """
 
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                     return 0
             print("serving; Ctrl-C stops every process", flush=True)
             while not stopping.wait(0.5):
-                cluster.check_alive()
+                for event in cluster.supervise():
+                    print(f"supervisor: {event}", flush=True)
     except KeyboardInterrupt:
         print("\nstopping", flush=True)
     finally:

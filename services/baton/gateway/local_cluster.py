@@ -17,11 +17,19 @@ Children die with the cluster: ``stop()`` (also on any start-up failure and on e
 the ``with`` block) sends SIGTERM, waits ``STOP_TIMEOUT_S``, then SIGKILL; and on Linux each
 child asks the kernel for SIGTERM when its parent dies, so even a killed ``baton up``
 leaves nothing behind. Child output goes to one log file per process in ``log_dir``.
+
+Once up, ``supervise()`` (called periodically by ``baton up``, and by the chaos test)
+restarts what died, as Kubernetes restarts a pod: a decode pod or the gateway alone (the
+gateway on the address it had), the whole chain when one of its ranks died (a chain's
+ranks start together: they meet at a fresh rendezvous port), the private redis-server on
+its own port. Each restart waits twice as long as the one before (``RESTART_BACKOFF_S``
+up to ``RESTART_BACKOFF_MAX_S``); a unit that stayed up ``RESTART_STABLE_S`` starts over.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import shutil
 import signal
@@ -37,6 +45,9 @@ from typing import Self
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
+RESTART_BACKOFF_S = 0.5  # the wait before the first restart of a unit
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_BACKOFF_S again
 PR_SET_PDEATHSIG = 1
 
 
@@ -99,6 +110,7 @@ class Child:
     role: str
     process: subprocess.Popen
     log_path: Path
+    args: list[str] = field(default_factory=list)  # the role's own flags, to start it again
 
     def log_tail(self, num_chars: int = 3000) -> str:
         return _tail(self.log_path, num_chars)
@@ -183,6 +195,7 @@ class LocalCluster:
         self.redis_url = spec.redis_url
         self.children: list[Child] = []
         self.gateway_address = ""
+        self._restarts: dict[str, tuple[int, float]] = {}  # unit -> (restarts, last start)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -225,10 +238,10 @@ class LocalCluster:
         threads = str(self.spec.threads_per_process)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "PYTHONUNBUFFERED": "1"}
-        with log_path.open("wb") as log_file:
+        with log_path.open("ab") as log_file:  # a restart appends: the crash stays readable
             process = _popen_dying_with_parent(command, stdout=log_file, stderr=subprocess.STDOUT,
                                                env=env)
-        child = Child(name, role, process, log_path)
+        child = Child(name, role, process, log_path, args)
         self.children.append(child)
         return child
 
@@ -273,6 +286,55 @@ class LocalCluster:
             if child.process.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with {child.process.returncode}:\n"
                                    f"{child.log_tail()}")
+
+    # --- supervision ----------------------------------------------------------------------
+
+    def supervise(self) -> list[str]:
+        """Restart whatever died and is due (see the module's docstring); one line per
+        restart, naming the exit code and the attempt."""
+        now = time.monotonic()
+        events = []
+        if self.redis is not None and self.redis.process.poll() is not None and self._due("redis", now):
+            code = self.redis.process.returncode
+            self.redis.start()
+            events.append(self._restarted("redis-server", code, f"on port {self.redis.port}"))
+        chain = [child for child in self.children if child.role == "prefill"]
+        dead_ranks = [child for child in chain if child.process.poll() is not None]
+        if dead_ranks and self._due("chain", now):
+            for child in chain:
+                _terminate(child.process)
+                self.children.remove(child)
+            for rank in range(self.spec.chain_ranks):
+                self._spawn(f"prefill-{rank}", "prefill", self._chain_args(rank))
+            names = ", ".join(f"{child.name} ({child.process.returncode})" for child in dead_ranks)
+            events.append(self._restarted("the chain", None, f"(lost {names})"))
+        for child in [child for child in self.children if child.role != "prefill"]:
+            if child.process.poll() is None or not self._due(child.name, now):
+                continue
+            args = child.args
+            if child.role == "gateway" and self.gateway_address:  # keep its address
+                args = ["--server-listen", self.gateway_address,
+                        *args[args.index("--server-listen") + 2:]]
+            self.children.remove(child)
+            self._spawn(child.name, child.role, args)
+            events.append(self._restarted(child.name, child.process.returncode,
+                                          f"(log {child.log_path})"))
+        return events
+
+    def _due(self, unit: str, now: float) -> bool:
+        """Whether a dead unit may start again now (and if so, count the start)."""
+        restarts, last_start = self._restarts.get(unit, (0, -math.inf))
+        if now - last_start > RESTART_STABLE_S:
+            restarts = 0
+        if now < last_start + min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** restarts):
+            return False
+        self._restarts[unit] = (restarts + 1, now)
+        return True
+
+    def _restarted(self, what: str, code: int | None, detail: str) -> str:
+        unit = {"redis-server": "redis", "the chain": "chain"}.get(what, what)
+        exit_code = "" if code is None else f" exited with {code};"
+        return f"{what}{exit_code} restarted {detail}, restart {self._restarts[unit][0]}"
 
     def stop(self) -> None:
         """Stop every child (gateway first, so no request lands on a dying worker), then Redis."""
