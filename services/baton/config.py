@@ -183,6 +183,7 @@ class ServerConfig:
 
 
 GATEWAY_POLICIES = ("least-loaded",)
+CHAIN_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass
@@ -193,8 +194,20 @@ class GatewayRoutingConfig:
                           "free KV blocks (none free = full); the chain with the fewest queued tokens",
                           choices=GATEWAY_POLICIES)
     kv_wait_s: float = setting(60.0, "how long a decode pod waits for the KV a chain pushes")
+    migration_limit: int = setting(3, "times one request's stream moves to another decode pod when its "
+                                   "pod fails mid-stream (prompt + tokens sent are replayed there); 0 = never")
+    chain_failure: str = setting("recompute", "when a chain fails a request (a rank died, timed out, or its "
+                                 "KV push failed): recompute = prefill it on the decode pod instead; "
+                                 "fail = UNAVAILABLE", choices=CHAIN_FAILURE_POLICIES)
+    reroute_wait_s: float = setting(30.0, "how long a request that lost its pod waits for another live "
+                                    "decode pod (e.g. the restarted one) before it fails")
 
     def __post_init__(self) -> None:
+        require(self.migration_limit >= 0, f"gateway migration_limit must be >= 0, got {self.migration_limit}")
+        require(self.chain_failure in CHAIN_FAILURE_POLICIES,
+                f"gateway chain_failure must be one of {CHAIN_FAILURE_POLICIES}, got {self.chain_failure!r}")
+        require(math.isfinite(self.reroute_wait_s) and 0 <= self.reroute_wait_s <= 600,
+                f"gateway reroute_wait_s must be in [0, 600] seconds, got {self.reroute_wait_s}")
         require(self.prefill_threshold_tokens >= 1,
                 f"gateway prefill_threshold_tokens must be >= 1, got {self.prefill_threshold_tokens}")
         require(self.policy in GATEWAY_POLICIES,

@@ -126,6 +126,13 @@ class GatewayMetrics:
         self.live_workers = Gauge(
             "baton_gateway_live_workers", "workers in the routing view, by role", ["role"],
             registry=registry)
+        self.migrations = Counter(
+            "baton_gateway_migrations_total", "streams moved to another decode pod after theirs "
+            "failed mid-stream, by the failure's gRPC status", ["code"], registry=registry)
+        self.chain_fallbacks = Counter(
+            "baton_gateway_chain_fallbacks_total", "chain requests prefilled on a decode pod "
+            "instead, after the chain failed them, by the failure's gRPC status", ["code"],
+            registry=registry)
         self.routing_view_stale = Gauge(
             "baton_gateway_routing_view_stale", "1 while the routing store cannot be read and "
             "the gateway routes from its last view", registry=registry)

@@ -7,6 +7,14 @@ Two paths (docs/architecture.md, "A request's path"):
   token, sent to the client at once (TTFT is the chain's), its second that the KV sits on
   the decode pod — then ``Decode.Attach`` streams the tokens after the first.
 
+When a pod fails the request (docs/architecture.md, "When a pod dies"), the client's stream
+goes on: a chain that fails it (a rank died, the KV never arrived) hands it to a decode pod
+that prefills it itself (``chain_failure: recompute``), and a decode pod that fails
+mid-stream is replaced by another live one, found by the servicer's ``reroute``, which
+gets the prompt plus every token already sent and generates the rest
+(``migration_limit`` times at most). Greedy requests continue token for token as if
+nothing happened; the usage on the last step counts the whole request.
+
 The relay fills in what only it knows on the last step: the route, and the chain's share of
 usage and timings (bytes shipped, prefill and push time). Errors are downstream
 ``grpc.RpcError``s; the servicer turns them into the client's status. Every downstream call
@@ -17,14 +25,17 @@ the gateway's event loop (``grpc.aio`` channels, one per pod, shared by every re
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
 from baton.api import convert
 from baton.api.requests import (
     DecodeRequest,
+    FinishReason,
     GenerateRequest,
     GenerationStep,
     PrefillFirstToken,
@@ -35,17 +46,39 @@ from baton.api.requests import (
     Usage,
 )
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from baton.config import GatewayRoutingConfig
 from baton.gateway.request_table import LiveRequest
 from baton.gateway.routing_policy import RouteDecision
+from baton.metrics import GatewayMetrics
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
-from baton.routing import RequestRecord
+from baton.routing import RequestRecord, WorkerInfo
 from baton.serving import GRPC_OPTIONS
 
 ABORT_TIMEOUT_S = 5.0  # an Abort to a pod that does not answer in this long is given up
+# What a failed pod (or a failed chain) answers, as opposed to what the request itself
+# caused (INVALID_ARGUMENT, ...) or the caller did (CANCELLED, ABORTED): worth another pod.
+POD_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                          grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS,
+                          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
+                          grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+Reroute = Callable[[int, frozenset[str]], Awaitable[WorkerInfo]]
+
+
+log = logging.getLogger(__name__)
 
 
 class ChainIncomplete(RuntimeError):
     """A chain closed its stream without the first token or the shipped KV (UNAVAILABLE)."""
+
+
+@dataclass
+class ChainLeg:
+    """What the chain's part of a request left for the decode pod's part."""
+
+    first_text: str = ""  # the first token's text, as shown to the client
+    shipped: PrefillShipped | None = None  # set once the KV is on the decode pod
+    route: Route | None = None
 
 
 class Channels:
@@ -74,33 +107,113 @@ class Channels:
 
 class Relay:
     def __init__(self, channels: Channels, tokenizer: Tokenizer, model_id: str,
-                 kv_wait_s: float) -> None:
+                 config: GatewayRoutingConfig, metrics: GatewayMetrics) -> None:
         self.channels = channels
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.kv_wait_s = kv_wait_s
+        self.config = config
+        self.metrics = metrics
 
-    def stream(self, live: LiveRequest, request: GenerateRequest, prompt_ids: tuple[int, ...],
-               decision: RouteDecision) -> AsyncIterator[GenerationStep]:
-        if decision.chain is None:
-            return self._local(live, request, prompt_ids, decision)
-        return self._through_chain(live, request, prompt_ids, decision)
+    async def stream(self, live: LiveRequest, request: GenerateRequest,
+                     prompt_ids: tuple[int, ...], decision: RouteDecision,
+                     reroute: Reroute) -> AsyncIterator[GenerationStep]:
+        """The client's steps, whichever pods end up producing them."""
+        sent: list[int] = []  # generated token ids the client already has
+        decode = decision.decode
+        moves = 0
+        if decision.chain is not None:
+            leg = ChainLeg()
+            try:
+                async for step in self._chain_prefill(live, request, prompt_ids, decision, leg):
+                    sent += step.token_ids
+                    yield step
+                async for step in self._attach(live, decision, leg):
+                    sent += step.token_ids
+                    yield step
+                return
+            except (grpc.RpcError, ChainIncomplete) as e:
+                code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                if leg.shipped is None:  # the chain failed it
+                    if not self._recoverable(live, code) or self.config.chain_failure != "recompute":
+                        raise
+                    self.metrics.chain_fallbacks.labels(code=code.name).inc()
+                    log.warning("request %s: chain %s failed it (%s); prefilling it on a decode "
+                                "pod", live.request_id, decision.chain.chain_id, _describe(e))
+                    decode = await self._next_pod(live, prompt_ids, sent, reroute, decode, code, e)
+                else:  # the decode pod holding the pushed KV failed it
+                    decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
+                    moves += 1
+        while True:
+            try:
+                async for step in self._local(live, request, prompt_ids, sent, decode):
+                    sent += step.token_ids
+                    yield step
+                return
+            except grpc.RpcError as e:
+                decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
+                moves += 1
+
+    def _recoverable(self, live: LiveRequest, code: grpc.StatusCode) -> bool:
+        return not live.aborted.is_set() and code in POD_FAILURES
+
+    async def _move(self, live: LiveRequest, prompt_ids: tuple[int, ...], sent: list[int],
+                    reroute: Reroute, failed: WorkerInfo, error: grpc.RpcError,
+                    moves: int) -> WorkerInfo:
+        """The pod for the rest of a stream whose decode pod failed it; re-raises ``error``
+        when the request may not move (again)."""
+        if not self._recoverable(live, error.code()) or moves >= self.config.migration_limit:
+            raise error
+        self.metrics.migrations.labels(code=error.code().name).inc()
+        log.warning("request %s: decode pod %s failed after %d tokens (%s); moving it (%d of %d)",
+                    live.request_id, failed.address, len(sent), _describe(error), moves + 1,
+                    self.config.migration_limit)
+        return await self._next_pod(live, prompt_ids, sent, reroute, failed, error.code(), error)
+
+    async def _next_pod(self, live: LiveRequest, prompt_ids: tuple[int, ...], sent: list[int],
+                        reroute: Reroute, failed: WorkerInfo, code: grpc.StatusCode,
+                        error: Exception) -> WorkerInfo:
+        """A live decode pod for the rest of the request; the failed one only when it still
+        answers (an unreachable pod is left out)."""
+        exclude = frozenset({failed.address}) if code is grpc.StatusCode.UNAVAILABLE else frozenset()
+        try:
+            decode = await reroute(len(prompt_ids) + len(sent), exclude)
+        except Exception as e:  # none came: the request fails with its own cause
+            raise error from e
+        live.record = dataclasses.replace(live.record, decode_address=decode.address)
+        return decode
 
     async def _local(self, live: LiveRequest, request: GenerateRequest, prompt_ids: tuple[int, ...],
-                     decision: RouteDecision) -> AsyncIterator[GenerationStep]:
-        decode_request = DecodeRequest(request_id=live.request_id, prompt_token_ids=prompt_ids,
-                                       sampling=request.sampling, compression=request.compression)
-        call = self.channels.decode(decision.decode.address).Generate(
+                     sent: list[int], decode: WorkerInfo) -> AsyncIterator[GenerationStep]:
+        """Generate on ``decode``; after a failure elsewhere, ``sent`` are the tokens the client
+        has: they are replayed as prompt and only the rest is generated."""
+        route = Route(decode_address=decode.address)
+        remaining = request.sampling.max_tokens - len(sent)
+        if remaining <= 0:  # the failure came after the last token: only the end is missing
+            yield GenerationStep(live.request_id, finish_reason=FinishReason.LENGTH, route=route,
+                                 usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(sent)))
+            return
+        sampling = dataclasses.replace(request.sampling, max_tokens=remaining) if sent else request.sampling
+        decode_request = DecodeRequest(request_id=live.request_id,
+                                       prompt_token_ids=prompt_ids + tuple(sent),
+                                       sampling=sampling, compression=request.compression)
+        call = self.channels.decode(decode.address).Generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)
-        route = Route(decode_address=decision.decode.address)
+        replayed = len(sent)
         async for message in call:
             step = convert.step_from_proto(message)
-            yield dataclasses.replace(step, route=route) if step.finish_reason else step
+            if step.finish_reason:
+                step = dataclasses.replace(step, route=route)
+                if replayed and step.usage is not None:  # count the request, not this pod's part
+                    step = dataclasses.replace(step, usage=dataclasses.replace(
+                        step.usage, prompt_tokens=len(prompt_ids),
+                        completion_tokens=step.usage.completion_tokens + replayed))
+            yield step
 
-    async def _through_chain(self, live: LiveRequest, request: GenerateRequest,
-                             prompt_ids: tuple[int, ...], decision: RouteDecision
+    async def _chain_prefill(self, live: LiveRequest, request: GenerateRequest,
+                             prompt_ids: tuple[int, ...], decision: RouteDecision, leg: ChainLeg
                              ) -> AsyncIterator[GenerationStep]:
+        """The chain's part: the first token (streamed), then the news that the KV is pushed."""
         prefill_request = PrefillRequest(
             request_id=live.request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
@@ -110,26 +223,30 @@ class Relay:
         live.watch(call)
         first: PrefillFirstToken | None = None
         shipped: PrefillShipped | None = None
-        first_text = ""
         async for message in call:
             event = convert.prefill_event_from_proto(message)
             if isinstance(event, PrefillFirstToken):
                 first = event
-                first_text = self._first_token_text(event.token_id, request)
-                yield GenerationStep(live.request_id, token_ids=(event.token_id,), text=first_text)
+                leg.first_text = self._first_token_text(event.token_id, request)
+                yield GenerationStep(live.request_id, token_ids=(event.token_id,), text=leg.first_text)
             else:
                 shipped = event
         if first is None or shipped is None:
             raise ChainIncomplete(f"chain {decision.chain.chain_id} ended request "
                                   f"{live.request_id!r} without its first token and KV")
-        route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
-                      partition=first.partition)
+        leg.shipped = shipped
+        leg.route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
+                          partition=first.partition)
+
+    async def _attach(self, live: LiveRequest, decision: RouteDecision, leg: ChainLeg
+                      ) -> AsyncIterator[GenerationStep]:
+        """The decode pod's part of a chain request: the tokens after the first."""
         attach = self.channels.decode(decision.decode.address).Attach(
-            decode_pb2.AttachRequest(request_id=live.request_id, wait_s=self.kv_wait_s))
+            decode_pb2.AttachRequest(request_id=live.request_id, wait_s=self.config.kv_wait_s))
         live.watch(attach)
         # The pod's first step repeats the first token's text (it owns the detokenizer and
         # leaves out only the token id); the client already has what we showed of it.
-        shown = first_text
+        shown = leg.first_text
         async for message in attach:
             step = convert.step_from_proto(message)
             if shown and step.text:
@@ -137,7 +254,7 @@ class Relay:
                 step = dataclasses.replace(step, text=step.text[overlap:])
                 shown = shown[overlap:]
             if step.finish_reason:
-                step = _with_chain_summary(step, shipped, route)
+                step = _with_chain_summary(step, leg.shipped, leg.route)
             yield step
 
     def _first_token_text(self, token_id: int, request: GenerateRequest) -> str:
@@ -163,6 +280,12 @@ class Relay:
                 continue
             found = found or answer.found
         return found
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.RpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
 
 
 def _with_chain_summary(step: GenerationStep, shipped: PrefillShipped, route: Route

@@ -43,8 +43,8 @@ class GatewayServer:
             view=RoutingView(self.store, config.routing.view_refresh_s),
             policy=create_policy(config.gateway, self.model.info.id),
             table=RequestTable(self.store, config.routing.request_ttl_s),
-            relay=Relay(self.channels, self.model.tokenizer, self.model.info.id,
-                        config.gateway.kv_wait_s),
+            relay=Relay(self.channels, self.model.tokenizer, self.model.info.id, config.gateway,
+                        self.metrics),
             metrics=self.metrics)
         self.grpc = AsyncGrpcServer(config.server, self._register,
                                [api_pb2.DESCRIPTOR.services_by_name["Baton"].full_name])

@@ -30,7 +30,9 @@ from baton.gateway.request_table import DuplicateRequest, LiveRequest, RequestTa
 from baton.gateway.routing_policy import NoLiveWorkers, RouteDecision, RoutingPolicy, WorkersFull
 from baton.gateway.served_model import ServedModel
 from baton.metrics import GatewayMetrics
-from baton.routing import RequestRecord, RoutingView
+from baton.routing import RequestRecord, RoutingView, WorkerInfo
+
+REROUTE_POLL_S = 0.25  # how often a request that lost its pod looks for another
 
 _GATEWAY_ERRORS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
@@ -110,7 +112,8 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         outcome = "INTERNAL"
         try:
             try:
-                async for step in self.relay.stream(live, request, prompt_ids, decision):
+                async for step in self.relay.stream(live, request, prompt_ids, decision,
+                                                    self._reroute):
                     step = clock.stamp(step)
                     if step.finish_reason is not None:
                         live.completed = True
@@ -172,6 +175,23 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
                                prefill_address=decision.chain.address if decision.chain else "")
         live = self.table.admit(record, len(prompt_ids))
         return live, request, prompt_ids, decision
+
+    async def _reroute(self, num_prompt_tokens: int, exclude: frozenset[str]) -> WorkerInfo:
+        """A live decode pod other than ``exclude`` for a request whose pod failed; waits
+        (re-reading the store) up to ``reroute_wait_s`` for one to appear, e.g. the failed
+        pod restarted at a new address. Raises NoLiveWorkers when none came."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.relay.config.reroute_wait_s
+        while True:
+            snapshot = await loop.run_in_executor(None, self._snapshot, True)
+            snapshot = dataclasses.replace(snapshot, workers=tuple(
+                worker for worker in snapshot.workers if worker.address not in exclude))
+            try:
+                return self.policy.route(num_prompt_tokens, snapshot, self.table.in_flight()).decode
+            except (NoLiveWorkers, WorkersFull):
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(REROUTE_POLL_S)
 
     def _snapshot(self, fresh: bool = False):
         snapshot = self.view.snapshot(fresh)

@@ -57,7 +57,10 @@ class RoutingView:
         age_s = self._clock() - self._last_attempt
         if fresh:
             due = age_s >= min(self.refresh_s, FRESH_READ_MIN_S)
-            acquired = due and self._refreshing.acquire(timeout=FRESH_READ_WAIT_S)
+            acquired = self._refreshing.acquire(timeout=FRESH_READ_WAIT_S)
+            if acquired and not due:  # a read just started or ended: its result is what we want
+                self._refreshing.release()
+                return self._snapshot
         else:
             acquired = age_s >= self.refresh_s and self._refreshing.acquire(blocking=False)
         if acquired:

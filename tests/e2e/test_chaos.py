@@ -1,0 +1,170 @@
+"""Chaos: the whole service as real processes, supervised as `baton up` supervises it, loses a
+decode pod, then a chain rank, then Redis, each while greedy streams are in flight. Every
+request completes, every client's tokens equal a fault-free run (the monolithic engine),
+and the service takes new requests within seconds of each fault.
+
+What keeps the streams whole: the gateway moves a stream whose decode pod died to another
+one (prompt + tokens sent replayed), a chain that fails a request hands it to a decode pod
+(``recompute``), the gateway routes from its last view while Redis is down, and the
+supervisor restarts what died."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from baton.api.requests import CompressionParams, GenerateRequest
+from baton.client import BatonClient
+from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+from baton.model.loader import SHIPPED_MODEL_DIR
+from e2e_cluster import CHAIN_THRESHOLD_TOKENS, WORKER_TTL_S, MonolithicReference, greedy
+from redis_server import redis_server_binary
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 40
+BACK_WITHIN_S = 30.0  # the service takes a new request within this long of a fault
+NO_COMPRESSION = CompressionParams(enabled=False)
+
+
+@pytest.fixture(scope="module")
+def chaos_cluster(tmp_path_factory):
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed; `make setup` installs it")
+    if not (SHIPPED_MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip("the shipped model is missing")
+    spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
+                       heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S)
+    with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("chaos-logs")) as cluster:
+        stop = threading.Event()
+        restarts: list[str] = []
+
+        def supervise():
+            while not stop.wait(0.2):
+                restarts.extend(cluster.supervise())
+
+        supervisor = threading.Thread(target=supervise, daemon=True)
+        supervisor.start()
+        BatonClient(cluster.gateway_address).wait_until_serving(timeout_s=30)
+        yield cluster, restarts
+        stop.set()
+        supervisor.join(10)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """16 short prompts (prefilled on a decode pod) and 16 long ones (through the chain)."""
+    reference = MonolithicReference()
+    source = reference.tokenizer.encode(Path(os.__file__).read_text())
+    short = [source[i * 37: i * 37 + 20 + i] for i in range(16)]
+    long = [source[2000 + i * 53: 2000 + i * 53 + CHAIN_THRESHOLD_TOKENS + 10 * i] for i in range(16)]
+    everything = short + long
+    expected = [result.token_ids for result in reference.engine.generate(everything, greedy(MAX_TOKENS))]
+    return everything, expected
+
+
+class Streams:
+    """Every prompt streamed at once through the gateway, each on its own thread."""
+
+    def __init__(self, address: str, prompts: list[list[int]]) -> None:
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.routes: list = [None] * len(prompts)
+        self.errors: list[str] = []
+        self._threads = [threading.Thread(target=self._one, args=(address, i, prompt), daemon=True)
+                         for i, prompt in enumerate(prompts)]
+        for thread in self._threads:
+            thread.start()
+
+    def _one(self, address: str, index: int, prompt: list[int]) -> None:
+        client = BatonClient(address)
+        try:
+            request = GenerateRequest(token_ids=tuple(prompt), sampling=greedy(MAX_TOKENS),
+                                      compression=NO_COMPRESSION)
+            for step in client.stream(request, timeout_s=180):
+                self.tokens[index] += step.token_ids
+                if step.route is not None:
+                    self.routes[index] = step.route
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.errors.append(f"request {index}: {e!r}")
+        finally:
+            client.close()
+
+    def wait_for_tokens(self, at_least: int, timeout_s: float = 60) -> None:
+        """Until every stream has ``at_least`` tokens: the fault lands mid-stream."""
+        deadline = time.monotonic() + timeout_s
+        while min(len(tokens) for tokens in self.tokens) < at_least and not self.errors:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(200)
+
+
+def serves_a_new_request(address: str) -> float:
+    """Seconds until a new request completes."""
+    started = time.monotonic()
+    client = BatonClient(address)
+    try:
+        while True:
+            try:
+                client.generate(GenerateRequest(text="import os\n", sampling=greedy(2)), timeout_s=30)
+                return time.monotonic() - started
+            except Exception:  # noqa: BLE001 - the service is still recovering
+                assert time.monotonic() - started < BACK_WITHIN_S, "the service did not come back"
+                time.sleep(0.25)
+    finally:
+        client.close()
+
+
+def kill(process) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+
+
+def test_streams_survive_a_decode_pod_a_chain_rank_and_redis_dying(chaos_cluster, prompts):
+    cluster, restarts = chaos_cluster
+    everything, expected = prompts
+
+    # 1. A decode pod dies mid-stream: its streams move to the other pod.
+    streams = Streams(cluster.gateway_address, everything)
+    streams.wait_for_tokens(2)
+    victim = cluster.child("decode-0")
+    victim_address = re.search(r"decode pod (\S+) serves", victim.log_path.read_text()).group(1)
+    kill(victim.process)
+    unfinished = [i for i, tokens in enumerate(streams.tokens) if len(tokens) < MAX_TOKENS]
+    streams.join()
+    assert streams.errors == []
+    assert streams.tokens == expected
+    # the streams still running at the kill ended on a live pod, and some had moved there
+    assert unfinished and victim_address not in {streams.routes[i].decode_address for i in unfinished}
+    assert f"decode pod {victim_address} failed after" in cluster.child("gateway").log_tail(100_000)
+    serves_a_new_request(cluster.gateway_address)
+
+    # 2. A chain rank dies while long prompts are in the chain: they are prefilled on a
+    #    decode pod instead.
+    long_prompts, long_expected = everything[16:], expected[16:]
+    streams = Streams(cluster.gateway_address, long_prompts)
+    time.sleep(0.3)
+    kill(cluster.child("prefill-1").process)
+    streams.join()
+    assert streams.errors == []
+    assert streams.tokens == long_expected
+    assert "chain chain-0 failed it" in cluster.child("gateway").log_tail(100_000)
+    serves_a_new_request(cluster.gateway_address)
+
+    # 3. Redis dies mid-stream: the gateway routes from its last view, the streams go on.
+    streams = Streams(cluster.gateway_address, everything[:16])
+    streams.wait_for_tokens(2)
+    kill(cluster.redis.process)
+    streams.join()
+    assert streams.errors == []
+    assert streams.tokens == expected[:16]
+    serves_a_new_request(cluster.gateway_address)
+
+    assert any("decode-0" in line for line in restarts)
+    assert any("chain" in line for line in restarts)
+    assert any("redis-server" in line for line in restarts)
