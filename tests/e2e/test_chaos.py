@@ -1,6 +1,7 @@
 """Chaos: the whole service as real processes, supervised as `baton up` supervises it, loses a
 decode pod, then a chain rank, then Redis, each while greedy streams are in flight. Every
-request completes, every client's tokens equal a fault-free run (the monolithic engine),
+request completes, every client's tokens equal a fault-free run (the monolithic engine;
+greedy requests and four seeded ones),
 and the service takes new requests within seconds of each fault.
 
 What keeps the streams whole: the gateway moves a stream whose decode pod died to another
@@ -22,6 +23,7 @@ from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
 from baton.gateway.local_cluster import ClusterSpec, LocalCluster
 from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.sampling import SamplingParams
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, WORKER_TTL_S, MonolithicReference, greedy
 from redis_server import redis_server_binary
 
@@ -55,6 +57,13 @@ def chaos_cluster(tmp_path_factory):
         supervisor.join(10)
 
 
+def sampling_of(index: int) -> SamplingParams:
+    """Greedy, but for four seeded requests (a moved seeded stream continues its draws)."""
+    if index < 4:
+        return SamplingParams(temperature=0.8, seed=1000 + index, max_tokens=MAX_TOKENS)
+    return greedy(MAX_TOKENS)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     """16 short prompts (prefilled on a decode pod) and 16 long ones (through the chain)."""
@@ -63,17 +72,18 @@ def prompts():
     short = [source[i * 37: i * 37 + 20 + i] for i in range(16)]
     long = [source[2000 + i * 53: 2000 + i * 53 + CHAIN_THRESHOLD_TOKENS + 10 * i] for i in range(16)]
     everything = short + long
-    expected = [result.token_ids for result in reference.engine.generate(everything, greedy(MAX_TOKENS))]
-    return everything, expected
+    results = reference.engine.generate(everything, [sampling_of(i) for i in range(len(everything))])
+    return everything, [result.token_ids for result in results]
 
 
 class Streams:
     """Every prompt streamed at once through the gateway, each on its own thread."""
 
-    def __init__(self, address: str, prompts: list[list[int]]) -> None:
+    def __init__(self, address: str, prompts: list[list[int]], first_index: int = 0) -> None:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.routes: list = [None] * len(prompts)
         self.errors: list[str] = []
+        self._first_index = first_index  # index of prompts[0] in the whole list (its sampling)
         self._threads = [threading.Thread(target=self._one, args=(address, i, prompt), daemon=True)
                          for i, prompt in enumerate(prompts)]
         for thread in self._threads:
@@ -82,7 +92,8 @@ class Streams:
     def _one(self, address: str, index: int, prompt: list[int]) -> None:
         client = BatonClient(address)
         try:
-            request = GenerateRequest(token_ids=tuple(prompt), sampling=greedy(MAX_TOKENS),
+            request = GenerateRequest(token_ids=tuple(prompt),
+                                      sampling=sampling_of(self._first_index + index),
                                       compression=NO_COMPRESSION)
             for step in client.stream(request, timeout_s=180):
                 self.tokens[index] += step.token_ids
@@ -147,7 +158,7 @@ def test_streams_survive_a_decode_pod_a_chain_rank_and_redis_dying(chaos_cluster
     # 2. A chain rank dies while long prompts are in the chain: they are prefilled on a
     #    decode pod instead.
     long_prompts, long_expected = everything[16:], expected[16:]
-    streams = Streams(cluster.gateway_address, long_prompts)
+    streams = Streams(cluster.gateway_address, long_prompts, first_index=16)
     time.sleep(0.3)
     kill(cluster.child("prefill-1").process)
     streams.join()

@@ -30,7 +30,7 @@ def random_logits(seed: int = 0, vocab: int = 100) -> torch.Tensor:
 def test_greedy_is_argmax_and_draws_nothing():
     logits = random_logits()
     sampler = Sampler(SamplingParams(temperature=0.0))
-    assert sampler.sample(logits) == int(logits.argmax())
+    assert sampler.sample(logits, 0) == int(logits.argmax())
 
 
 def test_a_seed_reproduces_the_stream_whatever_else_is_sampled():
@@ -39,11 +39,21 @@ def test_a_seed_reproduces_the_stream_whatever_else_is_sampled():
     stream_a, stream_b = [], []
     for step in range(50):
         logits = random_logits(step)
-        stream_a.append(first.sample(logits))
-        other.sample(logits)  # another request sampling in between changes nothing
-        stream_b.append(second.sample(logits))
+        stream_a.append(first.sample(logits, step))
+        other.sample(logits, step)  # another request sampling in between changes nothing
+        stream_b.append(second.sample(logits, step))
     assert stream_a == stream_b
     assert len(set(stream_a)) > 5, "temperature 1 over spread logits samples more than one token"
+
+
+def test_a_sampler_that_starts_mid_stream_continues_it():
+    # A stream that moved to another pod after 20 tokens: a fresh sampler there, asked for
+    # positions 20 onwards, draws what the first would have drawn.
+    params = SamplingParams(temperature=1.0, seed=7)
+    whole, moved = Sampler(params), Sampler(params)
+    logits = [random_logits(step) for step in range(40)]
+    expected = [whole.sample(row, step) for step, row in enumerate(logits)]
+    assert [moved.sample(logits[step], step) for step in range(20, 40)] == expected[20:]
 
 
 def test_top_k_keeps_only_the_k_best():
@@ -71,7 +81,7 @@ def test_temperature_sharpens_and_flattens():
 def test_sampling_matches_the_distribution():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
     sampler = Sampler(SamplingParams(seed=5))
-    counts = torch.bincount(torch.tensor([sampler.sample(logits) for _ in range(3000)]), minlength=3)
+    counts = torch.bincount(torch.tensor([sampler.sample(logits, i) for i in range(3000)]), minlength=3)
     assert torch.allclose(counts / 3000.0, torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
 
 

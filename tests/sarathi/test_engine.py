@@ -93,3 +93,22 @@ def test_requests_from_other_threads_join_a_running_loop(model):
     assert all_done
     assert [tokens[str(i)] for i in range(len(prompts))] == expected
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=12),
+                                    SamplingParams(temperature=0.9, seed=3, max_tokens=12)],
+                         ids=["greedy", "seeded"])
+def test_a_stream_resumed_from_its_tokens_continues_it(model, params):
+    # What a decode pod does for a stream that moved to it: the prompt plus the tokens sent
+    # so far, told how many were generated, continues exactly where the first pod stopped.
+    (prompt,) = prompts_of_lengths(23)
+    whole = make_engine(model).generate([prompt], params)[0].token_ids
+    engine = make_engine(model)
+    rest_params = SamplingParams(temperature=params.temperature, seed=params.seed, max_tokens=7)
+    request_id = engine.add_request(prompt + whole[:5], rest_params, generated_before=5)
+    rest = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.request_id == request_id
+            rest += output.new_token_ids
+    assert whole[:5] + rest == whole

@@ -90,13 +90,13 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
         max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
-        stop_strings=params.stop)
+        stop_strings=params.stop, ignore_eos=params.ignore_eos)
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take SamplingParams' defaults; bad values raise ValueError."""
     optional = {name: getattr(message, name)
-                for name in ("temperature", "top_p", "seed", "max_tokens")
+                for name in ("temperature", "top_p", "seed", "max_tokens", "ignore_eos")
                 if message.HasField(name)}
     return SamplingParams(top_k=message.top_k, stop_token_ids=list(message.stop_token_ids),
                           stop=list(message.stop_strings), **optional)
@@ -246,14 +246,16 @@ def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeGenerate
     return decode_pb2.DecodeGenerateRequest(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.sampling),
-        compression=compression_to_proto(request.compression))
+        compression=compression_to_proto(request.compression),
+        generated_before=request.generated_before)
 
 
 def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> DecodeRequest:
     return DecodeRequest(request_id=message.request_id,
                          prompt_token_ids=tuple(message.prompt_token_ids),
                          sampling=sampling_from_proto(message.sampling),
-                         compression=compression_from_proto(message.compression))
+                         compression=compression_from_proto(message.compression),
+                         generated_before=message.generated_before)
 
 
 def kv_header_to_proto(header: KVHeader) -> kv_pb2.KVHeader:

@@ -96,10 +96,14 @@ class DecodeRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     compression: CompressionParams
+    generated_before: int = 0  # a moved stream: the prompt ends with this many generated tokens
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a decode request needs a request_id")
         check_request_id(self.request_id)
+        require(0 <= self.generated_before <= len(self.prompt_token_ids),
+                f"generated_before {self.generated_before} is not within the prompt's "
+                f"{len(self.prompt_token_ids)} tokens")
         require(len(self.prompt_token_ids) > 0, "the prompt is empty")
 
 

@@ -104,7 +104,7 @@ class DecodeWorker:
         # The request's compression overrides ride with its sampling params into the engine.
         params = dataclasses.replace(request.sampling, compression=request.compression)
         self._enter(stream, lambda: self.engine.add_request(
-            list(request.prompt_token_ids), params, request.request_id),
+            list(request.prompt_token_ids), params, request.request_id, request.generated_before),
             queued_tokens=num_prompt_tokens)
         return stream
 

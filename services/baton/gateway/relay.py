@@ -12,8 +12,9 @@ goes on: a chain that fails it (a rank died, the KV never arrived) hands it to a
 that prefills it itself (``chain_failure: recompute``), and a decode pod that fails
 mid-stream is replaced by another live one, found by the servicer's ``reroute``, which
 gets the prompt plus every token already sent and generates the rest
-(``migration_limit`` times at most). Greedy requests continue token for token as if
-nothing happened; the usage on the last step counts the whole request.
+(``migration_limit`` times at most). Greedy and seeded requests continue token for token as
+if nothing happened (the new pod samples at the position where the old one stopped); the
+usage on the last step counts the whole request.
 
 The relay fills in what only it knows on the last step: the route, and the chain's share of
 usage and timings (bytes shipped, prefill and push time). Errors are downstream
@@ -195,7 +196,8 @@ class Relay:
         sampling = dataclasses.replace(request.sampling, max_tokens=remaining) if sent else request.sampling
         decode_request = DecodeRequest(request_id=live.request_id,
                                        prompt_token_ids=prompt_ids + tuple(sent),
-                                       sampling=sampling, compression=request.compression)
+                                       sampling=sampling, compression=request.compression,
+                                       generated_before=len(sent))
         call = self.channels.decode(decode.address).Generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)

@@ -1,11 +1,12 @@
 """Turning one sequence's logits into its next token, and knowing when to stop.
 
-Design: every request owns a ``Sampler`` with its own ``torch.Generator``
-seeded from the request's seed, and draws exactly one random number stream
-entry per generated token. So a seeded request samples the same tokens alone
-or in any batch, before or after being preempted and recomputed (recomputed
-tokens are never re-sampled). Sampling runs on the CPU generator whatever the
-model's device, so a seed means the same thing on CPU and CUDA.
+Design: every request owns a ``Sampler`` with its own ``torch.Generator``; the
+token at generated position p is drawn with the generator seeded from (seed, p).
+So a seeded request samples the same tokens alone or in any batch, before or
+after being preempted and recomputed (recomputed tokens are never re-sampled),
+and after its stream moved to another pod mid-way (the new pod is told how many
+tokens came before). Sampling runs on the CPU generator whatever the model's
+device, so a seed means the same thing on CPU and CUDA.
 
 Stop strings are matched on decoded text, across token boundaries: text that
 could still be the start of a stop string is held back until it can be ruled
@@ -83,12 +84,13 @@ class Sampler:
         self._generator: torch.Generator | None = None
         if not params.greedy:
             self._generator = torch.Generator(device="cpu")
-            self._generator.manual_seed(self.seed)
 
-    def sample(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor, position: int) -> int:
+        """The token at generated position ``position`` (0 = the first generated token)."""
         if self.params.greedy:
             return int(torch.argmax(logits))
         probs = self.probabilities(logits)
+        self._generator.manual_seed(_position_seed(self.seed, position))
         return int(torch.multinomial(probs, 1, generator=self._generator))
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
@@ -143,3 +145,8 @@ class StopStringMatcher:
                     longest = size
                     break
         return longest
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """One generator seed per (request seed, position), spread by a 64-bit odd constant."""
+    return (seed ^ ((position + 1) * 0x9E3779B97F4A7C15)) & (2**63 - 1)

@@ -97,7 +97,7 @@ class TailSink:
     # --- one request -----------------------------------------------------------------------
 
     def _ship(self, chain_request_id: int, request: PrefillRequest, result: ChainResult) -> None:
-        first_token = Sampler(request.sampling).sample(result.first_token_logits)
+        first_token = Sampler(request.sampling).sample(result.first_token_logits, position=0)
         self.exchange.report(chain_request_id, "first",
                              {"token_id": first_token, "partition": list(result.boundaries)})
         self.metrics.record_partition(result.boundaries)

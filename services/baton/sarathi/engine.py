@@ -85,12 +85,17 @@ class Engine:
     # --- the API (thread-safe) -------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids) for local prefill and decoding; returns its id."""
+                    request_id: str | None = None, generated_before: int = 0) -> str:
+        """Queue a prompt (text or token ids) for local prefill and decoding; returns its id.
+        ``generated_before``: the prompt ends with this many tokens generated elsewhere (a
+        stream that moved here), so sampling goes on at that position."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_ids(prompt)
+        if not 0 <= generated_before <= len(prompt_ids):
+            raise ValueError(f"generated_before {generated_before} is not within the prompt's "
+                             f"{len(prompt_ids)} tokens")
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, None, None))
+        self._put(("add", request_id, prompt_ids, params, None, None, generated_before))
         return request_id
 
     def add_prefilled_request(self, prompt_ids: SequenceOf[int], kv: list[LayerKV],
@@ -112,7 +117,7 @@ class Engine:
         else:
             self._check_token(first_token, "first_token")
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, kv, first_token))
+        self._put(("add", request_id, prompt_ids, params, kv, first_token, 0))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -156,7 +161,7 @@ class Engine:
                 self._compress(seq)
         greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
         for seq, row, best in zip(sampling, logits, greedy):
-            token = best if seq.params.greedy else seq.sampler.sample(row)
+            token = best if seq.params.greedy else seq.sampler.sample(row, seq.num_generated)
             self._accept_token(seq, token, outputs)
         for seq in plan.decodes:
             if seq.compressor is not None and seq.status is Status.RUNNING:
@@ -206,9 +211,9 @@ class Engine:
 
     def _admit_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        kv: list[LayerKV] | None, first_token: int | torch.Tensor | None,
-                       outputs: dict[str, RequestOutput]) -> None:
+                       generated_before: int, outputs: dict[str, RequestOutput]) -> None:
         seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals),
-                       sampler=Sampler(params),
+                       generated_before=generated_before, sampler=Sampler(params),
                        decoder=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
                        stop_matcher=StopStringMatcher(params.stop))
         self._sequences[request_id] = seq
@@ -217,7 +222,7 @@ class Engine:
             seq.num_computed = len(prompt_ids)
             seq.compressor = self._new_compressor(seq)
             if isinstance(first_token, torch.Tensor):
-                first_token = seq.sampler.sample(first_token)
+                first_token = seq.sampler.sample(first_token, seq.num_generated)
             self._accept_token(seq, first_token, outputs)
         if seq.status is not Status.FINISHED:
             self.scheduler.add(seq)

@@ -44,6 +44,13 @@ class Sequence:
     compressor: object | None = None  # a baton.sarathi.hooks.SequenceCompressor
     # KV computed elsewhere (a prefill chain), stored into the pool on admission.
     arrived_kv: list[LayerKV] | None = None
+    generated_before: int = 0  # the prompt ends with this many tokens generated on another pod
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated for the request so far, on this pod and before: the position of
+        the next one to sample."""
+        return self.generated_before + len(self.output_ids)
 
     @property
     def token_ids(self) -> list[int]:
