@@ -37,9 +37,13 @@ class KVPoolConfig:
     block_size: int = setting(16, "tokens per KV block")
     num_blocks: int = setting(0, "KV blocks in the pool; 0 derives it from memory_mib")
     memory_mib: int = setting(512, "memory for the KV pool when num_blocks is 0, in MiB")
+    unclaimed_lease_s: float = setting(30.0, "a decode pod frees KV a chain pushed when no Attach claims "
+                                       "it within this long (the caller is gone)")
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"kv block_size must be >= 1, got {self.block_size}")
+        require(math.isfinite(self.unclaimed_lease_s) and self.unclaimed_lease_s > 0,
+                f"kv unclaimed_lease_s must be a positive number of seconds, got {self.unclaimed_lease_s}")
         require(self.num_blocks >= 0, f"kv num_blocks must be >= 0, got {self.num_blocks}")
         require(self.memory_mib >= 1, f"kv memory_mib must be >= 1, got {self.memory_mib}")
 

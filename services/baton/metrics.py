@@ -52,6 +52,9 @@ class DecodeMetrics:
         self.kv_bytes_received = Counter(
             "baton_decode_kv_bytes_received_total", "bytes of KV cache accepted through PushKV",
             registry=registry)
+        self.kv_leases_expired = Counter(
+            "baton_decode_kv_leases_expired_total", "pushed caches freed because no Attach "
+            "claimed them within the lease", registry=registry)
         self.kv_pushes_rejected = Counter(
             "baton_decode_kv_pushes_rejected_total", "PushKV streams refused, by gRPC status",
             ["code"], registry=registry)

@@ -361,3 +361,20 @@ def test_stalled_pushes_and_waiting_attaches_do_not_hold_up_a_generate(stub, che
         with pytest.raises(grpc.RpcError) as error:
             future.result()
         assert error.value.code() == grpc.StatusCode.DATA_LOSS
+
+
+def test_pushed_kv_that_nobody_attaches_to_is_freed_after_its_lease(checkpoint):
+    server, port = start_decode_server(checkpoint, lease_s=0.3)
+    channel, stub = decode_stub(port)
+    try:
+        free = server.worker.engine.pool.num_free_blocks
+        handoff, chunks = prefilled_handoff(checkpoint, "orphan", PROMPT, 900)
+        push(stub, handoff, chunks)  # ... and its caller never attaches
+        wait_until(lambda: server.worker.metrics.kv_leases_expired._value.get() == 1, 10)
+        wait_until(lambda: server.worker.engine.pool.num_free_blocks == free, 10)
+        code, _ = status_of(lambda: stub.Attach(decode_pb2.AttachRequest(request_id="orphan",
+                                                                        wait_s=0.2), timeout=10))
+        assert code == grpc.StatusCode.NOT_FOUND
+    finally:
+        channel.close()
+        server.stop(0)

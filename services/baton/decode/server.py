@@ -59,7 +59,8 @@ class DecodeServer:
                         kv=self.config.kv,
                         compressor_factory=engine_compressor_factory(self.config.pyramid,
                                                                      self.loaded.config))
-        self.worker = DecodeWorker(engine, self.address, self.metrics)
+        self.worker = DecodeWorker(engine, self.address, self.metrics,
+                                   lease_s=self.config.kv.unclaimed_lease_s)
         self.worker.start()
         spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
                        str(self.loaded.model.dtype).removeprefix("torch."))

@@ -55,6 +55,7 @@ class RequestStream:
     num_tokens: int = 0  # generated so far, the chain's first token included
     finished: bool = False
     attached: bool = False  # a handler is reading this stream
+    expired: bool = False  # pushed, and no Attach came within the lease: aborted
     queued: bool = False  # a local prompt counted in the worker's queue until its first token
     _steps: collections.deque = field(default_factory=collections.deque)  # appended by the loop thread
     _ready: asyncio.Event | None = None  # made by the reader, on the server's event loop

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # how long the idle loop sleeps before checking that it should stop
 BLOCKED_WAIT_S = 0.01  # a plan with nothing to run (all waiting for KV): wait for a change
-UNCLAIMED_LEASE_S = 30.0  # how long a finished pushed request's steps wait for their Attach
+DEFAULT_LEASE_S = 30.0  # how long a pushed request waits for its Attach (kv.unclaimed_lease_s)
 ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
 
 
@@ -53,17 +53,22 @@ class RequestAborted(Exception):
 
 
 class DecodeWorker:
-    def __init__(self, engine: Engine, address: str, metrics: DecodeMetrics) -> None:
+    def __init__(self, engine: Engine, address: str, metrics: DecodeMetrics,
+                 lease_s: float = DEFAULT_LEASE_S) -> None:
         self.engine = engine
+        self.lease_s = lease_s
         self.address = address
         self.metrics = metrics
         self.model_config = engine.model.config
         self._streams: dict[str, RequestStream] = {}
         self._aborted_early: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Pushed requests that finished before anyone attached (max_tokens 1, or a stop token
-        # first): their steps wait here for the Attach, for UNCLAIMED_LEASE_S at most.
+        # first): their steps wait here for the Attach, for lease_s at most.
         self._unclaimed: collections.OrderedDict[str, tuple[RequestStream, float]] = \
             collections.OrderedDict()
+        # Pushed requests still running that nobody attached to yet, oldest first: one that
+        # waits past lease_s is aborted (its caller is gone), which frees its KV.
+        self._awaiting_attach: collections.OrderedDict[str, RequestStream] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards the three above
         self._queued_prompt_tokens = 0  # local prompts accepted, not yet at their first token
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
@@ -120,6 +125,7 @@ class DecodeWorker:
                 raise RequestAborted(f"request {handoff.request_id!r} was aborted before its KV "
                                      f"arrived")
             self._claim(stream)
+            self._awaiting_attach[handoff.request_id] = stream
         params = dataclasses.replace(handoff.sampling, compression=handoff.compression)
         self._enter(stream, lambda: self.engine.add_prefilled_request(
             list(handoff.prompt_token_ids), cache.layers, handoff.first_token_id,
@@ -129,7 +135,7 @@ class DecodeWorker:
 
     def try_attach(self, request_id: str) -> RequestStream | None:
         """The stream of a pushed request, None while its cache has not arrived; a finished
-        one that nobody claimed yet is still there (its steps kept for ``UNCLAIMED_LEASE_S``)."""
+        one that nobody claimed yet is still there (its steps kept for ``lease_s``)."""
         with self._lock:
             if request_id in self._aborted_early:
                 raise RequestAborted(f"request {request_id!r} was aborted")
@@ -143,6 +149,7 @@ class DecodeWorker:
             if stream.attached:
                 raise RequestExists(f"request {request_id!r} is already being streamed")
             stream.attached = True
+            self._awaiting_attach.pop(request_id, None)
             return stream
 
     def abort(self, request_id: str) -> bool:
@@ -194,6 +201,7 @@ class DecodeWorker:
                 self._fail_all(f"the decode engine failed: {e!r}")
                 continue
             self._publish(outputs)
+            self._expire_leases()
             self._publish_load()
             if not outputs and self.engine.last_plan is not None and self.engine.last_plan.is_empty:
                 self.engine.wait_for_work(BLOCKED_WAIT_S)
@@ -224,13 +232,34 @@ class DecodeWorker:
         if touched:
             self.on_published(touched)
 
+    def _expire_leases(self) -> None:
+        """Abort the pushed requests nobody attached to within ``lease_s`` (oldest first)."""
+        now_s = time.monotonic()
+        expired = []
+        with self._lock:
+            while self._awaiting_attach:
+                stream = next(iter(self._awaiting_attach.values()))
+                if now_s - stream.arrival_s <= self.lease_s:
+                    break
+                self._awaiting_attach.popitem(last=False)
+                stream.expired = True
+                expired.append(stream)
+        for stream in expired:
+            log.warning("request %s: no Attach within %g s of its KV; freeing it",
+                        stream.request_id, self.lease_s)
+            self.metrics.kv_leases_expired.inc()
+            self.engine.abort(stream.request_id)
+
     def _keep_unclaimed(self, stream: RequestStream, now_s: float) -> None:
         """Hold a finished pushed stream for its Attach (caller holds ``_lock``); the
         oldest go first past the lease or the cap, so nothing a caller never claims stays."""
-        self._unclaimed[stream.request_id] = (stream, now_s)
+        self._awaiting_attach.pop(stream.request_id, None)
+        if not stream.expired:
+            self._unclaimed[stream.request_id] = (stream, now_s)
         while self._unclaimed and (len(self._unclaimed) > ABORTED_MEMORY or
-                                   now_s - next(iter(self._unclaimed.values()))[1] > UNCLAIMED_LEASE_S):
+                                   now_s - next(iter(self._unclaimed.values()))[1] > self.lease_s):
             self._unclaimed.popitem(last=False)
+            self.metrics.kv_leases_expired.inc()
 
     def _settle_queued(self, stream: RequestStream) -> None:
         """A local prompt leaves the queue once (at its first token, or when it ends first)."""
@@ -257,6 +286,7 @@ class DecodeWorker:
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
+            self._awaiting_attach.clear()
             self._queued_prompt_tokens = 0
         for stream in streams:
             stream.fail(message)
