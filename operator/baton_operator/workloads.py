@@ -39,6 +39,7 @@ RENDEZVOUS_PORT = 29500
 REDIS_PORT = 6379
 RUN_AS_USER = 10001  # the image's non-root user
 MODEL_DIR = "/models/current"
+TERMINATION_MARGIN_S = 15  # past server.grace_s: stopping the engine, leaving routing
 PARTITIONS_DIR = "/etc/baton/partitions"
 PARTITIONS_FILE = "partitions.json"
 TLS_DIR = "/etc/baton/tls"
@@ -209,6 +210,9 @@ def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port:
                             "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,
+        # SIGTERM drains: in-flight streams get server.grace_s, then the process stops its
+        # engine and exits; Kubernetes waits that long before SIGKILL, plus a margin.
+        "terminationGracePeriodSeconds": int(ServerConfig().grace_s) + TERMINATION_MARGIN_S,
         "containers": [{
             "name": role, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
             "args": [role, *args], "env": _env(spec, role), "ports": ports,

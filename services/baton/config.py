@@ -166,7 +166,8 @@ class ServerConfig:
     listen: str = setting("127.0.0.1:0", "host:port the gRPC server binds (port 0 = any free port)")
     advertise: str = setting("", "address peers use to reach this server; empty = the bound address")
     metrics_port: int = setting(0, "Prometheus metrics port; 0 = off")
-    grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGTERM")
+    grace_s: float = setting(30.0, "seconds in-flight calls get to finish on SIGTERM (a draining pod takes "
+                             "nothing new meanwhile)")
     tls_cert: str = setting("", "PEM certificate chain for TLS (e.g. /etc/baton/tls/tls.crt); empty = plaintext")
     tls_key: str = setting("", "PEM private key matching tls_cert (e.g. /etc/baton/tls/tls.key)")
     worker_threads: int = setting(64, "gRPC handler threads of the servers not yet asynchronous (the prefill "

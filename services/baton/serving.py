@@ -148,17 +148,18 @@ class AsyncGrpcServer(_Binding):
         register(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        await self._set_serving(False)
+        await self.set_serving_async(False)
         port = self._bind(self.server)
         await self.server.start()
         return port
 
-    async def _set_serving(self, serving: bool) -> None:
+    async def set_serving_async(self, serving: bool) -> None:
+        """``set_serving`` from a coroutine on the server's loop."""
         for name in ["", *self.service_names]:
             await self.health.set(name, _serving_status(serving))
 
     def set_serving(self, serving: bool) -> None:
-        self.call(self._set_serving(serving))
+        self.call(self.set_serving_async(serving))
 
     def stop(self, grace_s: float | None = None,
              cleanup: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -172,7 +173,7 @@ class AsyncGrpcServer(_Binding):
             self._stop_loop()
 
     async def _stop(self, grace_s: float, cleanup) -> None:
-        await self._set_serving(False)
+        await self.set_serving_async(False)
         await self.server.stop(grace_s)
         if cleanup is not None:
             await cleanup()

@@ -179,3 +179,22 @@ def test_streams_survive_a_decode_pod_a_chain_rank_and_redis_dying(chaos_cluster
     assert any("decode-0" in line for line in restarts)
     assert any("chain" in line for line in restarts)
     assert any("redis-server" in line for line in restarts)
+
+
+def test_a_decode_pod_sent_sigterm_finishes_its_streams_takes_nothing_new_and_exits_0(chaos_cluster,
+                                                                                  prompts):
+    cluster, _ = chaos_cluster
+    everything, expected = prompts
+    serves_a_new_request(cluster.gateway_address)
+    streams = Streams(cluster.gateway_address, everything[4:16], first_index=4)
+    streams.wait_for_tokens(2)
+    draining = cluster.child("decode-1")
+    address = re.findall(r"decode pod (\S+) serves", draining.log_path.read_text())[-1]
+    draining.process.send_signal(signal.SIGTERM)
+    streams.join()
+    assert streams.errors == []
+    assert streams.tokens == expected[4:16]
+    assert draining.process.wait(60) == 0
+    # its streams ended there: none had to move
+    assert f"decode pod {address} failed" not in cluster.child("gateway").log_tail(1_000_000)
+    serves_a_new_request(cluster.gateway_address)

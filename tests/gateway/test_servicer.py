@@ -55,11 +55,27 @@ def test_list_models_and_tokenize_are_served_from_the_checkpoint(gateway, checkp
     assert "".join(answer.pieces) == "def f"
 
 
-def test_the_health_service_reports_serving(gateway):
-    _, _, _, channel = gateway
+def test_the_gateway_is_serving_only_while_it_sees_a_live_decode_pod(gateway):
+    server, store, _, channel = gateway
     health = health_pb2_grpc.HealthStub(channel)
-    answer = health.Check(health_pb2.HealthCheckRequest(service="baton.v1.Baton"))
-    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    def status():
+        return health.Check(health_pb2.HealthCheckRequest(service="baton.v1.Baton")).status
+
+    assert status() == health_pb2.HealthCheckResponse.NOT_SERVING  # nobody to send work to
+    store.register_worker(decode("ready-pod", model=server.model.info.id), ttl_s=60)
+    try:
+        wait_for(lambda: status() == health_pb2.HealthCheckResponse.SERVING)
+    finally:
+        store.remove_worker("ready-pod")
+    wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def raw(**fields) -> api_pb2.GenerateRequest:

@@ -4,12 +4,14 @@ the command).
 The gateway registers itself in the routing store with role ``gateway`` (its advertised
 address and model), refreshed by heartbeat like every worker, so ``baton up`` and the
 operator can find it, and reads the workers through a ``RoutingView`` that keeps the last
-view while the store is down. A graceful stop turns health NOT_SERVING, refuses new
+view while the store is down. Its health is SERVING only while that view holds a live
+decode pod: a load balancer sends clients only to gateways that can serve them. A graceful stop turns health NOT_SERVING, refuses new
 Generate calls with UNAVAILABLE and gives in-flight streams ``server.grace_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 
@@ -27,6 +29,8 @@ from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open
 from baton.serving import AsyncGrpcServer, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
+
+READINESS_CHECK_S = 0.5
 
 
 class GatewayServer:
@@ -53,7 +57,26 @@ class GatewayServer:
         self.heartbeat = Heartbeat(self.store, self._describe, config.routing.heartbeat_s,
                                    config.routing.worker_ttl_s).start()
         self._stop_metrics = serve_metrics(config.server.metrics_port, self.metrics.registry)
-        self.grpc.set_serving(True)
+        self._readiness = self.grpc.call(self._start_readiness())
+
+    async def _start_readiness(self):
+        return asyncio.ensure_future(self._track_readiness())
+
+    async def _track_readiness(self) -> None:
+        """SERVING while the routing view holds a live decode pod of the model (a gateway with
+        nobody to send work to is not ready), NOT_SERVING otherwise; re-checked every
+        ``READINESS_CHECK_S``."""
+        loop = asyncio.get_running_loop()
+        serving = None
+        while not self.servicer.draining:
+            snapshot = await loop.run_in_executor(None, self.servicer.view.snapshot)
+            ready = bool(self.servicer.policy.decode_workers(snapshot))
+            if ready != serving:
+                await self.grpc.set_serving_async(ready)
+                if serving is not None:
+                    log.info("gateway %s", "ready again" if ready else "has no live decode pod: NOT_SERVING")
+                serving = ready
+            await asyncio.sleep(READINESS_CHECK_S)
 
     def _register(self, server) -> None:
         api_pb2_grpc.add_BatonServicer_to_server(self.servicer, server)
@@ -66,6 +89,7 @@ class GatewayServer:
     def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING and UNAVAILABLE for new calls, in-flight streams get ``grace_s``."""
         self.servicer.draining = True
+        self.grpc.loop.call_soon_threadsafe(self._readiness.cancel)
         self.heartbeat.stop()
         self.grpc.stop(grace_s, cleanup=self.channels.close)
         if self._stop_metrics is not None:
