@@ -165,9 +165,12 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
             decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight())
+            if decision.chain is None and len(prompt_ids) >= self.policy.config.prefill_threshold_tokens:
+                raise NoLiveWorkers("no chain in the view")
         except NoLiveWorkers:
-            # The view may predate a pod that registered since (right after start-up): one
-            # fresh read of the store before the caller is told there is none.
+            # The view may predate a pod or a chain that registered since (right after
+            # start-up): one fresh read of the store before the caller is told there is no
+            # pod, or a long prompt is prefilled without a chain.
             decision = self.policy.route(len(prompt_ids), self._snapshot(fresh=True),
                                          self.table.in_flight())
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
