@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -200,6 +201,38 @@ def test_each_bad_input_gets_its_code_and_the_service_keeps_serving(client):
     assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
     first.cancel()
     assert client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(3))).token_ids
+
+
+def test_hostile_requests_beside_a_small_one_do_not_hold_it_up(client, reference):
+    # Three 15 MB prompts (refused before tokenizing) and a max_tokens=1 request through the
+    # chain, all at once with a 4-token request: the small one completes promptly, the big
+    # ones get INVALID_ARGUMENT with their size.
+    huge = BatonClient(client.address)
+    errors: list[grpc.RpcError] = []
+
+    def send_huge():
+        try:
+            huge.generate(GenerateRequest(text="x" * (15 << 20), sampling=greedy(4)), timeout_s=60)
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    senders = [threading.Thread(target=send_huge) for _ in range(3)]
+    for sender in senders:
+        sender.start()
+    started = time.monotonic()
+    one_token = client.generate(GenerateRequest(
+        token_ids=tuple(long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 20)),
+        sampling=greedy(1), compression=NO_COMPRESSION), timeout_s=30)
+    small = client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(4)), timeout_s=30)
+    elapsed_s = time.monotonic() - started
+    for sender in senders:
+        sender.join(60)
+    huge.close()
+    assert len(one_token.token_ids) == 1 and one_token.last.route.chain_id
+    assert small.token_ids == reference.tokens(reference.tokenizer.encode(SHORT_PROMPT), 4)
+    assert elapsed_s < 10
+    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert "15728640 bytes" in errors[0].details()
 
 
 def test_generate_with_server_keeps_the_json_contract_of_a_local_run(cluster, reference):
