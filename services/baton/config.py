@@ -39,9 +39,13 @@ class KVPoolConfig:
     memory_mib: int = setting(512, "memory for the KV pool when num_blocks is 0, in MiB")
     unclaimed_lease_s: float = setting(30.0, "a decode pod frees KV a chain pushed when no Attach claims "
                                        "it within this long (the caller is gone)")
+    max_pending_pushes: int = setting(64, "KV uploads a decode pod receives at once; more get "
+                                      "RESOURCE_EXHAUSTED (each holds a receive buffer)")
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"kv block_size must be >= 1, got {self.block_size}")
+        require(self.max_pending_pushes >= 1,
+                f"kv max_pending_pushes must be >= 1, got {self.max_pending_pushes}")
         require(math.isfinite(self.unclaimed_lease_s) and self.unclaimed_lease_s > 0,
                 f"kv unclaimed_lease_s must be a positive number of seconds, got {self.unclaimed_lease_s}")
         require(self.num_blocks >= 0, f"kv num_blocks must be >= 0, got {self.num_blocks}")

@@ -52,6 +52,9 @@ class DecodeMetrics:
         self.kv_bytes_received = Counter(
             "baton_decode_kv_bytes_received_total", "bytes of KV cache accepted through PushKV",
             registry=registry)
+        self.kv_pushes_in_progress = Gauge(
+            "baton_decode_kv_pushes_in_progress", "KV uploads being received now (at most "
+            "kv.max_pending_pushes)", registry=registry)
         self.kv_leases_expired = Counter(
             "baton_decode_kv_leases_expired_total", "pushed caches freed because no Attach "
             "claimed them within the lease", registry=registry)

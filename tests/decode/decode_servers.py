@@ -28,10 +28,11 @@ def make_checkpoint(directory):
 
 
 def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
-                        metrics_port: int = 0, lease_s: float = 30.0):
+                        metrics_port: int = 0, lease_s: float = 30.0, max_pending_pushes: int = 64):
     config = DecodeServiceConfig(
         model=ModelSourceConfig(path=str(checkpoint), dtype="float32"),
-        kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks, unclaimed_lease_s=lease_s),
+        kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks, unclaimed_lease_s=lease_s,
+                        max_pending_pushes=max_pending_pushes),
         routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0))
     config.server.grace_s = 0.5
     config.server.metrics_port = metrics_port

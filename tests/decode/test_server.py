@@ -345,7 +345,7 @@ def test_stalled_pushes_and_waiting_attaches_do_not_hold_up_a_generate(stub, che
     handoff, _ = prefilled_handoff(checkpoint, "stall-many", PROMPT, MAX_TOKENS)
     release = threading.Event()
     pushes = [stub.PushKV.future(_header_then_stall(_header(handoff, request_id=f"s{i}"),
-                                                    release), timeout=30) for i in range(80)]
+                                                    release), timeout=30) for i in range(60)]
     attaches = [stub.Attach(decode_pb2.AttachRequest(request_id=f"w{i}", wait_s=30), timeout=30)
                 for i in range(80)]
     try:
@@ -376,5 +376,28 @@ def test_pushed_kv_that_nobody_attaches_to_is_freed_after_its_lease(checkpoint):
                                                                         wait_s=0.2), timeout=10))
         assert code == grpc.StatusCode.NOT_FOUND
     finally:
+        channel.close()
+        server.stop(0)
+
+
+def test_uploads_beyond_the_limit_are_resource_exhausted_at_once(checkpoint):
+    server, port = start_decode_server(checkpoint, max_pending_pushes=4)
+    channel, stub = decode_stub(port)
+    handoff, _ = prefilled_handoff(checkpoint, "limit", PROMPT, MAX_TOKENS)
+    release = threading.Event()
+    try:
+        stalled = [stub.PushKV.future(_header_then_stall(_header(handoff, request_id=f"l{i}"), release),
+                                      timeout=30) for i in range(4)]
+        wait_until(lambda: server.servicer.pushes_in_progress == 4)
+        code, details = status_of(lambda: stub.PushKV(_header_then_stall(
+            _header(handoff, request_id="one-too-many"), release), timeout=10))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "4 KV uploads" in details
+        release.set()
+        for future in stalled:
+            with pytest.raises(grpc.RpcError):
+                future.result()
+        wait_until(lambda: server.servicer.pushes_in_progress == 0)
+    finally:
+        release.set()
         channel.close()
         server.stop(0)

@@ -37,7 +37,7 @@ class DecodeServer:
         self.store = store or open_store(config.routing)
         self.registry = CollectorRegistry()
         self.metrics = DecodeMetrics(self.registry)
-        self.servicer = DecodeServicer()
+        self.servicer = DecodeServicer(config.kv.max_pending_pushes)
         self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME])
         self.port, self.address = self.grpc.port, self.grpc.address
         self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)

@@ -89,11 +89,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Serves one ``DecodeWorker``; UNAVAILABLE until ``ready(worker, spec, loop)`` and after
     ``drain()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending_pushes: int = 64) -> None:
         self.worker: DecodeWorker | None = None
         self.spec: KVSpec | None = None
         self.changes: Changes | None = None
         self.draining = False
+        self.max_pending_pushes = max_pending_pushes
+        self.pushes_in_progress = 0  # only the event loop changes it
 
     def ready(self, worker: DecodeWorker, spec: KVSpec, loop: asyncio.AbstractEventLoop) -> None:
         """Serve ``worker``; ``loop`` is the server's event loop, where the worker's engine
@@ -123,6 +125,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def PushKV(self, request_iterator: AsyncIterator[decode_pb2.PushKVRequest],
                      context) -> decode_pb2.PushKVResponse:
         worker = await self._worker(context)
+        if self.pushes_in_progress >= self.max_pending_pushes:
+            worker.metrics.kv_pushes_rejected.labels(code="RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.pushes_in_progress} KV uploads are in progress on this pod, "
+                                f"at most {self.max_pending_pushes}; retry or push elsewhere")
+        self.pushes_in_progress += 1
+        worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
         try:
             cache = await receive_cache(request_iterator, self.spec, worker.model_config,
                                         worker.engine.pool)
@@ -130,6 +139,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except Exception as e:  # noqa: BLE001 - every failure becomes the caller's status
             worker.metrics.kv_pushes_rejected.labels(code=status_of(e).name).inc()
             await abort_with(context, e)
+        finally:
+            self.pushes_in_progress -= 1
+            worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
         return decode_pb2.PushKVResponse(request_id=cache.request_id,
                                          bytes_received=cache.num_bytes)
 
