@@ -1,17 +1,50 @@
-"""The gRPC server every service runs on: ports are bound exclusively."""
+"""The gRPC servers every service runs on: ports are bound exclusively, and the asynchronous
+one takes a burst of thousands of streams without dropping any."""
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 from baton.config import ServerConfig
-from baton.serving import GrpcServer
+from baton.serving import AsyncGrpcServer, GrpcServer
 
 
-def test_a_second_server_on_a_taken_address_fails_with_a_clear_message():
-    first = GrpcServer(ServerConfig(listen="127.0.0.1:0"), lambda server: None, [])
+@pytest.mark.parametrize("server_class", [GrpcServer, AsyncGrpcServer])
+def test_a_second_server_on_a_taken_address_fails_with_a_clear_message(server_class):
+    first = server_class(ServerConfig(listen="127.0.0.1:0"), lambda server: None, [])
     try:
         taken = f"127.0.0.1:{first.port}"
         with pytest.raises(ValueError, match=f"cannot bind the gRPC server to '{taken}': the address is in use"):
-            GrpcServer(ServerConfig(listen=taken), lambda server: None, [])
+            server_class(ServerConfig(listen=taken), lambda server: None, [])
     finally:
-        first.server.stop(0)
+        first.stop(0)
+
+
+async def _three_messages(request, context):
+    for _ in range(3):
+        await asyncio.sleep(0.01)
+        yield request
+
+
+def test_a_burst_of_streams_beyond_grpcs_pending_call_default_all_complete():
+    # gRPC's core cancels calls beyond 1,000 that wait to be taken unless told otherwise.
+    handler = grpc.method_handlers_generic_handler(
+        "test.Burst", {"Stream": grpc.unary_stream_rpc_method_handler(_three_messages)})
+    server = AsyncGrpcServer(ServerConfig(listen="127.0.0.1:0"),
+                             lambda s: s.add_generic_rpc_handlers((handler,)), [])
+
+    async def burst(count: int) -> list[int]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            call = channel.unary_stream("/test.Burst/Stream")
+
+            async def one() -> int:
+                return len([message async for message in call(b"x", timeout=60)])
+
+            return await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+
+    try:
+        assert asyncio.run(burst(1500)) == [3] * 1500
+    finally:
+        server.stop(0)
