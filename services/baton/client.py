@@ -39,7 +39,7 @@ class Completion:
     token_times_s: list[float] = field(default_factory=list)  # arrival of each message with tokens
 
     def add(self, step: GenerationStep, now_s: float, start_s: float) -> None:
-        self.request_id = step.request_id
+        self.request_id = step.request_id or self.request_id  # named in the first message
         if step.token_ids:
             if not self.token_ids:
                 self.ttft_s = now_s - start_s

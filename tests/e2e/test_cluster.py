@@ -293,3 +293,16 @@ def _try_generate(client):
         return client.generate(GenerateRequest(text=SHORT_PROMPT, sampling=greedy(2)), timeout_s=30)
     except grpc.RpcError:
         return None
+
+
+@pytest.mark.parametrize("path", ["local", "chain"])
+def test_a_stream_names_its_request_in_its_first_message_only(client, reference, path):
+    prompt = (long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 10) if path == "chain"
+              else reference.tokenizer.encode(SHORT_PROMPT))
+    request_id = "named-once-" + path + "-" + "x" * 200
+    messages = list(client.stub.Generate(raw(request_id=request_id, token_ids=api_pb2.TokenIds(ids=prompt),
+                                             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6)),
+                                         timeout=30))
+    assert len(messages) > 1
+    assert messages[0].request_id == request_id
+    assert all(message.request_id == "" for message in messages[1:])

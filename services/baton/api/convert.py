@@ -155,8 +155,11 @@ def route_from_proto(message: common_pb2.Route) -> Route:
                  partition=tuple(message.partition))
 
 
-def step_to_proto(step: GenerationStep) -> common_pb2.GenerateResponse:
-    message = common_pb2.GenerateResponse(request_id=step.request_id, token_ids=step.token_ids,
+def step_to_proto(step: GenerationStep, first: bool = True) -> common_pb2.GenerateResponse:
+    """A stream names its request once, in its first message (``first``): an id of up to
+    256 characters is not repeated with every token."""
+    message = common_pb2.GenerateResponse(request_id=step.request_id if first else "",
+                                          token_ids=step.token_ids,
                                           text=step.text,
                                           finish_reason=_FINISH_TO_PROTO[step.finish_reason])
     if step.usage is not None:

@@ -193,7 +193,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                      context) -> AsyncIterator[common_pb2.GenerateResponse]:
         """Yield the request's steps until its last (what arrived together goes as one
         message); a caller who leaves (the handler is cancelled) aborts it."""
-        finished = False
+        finished, first = False, True
         try:
             while not finished:
                 try:
@@ -202,7 +202,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     finished = True
                     await abort_with(context, e)
                 finished = step.finish_reason is not None
-                yield convert.step_to_proto(step)
+                yield convert.step_to_proto(step, first)
+                first = False
         finally:
             if not finished:
                 worker.cancel(stream.request_id)

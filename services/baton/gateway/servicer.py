@@ -112,6 +112,7 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         outcome = "INTERNAL"
         try:
             try:
+                first = True
                 async for step in self.relay.stream(live, request, prompt_ids, decision,
                                                     self._reroute):
                     step = clock.stamp(step)
@@ -119,7 +120,9 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
                         live.completed = True
                         outcome = step.finish_reason.value
                         self._record_usage(step)
-                    yield convert.step_to_proto(step)
+                    yield convert.step_to_proto(dataclasses.replace(step, request_id=live.request_id),
+                                                first)
+                    first = False
             except (grpc.RpcError, asyncio.CancelledError) as e:
                 # An aio call cancelled here (the Abort RPC cancels the request's downstream
                 # calls) raises CancelledError in its reader; this handler's own cancellation
@@ -133,7 +136,7 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
                 outcome = FinishReason.ABORTED.value
                 route = Route(decode_address=live.record.decode_address, chain_id=live.record.chain_id)
                 yield convert.step_to_proto(clock.stamp(
-                    GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED, route=route)))
+                    GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED, route=route)), first)
             except ChainIncomplete as e:
                 outcome = status_of(e).name
                 await context.abort(status_of(e), str(e))
