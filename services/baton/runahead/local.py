@@ -72,7 +72,7 @@ def _rank_main(config: ChainConfig, model_source: ModelSource, inbox, outbox,
     sink = QueueSink(outbox)
     try:
         rank = ChainRank(config, model_source, sink, QueueSource(inbox) if config.rank == 0 else None,
-                         make_observer)
+                         make_observer, gather_counters=True)  # benchmarks and tests read them
     except Exception as e:  # noqa: BLE001 - the process boundary: whatever stopped the rank is reported
         sink.fail(config.rank, -1, f"rank {config.rank}: could not join the chain: {e}")
         _exit(outbox, 1)

@@ -72,7 +72,7 @@ class ChainResult:
     layers: list[LayerKV] | None  # full (or compressed) cache; None unless requested
     boundaries: list[int]
     mode: str
-    ttft_s: float  # rank 0 receiving the request -> tail holding the logits
+    ttft_s: float  # the request's header reaching the tail -> the tail holding the logits (its clock)
     counters: list[RankCounters] = field(default_factory=list)  # one per rank
 
     def on_host(self) -> ChainResult:

@@ -35,7 +35,7 @@ from baton.runahead.request import MODES, ChainRequest, ChainResult, ModelSource
 from baton.runahead.transport import AllGatherKV, RankCounters, RunaheadKV
 
 OP_STOP, OP_KEEPALIVE, OP_PREFILL = 0, 1, 2
-HEADER_FIELDS = 5  # op, request id, mode, return_kv, start time (ns); then the p+1 boundaries
+HEADER_FIELDS = 4  # op, request id, mode, return_kv; then the p+1 boundaries
 
 
 class StopChain(Exception):
@@ -94,9 +94,13 @@ class ChainRank:
     def __init__(self, config: ChainConfig, model_source: ModelSource, sink: ChainSink,
                  source: RequestSource | None = None,
                  make_observer: Callable[[int], CompressingObserver] | None = None,
-                 cpu_threads: int = 1) -> None:
+                 cpu_threads: int = 1, gather_counters: bool = False) -> None:
+        """``gather_counters``: collect every rank's byte and work counters at the tail with
+        each result (one collective per request: for benchmarks and tests, not serving)."""
         assert (source is not None) == (config.rank == 0), "rank 0, and only rank 0, has a source"
         self.config = config
+        self.gather_counters = gather_counters
+        self.header_received_ns = 0  # this rank's clock when the request's header arrived
         self.sink = sink
         self.source = source
         self.make_observer = make_observer
@@ -155,6 +159,9 @@ class ChainRank:
         if self.config.rank == 0:
             header[:] = self._encode_header()
         self._broadcast(header, "the next request's header")
+        # Every rank has the header once the broadcast returns: the tail times the chain's
+        # prefill from here on its own clock (clocks of different hosts do not compare).
+        self.header_received_ns = time.monotonic_ns()
         values = header.tolist()
         if values[0] != OP_PREFILL:
             return values, None
@@ -170,12 +177,12 @@ class ChainRank:
         try:
             request = self.source.next_request(self.config.timeout_s / 4)
         except StopChain:
-            return torch.tensor([OP_STOP, 0, 0, 0, 0] + padding)
+            return torch.tensor([OP_STOP, 0, 0, 0] + padding)
         if request is None:
-            return torch.tensor([OP_KEEPALIVE, 0, 0, 0, 0] + padding)
+            return torch.tensor([OP_KEEPALIVE, 0, 0, 0] + padding)
         self.pending = request
         return torch.tensor([OP_PREFILL, request.request_id, MODES.index(request.mode),
-                             int(request.return_kv), time.monotonic_ns()] + request.boundaries)
+                             int(request.return_kv)] + request.boundaries)
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         try:
@@ -186,7 +193,7 @@ class ChainRank:
 
     def _run(self, header: list[int], token_ids: torch.Tensor) -> None:
         """Compute this rank's slice of one request; the tail delivers the result."""
-        _, request_id, mode_index, return_kv, start_ns = header[:HEADER_FIELDS]
+        _, request_id, mode_index, return_kv = header[:HEADER_FIELDS]
         boundaries = header[HEADER_FIELDS:]
         mode = MODES[mode_index]
         config = self.model.config
@@ -206,9 +213,9 @@ class ChainRank:
         if self.is_tail:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the logits exist, not just their kernels
-            ttft_s = (time.monotonic_ns() - start_ns) / 1e9
+            ttft_s = (time.monotonic_ns() - self.header_received_ns) / 1e9
         transport.finish()
-        counters = self._gather_counters(transport.counters)
+        counters = self._gather_counters(transport.counters) if self.gather_counters else []
         if not self.is_tail:
             return
         layers = None
