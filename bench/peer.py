@@ -141,6 +141,9 @@ def main() -> None:
                         help="re-render peer.md and peer.png from the last run's results.json")
     parser.add_argument("--served-dtypes", default="float32,bfloat16",
                         help="dtypes of the served comparison on the shipped model ('' = none)")
+    parser.add_argument("--served-only", action="store_true",
+                        help="re-run only the served comparison; the offline rows are kept from "
+                             "the last run's results.json")
     args = parser.parse_args()
     if args.report_only:
         saved = json.loads((WORK_DIR / "results.json").read_text())
@@ -157,7 +160,10 @@ def main() -> None:
     description = machine_description()
     pairs = [(model, dtype) for model in args.models.split(",") for dtype in args.dtypes.split(",")]
     results: dict[tuple[str, str], list[dict]] = {pair: [] for pair in pairs}
-    for round_index in range(args.rounds):
+    if args.served_only:
+        saved = json.loads((WORK_DIR / "results.json").read_text())
+        results = {tuple(key.split("/")): rounds for key, rounds in saved["offline"].items()}
+    for round_index in range(0 if args.served_only else args.rounds):
         print(f"round {round_index + 1}/{args.rounds}")
         for model, dtype in pairs:
             order = ("vllm", "baton") if round_index % 2 == 0 else ("baton", "vllm")
@@ -180,7 +186,8 @@ def main() -> None:
     (WORK_DIR / "results.json").write_text(json.dumps(
         {"offline": {f"{model}/{dtype}": rounds for (model, dtype), rounds in results.items()},
          "served": served, "machine": description, "load_average": os.getloadavg()}))
-    write_report("peer.md", render(results, served, description, args.rounds, os.getloadavg()))
+    rounds = len(next(iter(results.values())))
+    write_report("peer.md", render(results, served, description, rounds, os.getloadavg()))
     plot_throughput(results, REPORT_DIR / "peer.png")
 
 
