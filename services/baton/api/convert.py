@@ -32,10 +32,10 @@ from baton.api.requests import (
     Usage,
 )
 from baton.api.v1 import api_pb2, common_pb2, decode_pb2, kv_pb2, prefill_pb2
-from baton.kv.pool import KVPoolExhausted
-from baton.kv.wire import KVDataLoss, KVHeader, KVIncompatible, KVMalformed
+from baton.errors import ServiceError
+from baton.kv.wire import KVDataLoss, KVHeader, KVMalformed
 from baton.model.sampling import SamplingParams
-from baton.routing.store import StoreUnavailable, WorkerLoad
+from baton.routing.store import WorkerLoad
 
 T = TypeVar("T")
 
@@ -322,19 +322,11 @@ def read_push_kv(messages: Iterator[decode_pb2.PushKVRequest],
 
 # --- errors --------------------------------------------------------------------------------------
 
-_STATUS_BY_ERROR: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (KVDataLoss, grpc.StatusCode.DATA_LOSS),
-    (KVIncompatible, grpc.StatusCode.FAILED_PRECONDITION),
-    (KVMalformed, grpc.StatusCode.INVALID_ARGUMENT),
-    (KVPoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-]
-
-
 def status_for(error: BaseException) -> grpc.StatusCode:
-    """The gRPC status code an error maps to at the API edge (INTERNAL for anything else)."""
-    for error_type, code in _STATUS_BY_ERROR:
-        if isinstance(error, error_type):
-            return code
+    """The gRPC status an error is answered with at the API edge: a ``ServiceError`` names its
+    own, a ``ValueError`` is the caller's bad input, anything else is INTERNAL."""
+    if isinstance(error, ServiceError):
+        return grpc.StatusCode[error.status]
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL

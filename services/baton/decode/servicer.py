@@ -22,7 +22,7 @@ from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.decode.receiver import receive_cache
 from baton.decode.streams import RequestStream, StreamFailed
-from baton.decode.worker import DecodeWorker, RequestAborted, RequestExists, RequestNotFound
+from baton.decode.worker import DecodeWorker, RequestNotFound
 from baton.kv.wire import KVSpec
 
 log = logging.getLogger(__name__)
@@ -30,22 +30,9 @@ log = logging.getLogger(__name__)
 DEFAULT_ATTACH_WAIT_S = 60.0  # an Attach that names no wait_s waits this long for the push
 MAX_ATTACH_WAIT_S = 600.0  # and none waits longer
 
-_WORKER_ERRORS = [(RequestExists, grpc.StatusCode.ALREADY_EXISTS),
-                  (RequestNotFound, grpc.StatusCode.NOT_FOUND),
-                  (RequestAborted, grpc.StatusCode.ABORTED),
-                  (StreamFailed, grpc.StatusCode.INTERNAL)]
-
-
-def status_of(error: BaseException) -> grpc.StatusCode:
-    for error_type, code in _WORKER_ERRORS:
-        if isinstance(error, error_type):
-            return code
-    return convert.status_for(error)
-
-
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the error's status (raises, as ``context.abort`` does)."""
-    code = status_of(error)
+    code = convert.status_for(error)
     if code is grpc.StatusCode.INTERNAL and not isinstance(error, StreamFailed):
         log.error("internal error in a decode call", exc_info=error)
     await context.abort(code, str(error) or type(error).__name__)
@@ -137,7 +124,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                         worker.engine.pool)
             worker.submit_pushed(cache)
         except Exception as e:  # noqa: BLE001 - every failure becomes the caller's status
-            worker.metrics.kv_pushes_rejected.labels(code=status_of(e).name).inc()
+            worker.metrics.kv_pushes_rejected.labels(code=convert.status_for(e).name).inc()
             await abort_with(context, e)
         finally:
             self.pushes_in_progress -= 1

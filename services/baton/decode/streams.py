@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from baton.api.requests import FinishReason, GenerationStep, Route, Timings, Usage
+from baton.errors import ServiceError
 from baton.model.sampling import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from baton.sarathi.request import RequestOutput
 
@@ -30,7 +31,7 @@ FINISH_REASONS = {FINISH_STOP: FinishReason.STOP, FINISH_LENGTH: FinishReason.LE
                   FINISH_ABORT: FinishReason.ABORTED}
 
 
-class StreamFailed(Exception):
+class StreamFailed(ServiceError):
     """The engine failed while serving this request; the message says how."""
 
 

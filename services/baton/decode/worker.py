@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from baton.api.requests import DecodeRequest, Route, check_prompt
 from baton.decode.receiver import PushedCache
 from baton.decode.streams import PushedKVInfo, RequestStream
+from baton.errors import Aborted, AlreadyExists, NotFound
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.routing.store import WorkerLoad
@@ -40,15 +41,15 @@ DEFAULT_LEASE_S = 30.0  # how long a pushed request waits for its Attach (kv.unc
 ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
 
 
-class RequestExists(Exception):
+class RequestExists(AlreadyExists):
     """A live request already has this id (gRPC ALREADY_EXISTS)."""
 
 
-class RequestNotFound(Exception):
+class RequestNotFound(NotFound):
     """No state for this request id (gRPC NOT_FOUND)."""
 
 
-class RequestAborted(Exception):
+class RequestAborted(Aborted):
     """The request was aborted before its cache arrived (gRPC ABORTED)."""
 
 

@@ -19,13 +19,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from baton.errors import AlreadyExists
 from baton.gateway.routing_policy import InFlight
 from baton.routing import RequestRecord, RoutingStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 
-class DuplicateRequest(ValueError):
+class DuplicateRequest(AlreadyExists):
     """A live request already has this id (gRPC ALREADY_EXISTS)."""
 
 
@@ -38,6 +39,7 @@ class LiveRequest:
     calls: list = field(default_factory=list)  # grpc.Call objects, cancelled on client cancel
     aborted: threading.Event = field(default_factory=threading.Event)
     completed: bool = False  # the last step was produced: nothing is left to abort
+    chain_done: bool = False  # the chain's part is over (KV shipped, or it failed)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -61,6 +63,12 @@ class LiveRequest:
         """Every pod that may hold state for this request."""
         return [address for address in (self.record.decode_address, self.record.prefill_address)
                 if address]
+
+    def busy_at(self) -> list[str]:
+        """The pods this request still costs work: the decode pod, and its chain until the
+        chain's part is over (what the routing policy counts as in flight)."""
+        chain = "" if self.chain_done else self.record.prefill_address
+        return [address for address in (self.record.decode_address, chain) if address]
 
 
 class RequestTable:
@@ -108,7 +116,7 @@ class RequestTable:
         with self._lock:
             live = list(self._live.values())
         for request in live:
-            for address in request.addresses():
+            for address in request.busy_at():
                 known = totals.get(address, InFlight())
                 totals[address] = InFlight(known.requests + 1,
                                            known.prompt_tokens + request.num_prompt_tokens)

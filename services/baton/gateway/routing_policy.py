@@ -17,14 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.config import GatewayRoutingConfig
+from baton.errors import ResourceExhausted, Unavailable
 from baton.routing import RoutingSnapshot, WorkerInfo
 
 
-class NoLiveWorkers(RuntimeError):
+class NoLiveWorkers(Unavailable, RuntimeError):
     """No worker that could serve the request is registered (not ready: UNAVAILABLE)."""
 
 
-class WorkersFull(RuntimeError):
+class WorkersFull(ResourceExhausted, RuntimeError):
     """Every live decode pod is out of KV blocks (RESOURCE_EXHAUSTED, answered at once)."""
 
 

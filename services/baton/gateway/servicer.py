@@ -26,28 +26,13 @@ from baton.api import convert
 from baton.api.requests import FinishReason, GenerateRequest, GenerationStep, Route, Timings
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.gateway.relay import ChainIncomplete, Relay
-from baton.gateway.request_table import DuplicateRequest, LiveRequest, RequestTable
+from baton.gateway.request_table import LiveRequest, RequestTable
 from baton.gateway.routing_policy import NoLiveWorkers, RouteDecision, RoutingPolicy, WorkersFull
 from baton.gateway.served_model import ServedModel
 from baton.metrics import GatewayMetrics
 from baton.routing import RequestRecord, RoutingView, WorkerInfo
 
 REROUTE_POLL_S = 0.25  # how often a request that lost its pod looks for another
-
-_GATEWAY_ERRORS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
-    (NoLiveWorkers, grpc.StatusCode.UNAVAILABLE),
-    (WorkersFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (ChainIncomplete, grpc.StatusCode.UNAVAILABLE),
-]
-
-
-def status_of(error: BaseException) -> grpc.StatusCode:
-    for error_type, code in _GATEWAY_ERRORS:
-        if isinstance(error, error_type):
-            return code
-    return convert.status_for(error)
-
 
 class StreamClock:
     """The gateway's own timings of one stream: TTFT and the gaps between messages."""
@@ -104,8 +89,8 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         try:
             live, request, prompt_ids, decision = await loop.run_in_executor(None, self._admit, message)
         except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
-            self.metrics.requests_finished.labels(path="none", outcome=status_of(e).name).inc()
-            await context.abort(status_of(e), str(e))
+            self.metrics.requests_finished.labels(path="none", outcome=convert.status_for(e).name).inc()
+            await context.abort(convert.status_for(e), str(e))
         path = "local" if decision.chain is None else "chain"
         clock = StreamClock(self.metrics, path, arrival)
         self.metrics.requests_in_flight.inc()
@@ -138,8 +123,8 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
                 yield convert.step_to_proto(clock.stamp(
                     GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED, route=route)), first)
             except ChainIncomplete as e:
-                outcome = status_of(e).name
-                await context.abort(status_of(e), str(e))
+                outcome = convert.status_for(e).name
+                await context.abort(convert.status_for(e), str(e))
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             outcome = grpc.StatusCode.CANCELLED.name
             raise

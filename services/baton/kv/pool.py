@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.errors import ResourceExhausted
 from baton.host_to_device import to_device
 from baton.kv.decode_step import GROUP_OVERHEAD_BYTES, DecodeGroup, DecodeStep, group_by_width
 from baton.kv.dense import LayerKV
 
 
-class KVPoolExhausted(RuntimeError):
+class KVPoolExhausted(ResourceExhausted, RuntimeError):
     """The pool has too few free blocks for a request (names both numbers)."""
 
     def __init__(self, blocks_needed: int, blocks_free: int) -> None:

@@ -39,6 +39,7 @@ from typing import Self
 import torch
 
 from baton.dtypes import DTYPES
+from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
 from baton.kv.dense import LayerKV
 
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
@@ -50,20 +51,26 @@ POSITION_DTYPE = torch.int64
 POSITION_BYTES = 8
 
 
-class KVWireError(Exception):
-    """A pushed KV cache that cannot be accepted; the subclass says why."""
+class KVWireError(ServiceError):
+    """A pushed KV cache that cannot be accepted; the subclass says why (and its status)."""
 
 
 class KVMalformed(KVWireError):
     """The header contradicts itself, or the positions are not strictly increasing in range."""
 
+    status = InvalidArgument.status
+
 
 class KVIncompatible(KVWireError):
     """The cache belongs to another model, revision, dtype or shape than the receiver's."""
 
+    status = FailedPrecondition.status
+
 
 class KVDataLoss(KVWireError):
     """Bytes are missing or surplus, or the checksum does not match."""
+
+    status = DataLoss.status
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import grpc
 from baton.api import convert
 from baton.api.requests import PrefillFirstToken, PrefillRequest, PrefillShipped, check_prompt
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from baton.errors import AlreadyExists
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.prefill.exchange import ChainEventTimeout, ChainExchange
@@ -43,7 +44,7 @@ class Pending:
     cancelled: bool = False  # aborted while queued: skipped by the chain loop
 
 
-class DuplicateRequest(Exception):
+class DuplicateRequest(AlreadyExists):
     """A live request already has this id (gRPC ALREADY_EXISTS)."""
 
 

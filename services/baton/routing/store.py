@@ -16,10 +16,12 @@ import abc
 import json
 from dataclasses import asdict, dataclass, field
 
+from baton.errors import Unavailable
+
 ROLES = ("prefill", "decode", "gateway")
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(Unavailable, RuntimeError):
     """The routing store cannot be reached (Redis down or timing out)."""
 
 

@@ -1,0 +1,47 @@
+"""The errors a caller can be told about, each carrying the gRPC status it is answered with.
+
+Every error that crosses an API edge derives from ``ServiceError`` and names its status in
+``status`` (a ``grpc.StatusCode`` name, so the modules that raise them need not import
+gRPC); ``baton.api.convert.status_for`` is the one place that turns an error into a status
+(a ``ValueError`` is the caller's bad input: INVALID_ARGUMENT; anything else is INTERNAL).
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of the errors a caller is told about; ``status`` is their gRPC status name."""
+
+    status = "INTERNAL"
+
+
+class NotFound(ServiceError):
+    status = "NOT_FOUND"
+
+
+class AlreadyExists(ServiceError):
+    status = "ALREADY_EXISTS"
+
+
+class Aborted(ServiceError):
+    status = "ABORTED"
+
+
+class Unavailable(ServiceError):
+    status = "UNAVAILABLE"
+
+
+class ResourceExhausted(ServiceError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class InvalidArgument(ServiceError, ValueError):
+    status = "INVALID_ARGUMENT"
+
+
+class FailedPrecondition(ServiceError):
+    status = "FAILED_PRECONDITION"
+
+
+class DataLoss(ServiceError):
+    status = "DATA_LOSS"
