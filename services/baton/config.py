@@ -198,6 +198,9 @@ CHAIN_FAILURE_POLICIES = ("recompute", "fail")
 @dataclass
 class GatewayRoutingConfig:
     prefill_threshold_tokens: int = setting(512, "prompts at least this long go through a prefill chain")
+    chain_max_queued_tokens: int = setting(4096, "a chain already holding this many prompt tokens not yet "
+                                           "prefilled takes no more: the prompt is prefilled on its decode "
+                                           "pod instead (a chain prefills one request at a time); 0 = no limit")
     policy: str = setting("least-loaded", "how the gateway picks pods: least-loaded = the decode pod "
                           "with the fewest sequences, then queued prompt tokens, then the most "
                           "free KV blocks (none free = full); the chain with the fewest queued tokens",
@@ -219,6 +222,8 @@ class GatewayRoutingConfig:
                 f"gateway reroute_wait_s must be in [0, 600] seconds, got {self.reroute_wait_s}")
         require(self.prefill_threshold_tokens >= 1,
                 f"gateway prefill_threshold_tokens must be >= 1, got {self.prefill_threshold_tokens}")
+        require(self.chain_max_queued_tokens >= 0,
+                f"gateway chain_max_queued_tokens must be >= 0, got {self.chain_max_queued_tokens}")
         require(self.policy in GATEWAY_POLICIES,
                 f"gateway policy {self.policy!r} is not one of {GATEWAY_POLICIES}")
         require(self.kv_wait_s > 0, f"gateway kv_wait_s must be > 0, got {self.kv_wait_s}")

@@ -76,6 +76,20 @@ def test_with_no_live_chain_a_long_prompt_is_prefilled_on_the_decode_pod(policy)
     assert decision.chain is None and decision.decode.worker_id == "a"
 
 
+def test_a_long_prompt_is_prefilled_on_the_decode_pod_while_every_chain_is_backed_up():
+    policy = create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100,
+                                                chain_max_queued_tokens=1000), MODEL)
+    idle, busy = rank("c0", 0), rank("c0", 0, queued_tokens=700)
+    assert policy.route(900, snapshot(decode("a"), idle), {}).chain is not None  # alone: fits
+    assert policy.route(200, snapshot(decode("a"), busy), {}).chain is not None  # 900 <= 1000
+    assert policy.route(400, snapshot(decode("a"), busy), {}).chain is None  # 1100 > 1000
+    queued_here = {"c0-0:1": InFlight(requests=2, prompt_tokens=950)}
+    assert policy.route(100, snapshot(decode("a"), idle), queued_here).chain is None
+    unlimited = create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100,
+                                                   chain_max_queued_tokens=0), MODEL)
+    assert unlimited.route(400, snapshot(decode("a"), busy), queued_here).chain is not None
+
+
 def test_an_unknown_policy_name_is_a_value_error():
     config = GatewayRoutingConfig()
     config.policy = "random"

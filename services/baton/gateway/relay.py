@@ -48,6 +48,7 @@ from baton.api.requests import (
 )
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from baton.config import GatewayRoutingConfig
+from baton.errors import Unavailable
 from baton.gateway.request_table import LiveRequest
 from baton.gateway.routing_policy import RouteDecision
 from baton.metrics import GatewayMetrics
@@ -69,7 +70,7 @@ Reroute = Callable[[int, frozenset[str]], Awaitable[WorkerInfo]]
 log = logging.getLogger(__name__)
 
 
-class ChainIncomplete(RuntimeError):
+class ChainIncomplete(Unavailable, RuntimeError):
     """A chain closed its stream without the first token or the shipped KV (UNAVAILABLE)."""
 
 
@@ -133,6 +134,7 @@ class Relay:
                     yield step
                 return
             except (grpc.RpcError, ChainIncomplete) as e:
+                live.chain_done = True
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if leg.shipped is None:  # the chain failed it
                     if not self._recoverable(live, code) or self.config.chain_failure != "recompute":
@@ -237,6 +239,7 @@ class Relay:
             raise ChainIncomplete(f"chain {decision.chain.chain_id} ended request "
                                   f"{live.request_id!r} without its first token and KV")
         leg.shipped = shipped
+        live.chain_done = True
         leg.route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
                           partition=first.partition)
 

@@ -9,7 +9,10 @@ over the pods instead of piling onto the one that looked emptiest.
 
 Chain: a prompt of at least ``prefill_threshold_tokens`` goes to the live chain with the
 fewest queued prompt tokens (reported, or in flight from here, whichever is larger); with
-no live chain it is prefilled on the decode pod, which is slower but always works.
+no live chain it is prefilled on the decode pod, which is slower but always works. A chain
+prefills one request after another, so a burst of long prompts would queue behind it while
+the decode pod's SARATHI batches sit idle: once the chain holds ``chain_max_queued_tokens``
+prompt tokens not yet prefilled, the next long prompt is prefilled on its decode pod.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class LeastLoadedPolicy(RoutingPolicy):
         decode = self._pick_decode(snapshot, in_flight)
         chain = None
         if num_prompt_tokens >= self.config.prefill_threshold_tokens:
-            chain = self._pick_chain(snapshot, in_flight)
+            chain = self._pick_chain(num_prompt_tokens, snapshot, in_flight)
         return RouteDecision(decode=decode, chain=chain)
 
     def _pick_decode(self, snapshot: RoutingSnapshot, in_flight: Mapping[str, InFlight]) -> WorkerInfo:
@@ -54,7 +57,7 @@ class LeastLoadedPolicy(RoutingPolicy):
 
         return min(with_room, key=load)
 
-    def _pick_chain(self, snapshot: RoutingSnapshot,
+    def _pick_chain(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
                     in_flight: Mapping[str, InFlight]) -> WorkerInfo | None:
         heads = self.chain_heads(snapshot)
         if not heads:
@@ -65,4 +68,8 @@ class LeastLoadedPolicy(RoutingPolicy):
             return (max(head.load.queued_prompt_tokens, here.prompt_tokens),
                     max(head.load.queued_requests, here.requests), head.chain_id)
 
-        return min(heads, key=queued)
+        head = min(heads, key=queued)
+        limit = self.config.chain_max_queued_tokens
+        if limit and queued(head)[0] > 0 and queued(head)[0] + num_prompt_tokens > limit:
+            return None  # every chain is backed up: the decode pod prefills it sooner
+        return head
