@@ -119,6 +119,10 @@ def served_section(results: dict, served: dict) -> list[str]:
                          f"{ttft:.2f} / {ttft99:.2f}", errors])
     lines.append(markdown_table(["dtype", "server", "tok/s (median)", "every round", "vs vllm serve",
                                  "vs baton's engine", "TTFT P50 / P99 s", "errors"], rows))
+    lines += ["", ("Both `baton up` rows fall short of the 1.0x goal against `vllm serve` and of 0.9x "
+                   "of baton's own engine. Where the served time goes (a decode step takes 22-30 ms "
+                   "served against 12.5 ms in the engine: three processes and the client share two "
+                   "cores) is in [runtime.md](../runtime.md), \"Served\".")]
     return lines + [""]
 
 
