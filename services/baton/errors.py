@@ -45,3 +45,17 @@ class FailedPrecondition(ServiceError):
 
 class DataLoss(ServiceError):
     status = "DATA_LOSS"
+
+
+class WrongIncarnation(FailedPrecondition):
+    """Work routed to an earlier process on this address (a pod that restarted there)."""
+
+    def __init__(self, what: str, address: str, mine: str, theirs: str) -> None:
+        super().__init__(f"{what} was meant for incarnation {theirs!r} of {address}; this is "
+                         f"incarnation {mine!r} (the pod restarted): route it again")
+
+
+def check_incarnation(what: str, address: str, mine: str, theirs: str) -> None:
+    """Raise WrongIncarnation when the caller names another incarnation ("" = any)."""
+    if theirs and theirs != mine:
+        raise WrongIncarnation(what, address, mine, theirs)

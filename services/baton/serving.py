@@ -19,6 +19,7 @@ import importlib.metadata
 import logging
 import signal
 import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent import futures
 from pathlib import Path
@@ -38,6 +39,12 @@ MAX_MESSAGE_BYTES = 16 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0)]
+
+
+def new_incarnation() -> str:
+    """An id for this process's life: routing records carry it, and work meant for another
+    process that had the same address is refused (``baton.errors.WrongIncarnation``)."""
+    return uuid.uuid4().hex[:16]
 
 
 def release_version() -> str:

@@ -401,3 +401,30 @@ def test_uploads_beyond_the_limit_are_resource_exhausted_at_once(checkpoint):
         release.set()
         channel.close()
         server.stop(0)
+
+
+def test_work_meant_for_another_incarnation_of_this_address_is_refused(stub, server, store, checkpoint,
+                                                                        reference):
+    # A pod restarted on the same address is a new incarnation: a route, an Attach or a KV
+    # push made for its predecessor gets FAILED_PRECONDITION naming both, not a stranger's work.
+    mine = server.incarnation
+    (record,) = [w for w in store.list_workers("decode") if w.address == server.address]
+    assert record.incarnation == mine and len(mine) == 16
+    old_route = generate_request("old-route")
+    old_route.incarnation = "0" * 16
+    code, details = status_of(lambda: stub.Generate(old_route, timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "0" * 16 in details and mine in details
+    code, _ = status_of(lambda: stub.Attach(decode_pb2.AttachRequest(
+        request_id="old-attach", wait_s=1, incarnation="0" * 16), timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    handoff, chunks = prefilled_handoff(checkpoint, "old-push", PROMPT, MAX_TOKENS)
+    free = server.worker.engine.pool.num_free_blocks
+    code, details = status_of(lambda: push(stub, dataclasses.replace(handoff, decode_incarnation="0" * 16),
+                                           chunks))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "old-push" in details
+    assert server.worker.engine.pool.num_free_blocks == free
+    # naming this incarnation (or none) is served
+    request = generate_request("this-route")
+    request.incarnation = mine
+    tokens, _ = collect(stub.Generate(request, timeout=30))
+    assert tokens == reference

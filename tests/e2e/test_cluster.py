@@ -5,6 +5,7 @@ survives dead workers and a Redis outage. One cluster serves the module, in this
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
@@ -306,3 +307,28 @@ def test_a_stream_names_its_request_in_its_first_message_only(client, reference,
     assert len(messages) > 1
     assert messages[0].request_id == request_id
     assert all(message.request_id == "" for message in messages[1:])
+
+
+def test_a_route_to_an_earlier_incarnation_of_an_address_is_refused_and_moved(cluster, client, reference):
+    # A routing record left by a pod that restarted on the same address (here: planted, with
+    # the real pod's address, an old incarnation and the lightest load, so it is picked):
+    # the pod refuses the work (FAILED_PRECONDITION), the gateway routes it again, and the
+    # client sees nothing of it but its tokens.
+    store = RedisStore(cluster.redis_url)
+    try:
+        real = next(iter(store.list_workers("decode")))
+        ghost = dataclasses.replace(real, worker_id="decode-ghost", incarnation="0" * 16,
+                                    load=dataclasses.replace(real.load, running_sequences=0,
+                                                             queued_requests=0,
+                                                             queued_prompt_tokens=0,
+                                                             free_kv_blocks=10**6))
+        store.register_worker(ghost, ttl_s=30)
+        time.sleep(1.0)  # the gateway's view refreshes every 0.2 s: let it see the record
+        prompt_ids = reference.tokenizer.encode(SHORT_PROMPT)
+        completion = client.generate(GenerateRequest(token_ids=tuple(prompt_ids), sampling=greedy(6)),
+                                     timeout_s=60)
+        assert completion.token_ids == reference.tokens(prompt_ids, 6)
+        assert f"meant for incarnation '{'0' * 16}'" in cluster.child("gateway").log_tail(1_000_000)
+    finally:
+        store.remove_worker("decode-ghost")
+        store.close()

@@ -204,7 +204,7 @@ def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequ
         request_id=request.request_id, model=request.model,
         prompt_token_ids=request.prompt_token_ids, sampling=sampling_to_proto(request.sampling),
         compression=compression_to_proto(request.compression),
-        decode_address=request.decode_address)
+        decode_address=request.decode_address, decode_incarnation=request.decode_incarnation)
 
 
 def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRequest:
@@ -213,7 +213,7 @@ def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRe
         prompt_token_ids=tuple(message.prompt_token_ids),
         sampling=sampling_from_proto(message.sampling),
         compression=compression_from_proto(message.compression),
-        decode_address=message.decode_address)
+        decode_address=message.decode_address, decode_incarnation=message.decode_incarnation)
 
 
 def prefill_event_to_proto(event: PrefillFirstToken | PrefillShipped) -> prefill_pb2.PrefillResponse:
@@ -250,7 +250,7 @@ def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeGenerate
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.sampling),
         compression=compression_to_proto(request.compression),
-        generated_before=request.generated_before)
+        generated_before=request.generated_before, incarnation=request.incarnation)
 
 
 def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> DecodeRequest:
@@ -258,7 +258,8 @@ def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> Deco
                          prompt_token_ids=tuple(message.prompt_token_ids),
                          sampling=sampling_from_proto(message.sampling),
                          compression=compression_from_proto(message.compression),
-                         generated_before=message.generated_before)
+                         generated_before=message.generated_before,
+                         incarnation=message.incarnation)
 
 
 def kv_header_to_proto(header: KVHeader) -> kv_pb2.KVHeader:
@@ -274,7 +275,8 @@ def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
     return decode_pb2.PushKVHeader(
         kv=kv_header_to_proto(handoff.kv), prompt_token_ids=handoff.prompt_token_ids,
         first_token_id=handoff.first_token_id, sampling=sampling_to_proto(handoff.sampling),
-        compression=compression_to_proto(handoff.compression))
+        compression=compression_to_proto(handoff.compression),
+        decode_incarnation=handoff.decode_incarnation)
 
 
 def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
@@ -282,7 +284,8 @@ def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
                      prompt_token_ids=tuple(message.prompt_token_ids),
                      first_token_id=message.first_token_id,
                      sampling=sampling_from_proto(message.sampling),
-                     compression=compression_from_proto(message.compression))
+                     compression=compression_from_proto(message.compression),
+                     decode_incarnation=message.decode_incarnation)
 
 
 def push_kv_messages(handoff: KVHandoff, chunks: Iterable[bytes],

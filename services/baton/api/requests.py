@@ -80,6 +80,7 @@ class PrefillRequest:
     sampling: SamplingParams
     compression: CompressionParams
     decode_address: str
+    decode_incarnation: str = ""  # of the decode pod at decode_address the gateway chose
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a prefill request needs a request_id")
@@ -97,6 +98,7 @@ class DecodeRequest:
     sampling: SamplingParams
     compression: CompressionParams
     generated_before: int = 0  # a moved stream: the prompt ends with this many generated tokens
+    incarnation: str = ""  # of the decode pod the caller meant ("" = any)
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a decode request needs a request_id")
@@ -116,6 +118,7 @@ class KVHandoff:
     first_token_id: int
     sampling: SamplingParams
     compression: CompressionParams
+    decode_incarnation: str = ""  # of the decode pod the push is meant for ("" = any)
 
     @property
     def request_id(self) -> str:

@@ -19,12 +19,21 @@ from dataclasses import dataclass
 
 from baton.api import convert
 from baton.api.requests import KVHandoff, check_prompt
+from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool, KVPoolExhausted
 from baton.kv.wire import KVAssembler, KVDataLoss, KVMalformed, KVSpec, check_header
 from baton.model.config import ModelConfig
 
 STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """This pod's address and incarnation id, which pushed KV must name (or leave empty)."""
+
+    address: str
+    id: str
 
 
 @dataclass
@@ -46,10 +55,14 @@ def kv_spec(model_config: ModelConfig, model_id: str, revision: str, dtype: str)
                   max_tokens=model_config.max_position_embeddings)
 
 
-def check_handoff(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig) -> None:
+def check_handoff(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig,
+                  incarnation: Incarnation | None = None) -> None:
     """Raise (KVMalformed / KVIncompatible / ValueError) unless the handoff suits this pod."""
     if not handoff.request_id:
         raise KVMalformed("the pushed KV header has no request_id")
+    if incarnation is not None:
+        check_incarnation(f"the KV of request {handoff.request_id!r}", incarnation.address,
+                          incarnation.id, handoff.decode_incarnation)
     check_header(handoff.kv, spec)
     check_prompt(handoff.prompt_token_ids, handoff.sampling, model_config.vocab_size,
                  model_config.max_position_embeddings)
@@ -71,11 +84,12 @@ def check_room(pool: KVPool, layer_num_tokens: tuple[int, ...]) -> None:
 
 
 async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: ModelConfig,
-                        pool: KVPool, stall_s: float | None = None) -> PushedCache:
+                        pool: KVPool, incarnation: Incarnation | None = None,
+                        stall_s: float | None = None) -> PushedCache:
     """Read a whole PushKV stream into a checked cache (views into one receive buffer)."""
     stall_s = STALL_S if stall_s is None else stall_s
     handoff = convert.push_kv_header(await _next(messages, stall_s))
-    check_handoff(handoff, spec, model_config)
+    check_handoff(handoff, spec, model_config, incarnation)
     check_room(pool, handoff.kv.layer_num_tokens)
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
 from baton.config import DecodeServiceConfig
-from baton.decode.receiver import kv_spec
+from baton.decode.receiver import Incarnation, kv_spec
 from baton.decode.servicer import DecodeServicer
 from baton.decode.worker import DecodeWorker
 from baton.metrics import DecodeMetrics, serve_metrics
@@ -24,7 +24,7 @@ from baton.model.loader import load_checkpoint
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.sarathi.engine import Engine
-from baton.serving import AsyncGrpcServer, release_version, run_until_signalled
+from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class DecodeServer:
         self.servicer = DecodeServicer(config.kv.max_pending_pushes)
         self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME])
         self.port, self.address = self.grpc.port, self.grpc.address
+        self.incarnation = new_incarnation()
         self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)
         self._init_worker()
         self.heartbeat = Heartbeat(self.store, self.describe, config.routing.heartbeat_s,
@@ -64,7 +65,7 @@ class DecodeServer:
         self.worker.start()
         spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
                        str(self.loaded.model.dtype).removeprefix("torch."))
-        self.servicer.ready(self.worker, spec, self.grpc.loop)
+        self.servicer.ready(self.worker, spec, self.grpc.loop, Incarnation(self.address, self.incarnation))
         log.info("decode pod %s serves %s (revision %s), %d KV blocks", self.address,
                  self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks)
 
@@ -72,7 +73,8 @@ class DecodeServer:
         """This pod's routing record with its live load (called by every heartbeat)."""
         return WorkerInfo(worker_id=f"decode-{self.address}", role="decode", address=self.address,
                           model_id=self.loaded.model_id, model_revision=self.loaded.revision,
-                          version=release_version(), load=self.worker.load)
+                          version=release_version(), load=self.worker.load,
+                          incarnation=self.incarnation)
 
     def stop(self, grace_s: float | None = None) -> None:
         self.heartbeat.stop()

@@ -20,9 +20,10 @@ import grpc
 
 from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from baton.decode.receiver import receive_cache
+from baton.decode.receiver import Incarnation, receive_cache
 from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestNotFound
+from baton.errors import check_incarnation
 from baton.kv.wire import KVSpec
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.max_pending_pushes = max_pending_pushes
         self.pushes_in_progress = 0  # only the event loop changes it
 
-    def ready(self, worker: DecodeWorker, spec: KVSpec, loop: asyncio.AbstractEventLoop) -> None:
+    def ready(self, worker: DecodeWorker, spec: KVSpec, loop: asyncio.AbstractEventLoop,
+              incarnation: Incarnation) -> None:
         """Serve ``worker``; ``loop`` is the server's event loop, where the worker's engine
-        thread hands each step's streams (one hop per step, not one per token)."""
+        thread hands each step's streams (one hop per step, not one per token); work naming
+        another ``incarnation`` is refused."""
         self.changes = Changes(loop)
+        self.incarnation = incarnation
 
         def wake(streams: Iterable[RequestStream]) -> None:
             for stream in streams:
@@ -121,7 +125,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
         try:
             cache = await receive_cache(request_iterator, self.spec, worker.model_config,
-                                        worker.engine.pool)
+                                        worker.engine.pool, self.incarnation)
             worker.submit_pushed(cache)
         except Exception as e:  # noqa: BLE001 - every failure becomes the caller's status
             worker.metrics.kv_pushes_rejected.labels(code=convert.status_for(e).name).inc()
@@ -135,6 +139,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         worker = await self._worker(context)
         try:
+            self._check_incarnation(f"request {request.request_id!r}", request.incarnation)
             stream = worker.submit_prompt(convert.decode_request_from_proto(request))
         except Exception as e:  # noqa: BLE001
             await abort_with(context, e)
@@ -144,6 +149,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Attach(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         worker = await self._worker(context)
         try:
+            self._check_incarnation(f"the Attach of {request.request_id!r}", request.incarnation)
             stream = await self._attach(worker, request.request_id, attach_wait_s(request.wait_s))
         except Exception as e:  # noqa: BLE001
             await abort_with(context, e)
@@ -159,6 +165,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Stats(self, request, context) -> common_pb2.WorkerLoad:
         return convert.worker_load_to_proto((await self._worker(context)).load)
+
+    def _check_incarnation(self, what: str, theirs: str) -> None:
+        check_incarnation(what, self.incarnation.address, self.incarnation.id, theirs)
 
     # --- waiting and streaming -----------------------------------------------------------------
 

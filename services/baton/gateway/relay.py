@@ -62,7 +62,8 @@ ABORT_TIMEOUT_S = 5.0  # an Abort to a pod that does not answer in this long is 
 POD_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS,
                           grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
-                          grpc.StatusCode.RESOURCE_EXHAUSTED})
+                          grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          grpc.StatusCode.FAILED_PRECONDITION})  # incl. a pod restarted on its address
 
 Reroute = Callable[[int, frozenset[str]], Awaitable[WorkerInfo]]
 
@@ -176,8 +177,13 @@ class Relay:
                         reroute: Reroute, failed: WorkerInfo, code: grpc.StatusCode,
                         error: Exception) -> WorkerInfo:
         """A live decode pod for the rest of the request; the failed one only when it still
-        answers (an unreachable pod is left out)."""
-        exclude = frozenset({failed.address}) if code is grpc.StatusCode.UNAVAILABLE else frozenset()
+        answers (an unreachable address is left out, and so is an incarnation that refused
+        the work: its routing record is older than the process now on that address)."""
+        exclude = frozenset()
+        if code is grpc.StatusCode.UNAVAILABLE:
+            exclude = frozenset({failed.address})
+        elif code is grpc.StatusCode.FAILED_PRECONDITION and failed.incarnation:
+            exclude = frozenset({failed.incarnation})
         try:
             decode = await reroute(len(prompt_ids) + len(sent), exclude)
         except Exception as e:  # none came: the request fails with its own cause
@@ -199,7 +205,7 @@ class Relay:
         decode_request = DecodeRequest(request_id=live.request_id,
                                        prompt_token_ids=prompt_ids + tuple(sent),
                                        sampling=sampling, compression=request.compression,
-                                       generated_before=len(sent))
+                                       generated_before=len(sent), incarnation=decode.incarnation)
         call = self.channels.decode(decode.address).Generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)
@@ -221,7 +227,7 @@ class Relay:
         prefill_request = PrefillRequest(
             request_id=live.request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
-            decode_address=decision.decode.address)
+            decode_address=decision.decode.address, decode_incarnation=decision.decode.incarnation)
         call = self.channels.prefill(decision.chain.address).Prefill(
             convert.prefill_request_to_proto(prefill_request))
         live.watch(call)
@@ -247,7 +253,8 @@ class Relay:
                       ) -> AsyncIterator[GenerationStep]:
         """The decode pod's part of a chain request: the tokens after the first."""
         attach = self.channels.decode(decision.decode.address).Attach(
-            decode_pb2.AttachRequest(request_id=live.request_id, wait_s=self.config.kv_wait_s))
+            decode_pb2.AttachRequest(request_id=live.request_id, wait_s=self.config.kv_wait_s,
+                                     incarnation=decision.decode.incarnation))
         live.watch(attach)
         # The pod's first step repeats the first token's text (it owns the detokenizer and
         # leaves out only the token id); the client already has what we showed of it.

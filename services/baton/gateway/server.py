@@ -26,7 +26,7 @@ from baton.gateway.served_model import ServedModel
 from baton.gateway.servicer import BatonServicer
 from baton.metrics import GatewayMetrics, serve_metrics
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
-from baton.serving import AsyncGrpcServer, release_version, run_until_signalled
+from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class GatewayServer:
 
     def __init__(self, config: GatewayServiceConfig, store: RoutingStore | None = None) -> None:
         self.config = config
+        self.incarnation = new_incarnation()
         self.store = store if store is not None else open_store(config.routing)
         self.model = ServedModel.load(config.model)
         self.metrics = GatewayMetrics(CollectorRegistry())
@@ -84,7 +85,8 @@ class GatewayServer:
     def _describe(self) -> WorkerInfo:
         return WorkerInfo(worker_id=f"gateway-{socket.gethostname()}-{self.port}", role="gateway",
                           address=self.address, model_id=self.model.info.id,
-                          model_revision=self.model.info.revision, version=release_version())
+                          model_revision=self.model.info.revision, version=release_version(),
+                          incarnation=self.incarnation)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING and UNAVAILABLE for new calls, in-flight streams get ``grace_s``."""

@@ -168,7 +168,8 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         return live, request, prompt_ids, decision
 
     async def _reroute(self, num_prompt_tokens: int, exclude: frozenset[str]) -> WorkerInfo:
-        """A live decode pod other than ``exclude`` for a request whose pod failed; waits
+        """A live decode pod for a request whose pod failed, none whose address or incarnation
+        is in ``exclude``; waits
         (re-reading the store) up to ``reroute_wait_s`` for one to appear, e.g. the failed
         pod restarted at a new address. Raises NoLiveWorkers when none came."""
         loop = asyncio.get_running_loop()
@@ -176,7 +177,8 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         while True:
             snapshot = await loop.run_in_executor(None, self._snapshot, True)
             snapshot = dataclasses.replace(snapshot, workers=tuple(
-                worker for worker in snapshot.workers if worker.address not in exclude))
+                worker for worker in snapshot.workers
+                if worker.address not in exclude and worker.incarnation not in exclude))
             try:
                 return self.policy.route(num_prompt_tokens, snapshot, self.table.in_flight()).decode
             except (NoLiveWorkers, WorkersFull):

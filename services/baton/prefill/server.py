@@ -31,7 +31,7 @@ from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank
-from baton.serving import GrpcServer, release_version, run_until_signalled
+from baton.serving import GrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class PrefillServer:
     """This process's rank; constructing it joins the chain (blocks until every rank has)."""
 
     def __init__(self, config: PrefillServiceConfig, store: RoutingStore | None = None) -> None:
+        self.incarnation = new_incarnation()
         self.config = config
         chain = config.chain
         self.is_head, self.is_tail = chain.rank == 0, chain.rank == chain.ranks - 1
@@ -130,7 +131,7 @@ class PrefillServer:
                           address=self.address, model_id=self.model_id,
                           model_revision=self.revision, version=release_version(),
                           chain_id=chain.chain_id, rank=0, num_ranks=chain.ranks,
-                          load=self.frontend.load)
+                          load=self.frontend.load, incarnation=self.incarnation)
 
     def serve_chain(self) -> None:
         """The chain loop (rank 0: in a thread beside gRPC; other ranks: the main thread)."""

@@ -50,6 +50,9 @@ class WorkerInfo:
     rank: int = 0
     num_ranks: int = 1
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # This process's id, new at every start: work routed to an earlier process on the same
+    # address is refused instead of landing on a stranger (FAILED_PRECONDITION).
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PushKVHeader(_message.Message):
-    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression")
+    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation")
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     kv: _kv_pb2.KVHeader
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _common_pb2.SamplingParams
     compression: _common_pb2.CompressionParams
-    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ...) -> None: ...
+    decode_incarnation: str
+    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -39,23 +41,27 @@ class PushKVResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "compression", "generated_before")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "compression", "generated_before", "incarnation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     compression: _common_pb2.CompressionParams
     generated_before: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., generated_before: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., generated_before: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("request_id", "wait_s")
+    __slots__ = ("request_id", "wait_s", "incarnation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_s: float
-    def __init__(self, request_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, request_id: _Optional[str] = ..., wait_s: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
