@@ -38,7 +38,21 @@ MAX_MESSAGE_BYTES = 16 << 20
 # `baton up`) binds the same address silently and takes a share of the connections.
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 0),
+                # Servers accept the pings of the channels below (no "too_many_pings" GOAWAY, which
+                # makes a channel double its ping interval after each one).
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                ("grpc.http2.max_ping_strikes", 0),
+                ("grpc.keepalive_permit_without_calls", 1)]
+# Channels between pods ping their peer: a pod that is alive to TCP but not answering (stopped,
+# wedged, a half-open connection) fails its calls with UNAVAILABLE within ~KEEPALIVE_S * 2
+# instead of holding them forever, so the gateway can move them elsewhere.
+KEEPALIVE_S = 2
+CHANNEL_OPTIONS = [*GRPC_OPTIONS,
+                   ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+                   ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
+                   ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),  # else 60 s, whatever the above
+                   ("grpc.http2.max_pings_without_data", 0)]
 
 
 def new_incarnation() -> str:

@@ -196,3 +196,24 @@ def test_a_decode_pod_sent_sigterm_finishes_its_streams_takes_nothing_new_and_ex
     # its streams ended there: none had to move
     assert f"decode pod {address} failed" not in cluster.child("gateway").log_tail(1_000_000)
     serves_a_new_request(cluster.gateway_address)
+
+
+def test_streams_on_a_decode_pod_that_stops_answering_move_within_seconds(chaos_cluster, prompts):
+    # SIGSTOP: the pod's sockets stay open but nothing answers (a wedged or half-dead pod).
+    # The gateway's keepalive pings fail its calls, and the streams move to the other pod.
+    cluster, _ = chaos_cluster
+    everything, expected = prompts
+    serves_a_new_request(cluster.gateway_address)
+    streams = Streams(cluster.gateway_address, everything[:16])
+    streams.wait_for_tokens(2)
+    stopped = cluster.child("decode-0")
+    stopped.process.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        streams.join()
+        elapsed_s = time.monotonic() - started
+    finally:
+        stopped.process.send_signal(signal.SIGCONT)
+    assert streams.errors == []
+    assert streams.tokens == expected[:16]
+    assert elapsed_s < 30

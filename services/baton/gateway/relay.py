@@ -54,7 +54,7 @@ from baton.gateway.routing_policy import RouteDecision
 from baton.metrics import GatewayMetrics
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
 from baton.routing import RequestRecord, WorkerInfo
-from baton.serving import GRPC_OPTIONS
+from baton.serving import CHANNEL_OPTIONS
 
 ABORT_TIMEOUT_S = 5.0  # an Abort to a pod that does not answer in this long is given up
 # What a failed pod (or a failed chain) answers, as opposed to what the request itself
@@ -93,7 +93,7 @@ class Channels:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return self._channels[address]
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:

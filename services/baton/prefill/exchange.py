@@ -7,8 +7,13 @@ learns (the first token, then "shipped" or an error). Every rank already reaches
 ``TCPStore`` (the ``tcp://master_addr:master_port`` rendezvous of the process group), a
 key-value store whose ``get`` blocks until a key exists: rank 0 writes
 ``request/<id>`` before it queues the request, the tail reads it, and the tail writes
-``first/<id>`` and ``done/<id>`` that rank 0's gRPC handler is blocked on. No new port, no
+``first/<id>`` and ``done/<id>`` that rank 0's gRPC handler waits for. No new port, no
 new protocol, and the chain's collectives stay untouched.
+
+Rank 0's handlers are coroutines: they do not block on the store. One thread
+(``EventPump``) watches a counter the tail bumps after every event it writes, and when it
+moves, reads the events that arrived and resolves the waiting handlers' futures; while
+nobody waits it sleeps.
 
 Values: the request is its ``PrefillRequest`` protobuf; events are JSON (``{"error": ...}``
 with a gRPC status name for failures). Each thread keeps its own store client (handlers run
@@ -17,8 +22,10 @@ on many threads; a client is one TCP connection).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -28,6 +35,8 @@ from baton.api.requests import PrefillRequest
 from baton.api.v1 import prefill_pb2
 
 KEY_PREFIX = "baton/prefill"
+EVENTS_KEY = f"{KEY_PREFIX}/events"  # bumped by the tail after every event it writes
+PUMP_POLL_S = 0.002  # how often the pump reads the counter while handlers wait
 
 
 class ChainEventTimeout(Exception):
@@ -59,14 +68,6 @@ class ChainExchange:
         message = convert.prefill_request_to_proto(request)
         self._store(10.0).set(self._key("request", chain_request_id), message.SerializeToString())
 
-    def wait_event(self, chain_request_id: int, kind: str, timeout_s: float) -> dict:
-        """Block until the tail reports ``kind`` ("first" or "done") for the request."""
-        try:
-            value = self._store(timeout_s).get(self._key(kind, chain_request_id))
-        except RuntimeError as e:  # the store's timeout (DistStoreError) or a lost connection
-            raise ChainEventTimeout(f"the chain's tail did not report {kind!r} for request "
-                                    f"{chain_request_id} within {timeout_s:g} s: {e}") from e
-        return json.loads(value)
 
     def abort(self, chain_request_id: int) -> None:
         self._store(10.0).set(self._key("abort", chain_request_id), b"1")
@@ -88,7 +89,9 @@ class ChainExchange:
         return self._store(10.0).check([self._key("abort", chain_request_id)])
 
     def report(self, chain_request_id: int, kind: str, event: dict) -> None:
-        self._store(10.0).set(self._key(kind, chain_request_id), json.dumps(event))
+        store = self._store(10.0)
+        store.set(self._key(kind, chain_request_id), json.dumps(event))
+        store.add(EVENTS_KEY, 1)  # after the event: a pump that sees the count finds it
 
     def report_error(self, chain_request_id: int, code: str, message: str) -> None:
         """Fail the request on rank 0, whichever event it is waiting for."""
@@ -97,3 +100,76 @@ class ChainExchange:
             key = self._key(kind, chain_request_id)
             if not self._store(10.0).check([key]):
                 self.report(chain_request_id, kind, event)
+
+
+class EventPump:
+    """Rank 0: the tail's events for the handlers that wait for them, from one thread.
+
+    ``wait`` (on an event loop) returns a future resolved with the event's JSON. The thread
+    sleeps while nobody waits; otherwise it reads the tail's event counter every
+    ``PUMP_POLL_S`` and, when it moved (or a new waiter came), reads the events that exist."""
+
+    def __init__(self, exchange: ChainExchange) -> None:
+        self.exchange = exchange
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._recheck = threading.Event()  # a new waiter: its event may be there already
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefill-events", daemon=True)
+        self._thread.start()
+
+    async def wait(self, chain_request_id: int, kind: str, timeout_s: float) -> dict:
+        """The tail's ``kind`` event ("first" or "done") for the request; ChainEventTimeout
+        after ``timeout_s``. A caller that is cancelled stops waiting (nothing is left)."""
+        key = self.exchange._key(kind, chain_request_id)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._waiting[key] = (loop, future)
+        self._recheck.set()
+        try:
+            return json.loads(await asyncio.wait_for(future, timeout_s))
+        except TimeoutError:
+            raise ChainEventTimeout(f"the chain's tail did not report {kind!r} for request "
+                                    f"{chain_request_id} within {timeout_s:g} s") from None
+        finally:
+            with self._lock:
+                self._waiting.pop(key, None)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._recheck.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        store = None  # this thread's own client, made once somebody waits (the chain is up)
+        seen = -1
+        while not self._stopping.is_set():
+            with self._lock:
+                keys = list(self._waiting)
+            if not keys:
+                self._recheck.wait(0.5)
+                continue
+            store = store or self.exchange._store(10.0)
+            recheck = self._recheck.is_set()
+            self._recheck.clear()
+            count = store.add(EVENTS_KEY, 0)
+            if count == seen and not recheck:
+                time.sleep(PUMP_POLL_S)
+                continue
+            seen = count
+            for key in keys:
+                if store.check([key]):
+                    self._resolve(key, store.get(key))
+
+    def _resolve(self, key: str, value: bytes) -> None:
+        with self._lock:
+            waiter = self._waiting.pop(key, None)
+        if waiter is not None:
+            loop, future = waiter
+            loop.call_soon_threadsafe(_set_result, future, value)
+
+
+def _set_result(future: asyncio.Future, value: bytes) -> None:
+    if not future.done():  # a waiter that timed out or was cancelled has gone
+        future.set_result(value)

@@ -2,20 +2,22 @@
 
 A Prefill call is validated here (bad input never reaches the chain), numbered, described to
 the tail through the ``ChainExchange`` and queued; the chain loop takes it from the queue
-(``next_request``) and broadcasts it. The handler then waits for the tail's two events and
-streams them: the first token (with the partition used), then "shipped" once the decode pod
-holds the KV. A request aborted while queued never reaches the chain; one aborted in flight
+(``next_request``) and broadcasts it. The handler (a coroutine on the server's event loop:
+a waiting request holds no thread) then waits for the tail's two events through the
+``EventPump`` and streams them: the first token (with the partition used), then "shipped"
+once the decode pod holds the KV. A request aborted while queued never reaches the chain; one aborted in flight
 is not shipped (the tail checks before pushing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +28,7 @@ from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from baton.errors import AlreadyExists
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
-from baton.prefill.exchange import ChainEventTimeout, ChainExchange
+from baton.prefill.exchange import ChainEventTimeout, ChainExchange, EventPump
 from baton.routing.store import WorkerLoad
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, make_request
@@ -67,6 +69,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         self._lock = threading.Lock()
         self._live: dict[str, tuple[int, Pending]] = {}  # request id -> (chain id, pending)
         self._chain_ids = itertools.count()
+        self.events = EventPump(exchange)
 
     # --- chain side ------------------------------------------------------------------------
 
@@ -85,6 +88,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     def stop_chain(self) -> None:
         self._queue.put(None)
+        self.events.stop()
 
     @property
     def load(self) -> WorkerLoad:
@@ -95,45 +99,46 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     # --- RPCs ------------------------------------------------------------------------------
 
-    def Prefill(self, request, context) -> Iterator[prefill_pb2.PrefillResponse]:
+    async def Prefill(self, request, context) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         if self.unavailable is not None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
         arrival_s = time.monotonic()
+        loop = asyncio.get_running_loop()
         try:
             prefill_request = convert.prefill_request_from_proto(request)
-            chain_id, _pending = self._admit(prefill_request)
-        except DuplicateRequest as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            chain_id, _pending = await loop.run_in_executor(None, self._admit, prefill_request)
         except Exception as e:  # noqa: BLE001 - the caller's input: its status names the value
-            context.abort(convert.status_for(e), str(e))
+            await context.abort(convert.status_for(e), str(e))
         try:
-            first = self._event(chain_id, "first", context)
+            first = await self._event(chain_id, "first", context)
             ttft_s = time.monotonic() - arrival_s
             self.metrics.ttft_s.observe(ttft_s)
             yield convert.prefill_event_to_proto(PrefillFirstToken(
                 prefill_request.request_id, first["token_id"], ttft_s, tuple(first["partition"])))
-            done = self._event(chain_id, "done", context)
+            done = await self._event(chain_id, "done", context)
             yield convert.prefill_event_to_proto(PrefillShipped(prefill_request.request_id, **done))
         finally:
-            self._retire(prefill_request.request_id, chain_id)
+            # not awaited: this also runs when the call is cancelled
+            loop.run_in_executor(None, self._retire, prefill_request.request_id, chain_id)
 
-    def Abort(self, request, context) -> common_pb2.AbortResponse:
+    async def Abort(self, request, context) -> common_pb2.AbortResponse:
         with self._lock:
             entry = self._live.get(request.request_id)
             if entry is not None:
                 chain_id, pending = entry
                 pending.cancelled = not pending.taken
         if entry is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no request {request.request_id!r} on this prefill chain")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no request {request.request_id!r} on this prefill chain")
+        loop = asyncio.get_running_loop()
         if pending.cancelled:  # still queued: it never reaches the chain
-            self.exchange.report_error(chain_id, "ABORTED",
+            await loop.run_in_executor(None, self.exchange.report_error, chain_id, "ABORTED",
                                        f"request {request.request_id!r} was aborted")
         else:  # in the chain: the tail does not ship it
-            self.exchange.abort(chain_id)
+            await loop.run_in_executor(None, self.exchange.abort, chain_id)
         return common_pb2.AbortResponse(found=True)
 
-    def Stats(self, request, context) -> common_pb2.WorkerLoad:
+    async def Stats(self, request, context) -> common_pb2.WorkerLoad:
         return convert.worker_load_to_proto(self.load)
 
     # --- helpers ---------------------------------------------------------------------------
@@ -159,13 +164,13 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         self._publish_load()
         return chain_id, pending
 
-    def _event(self, chain_id: int, kind: str, context: grpc.ServicerContext) -> dict:
+    async def _event(self, chain_id: int, kind: str, context) -> dict:
         try:
-            event = self.exchange.wait_event(chain_id, kind, self.timeout_s)
+            event = await self.events.wait(chain_id, kind, self.timeout_s)
         except ChainEventTimeout as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if "error" in event:
-            context.abort(grpc.StatusCode[event["error"]["code"]], event["error"]["message"])
+            await context.abort(grpc.StatusCode[event["error"]["code"]], event["error"]["message"])
         return event
 
     def _retire(self, request_id: str, chain_id: int) -> None:

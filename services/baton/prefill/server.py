@@ -31,7 +31,7 @@ from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank
-from baton.serving import GrpcServer, new_incarnation, release_version, run_until_signalled
+from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class PrefillServer:
         self.frontend = PrefillFrontend(self.exchange, self.model_config, self.model_id,
                                         self.config.chain.ranks, self.config.chain.mode, table,
                                         self.metrics, self.config.chain.timeout_s)
-        self.grpc = GrpcServer(self.config.server, self._register, [SERVICE_NAME])
+        self.grpc = AsyncGrpcServer(self.config.server, self._register, [SERVICE_NAME])
         self.port, self.address = self.grpc.port, self.grpc.address
 
     def _register(self, server) -> None:

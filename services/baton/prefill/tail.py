@@ -31,7 +31,7 @@ from baton.model.sampling import Sampler
 from baton.prefill.exchange import ChainExchange
 from baton.pyramid import PromptCompressor, compressor_factory, request_config
 from baton.runahead.request import ChainResult
-from baton.serving import GRPC_OPTIONS
+from baton.serving import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class TailSink:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         return self._channels[address]
 
     def close(self) -> None:
