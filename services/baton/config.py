@@ -174,15 +174,12 @@ class ServerConfig:
                              "nothing new meanwhile)")
     tls_cert: str = setting("", "PEM certificate chain for TLS (e.g. /etc/baton/tls/tls.crt); empty = plaintext")
     tls_key: str = setting("", "PEM private key matching tls_cert (e.g. /etc/baton/tls/tls.key)")
-    worker_threads: int = setting(64, "gRPC handler threads of the servers not yet asynchronous (the prefill "
-                                  "pod's): every open stream holds one")
-    max_streams: int = setting(4096, "calls an asynchronous server (decode pod) takes at once; more get "
-                               "RESOURCE_EXHAUSTED")
+    max_streams: int = setting(4096, "calls the server takes at once (each an event-loop coroutine, not "
+                               "a thread); more get RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         require(bool(self.tls_cert) == bool(self.tls_key),
                 f"tls_cert {self.tls_cert!r} and tls_key {self.tls_key!r} go together: set both or neither")
-        require(self.worker_threads >= 1, f"worker_threads must be >= 1, got {self.worker_threads}")
         require(self.max_streams >= 1, f"max_streams must be >= 1, got {self.max_streams}")
         _host, sep, port = self.listen.rpartition(":")
         require(bool(sep) and port.isdigit() and int(port) <= 65535,

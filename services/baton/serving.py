@@ -1,11 +1,10 @@
 """What every baton gRPC server shares: binding (plaintext or TLS), the standard health
 service, the advertised address, the release version and a graceful stop on SIGTERM/SIGINT.
 
-Two kinds of server: ``AsyncGrpcServer`` (``grpc.aio`` on an event loop of its own thread:
-no thread per stream, a stream that waits costs a coroutine, at most
-``server.max_streams`` calls at once, RESOURCE_EXHAUSTED beyond) for servicers written with
-``async def``; ``GrpcServer`` (a pool of ``server.worker_threads`` handler threads) for the
-ones not yet moved. Both start in the constructor and stop with ``stop(grace_s)``.
+Every server is an ``AsyncGrpcServer``: ``grpc.aio`` on an event loop of its own thread, so
+a stream that waits costs a coroutine, not a thread; at most ``server.max_streams`` calls at
+once, RESOURCE_EXHAUSTED beyond. It starts in the constructor and stops with
+``stop(grace_s)``.
 
 A server starts NOT_SERVING (its model is still loading) and turns SERVING once it can take
 requests; during a graceful stop it is NOT_SERVING again, so load balancers and the gateway
@@ -21,7 +20,6 @@ import signal
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -104,35 +102,6 @@ class _Binding:
 def _serving_status(serving: bool):
     return (health_pb2.HealthCheckResponse.SERVING if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING)
-
-
-class GrpcServer(_Binding):
-    """A started gRPC server with the health service; servicers are added by ``register``."""
-
-    def __init__(self, config: ServerConfig, register: Callable[[grpc.Server], None],
-                 service_names: list[str]) -> None:
-        self.config = config
-        self.service_names = service_names
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.worker_threads,
-                                                             thread_name_prefix="grpc"),
-                                  options=GRPC_OPTIONS)
-        register(self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.set_serving(False)
-        self.port = self._bind(self.server)
-        self.server.start()
-        self.address = self._advertised_address(self.port)
-        log.info("gRPC server on %s (advertised as %s)", config.listen, self.address)
-
-    def set_serving(self, serving: bool) -> None:
-        for name in ["", *self.service_names]:
-            self.health.set(name, _serving_status(serving))
-
-    def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, then stop taking calls; in-flight ones get ``grace_s`` to finish."""
-        self.set_serving(False)
-        self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
 
 
 class AsyncGrpcServer(_Binding):
