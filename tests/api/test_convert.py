@@ -24,12 +24,12 @@ from baton.api.requests import (
     Timings,
     Tokenization,
     Usage,
-    check_prompt,
 )
 from baton.api.v1 import api_pb2, common_pb2, decode_pb2
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPoolExhausted
 from baton.kv.wire import KVDataLoss, KVIncompatible, KVMalformed, encode_kv
+from baton.model.limits import check_prompt
 from baton.routing.store import StoreUnavailable, WorkerLoad
 
 SAMPLING = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1234, max_tokens=17,

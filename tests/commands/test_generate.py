@@ -79,7 +79,7 @@ def test_stop_string_ends_the_text(checkpoint, reference, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prompt-ids", "1,999"], "prompt token id 999 is outside the vocabulary"),
+    (["--prompt-ids", "1,999"], "prompt token ids [999] are outside the vocabulary"),
     (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
     (["--prompt-ids", "1", "--scheduler-token-budget", "1"], "token_budget must be 0 (auto) or >= 2, got 1"),
     ([], "give at least one PROMPT or --prompt-ids"),

@@ -38,20 +38,6 @@ def check_prompt_text(text: str, max_model_len: int) -> None:
                            f"{max_model_len} tokens")
 
 
-def check_prompt(token_ids: tuple[int, ...], sampling: SamplingParams, vocab_size: int,
-                 max_model_len: int) -> None:
-    """Raise ValueError unless the prompt and its sampling fit a model with these limits."""
-    require(len(token_ids) > 0, "the prompt is empty")
-    bad = [token for token in token_ids if not 0 <= token < vocab_size]
-    require(not bad, f"prompt token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
-    bad = [token for token in sampling.stop_token_ids if token >= vocab_size]
-    require(not bad, f"stop token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
-    total = len(token_ids) + sampling.max_tokens
-    require(total <= max_model_len,
-             f"prompt of {len(token_ids)} tokens + max_tokens {sampling.max_tokens} = {total} "
-             f"exceeds the model's limit of {max_model_len} tokens")
-
-
 @dataclass(frozen=True)
 class GenerateRequest:
     """A client's request: a prompt as text or as token ids (exactly one)."""

@@ -18,12 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from baton.api import convert
-from baton.api.requests import KVHandoff, check_prompt
+from baton.api.requests import KVHandoff
 from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool, KVPoolExhausted
 from baton.kv.wire import KVAssembler, KVDataLoss, KVMalformed, KVSpec, check_header
 from baton.model.config import ModelConfig
+from baton.model.limits import check_prompt
 
 STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
 

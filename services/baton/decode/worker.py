@@ -24,12 +24,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from baton.api.requests import DecodeRequest, Route, check_prompt
+from baton.api.requests import DecodeRequest, Route
 from baton.decode.receiver import PushedCache
 from baton.decode.streams import PushedKVInfo, RequestStream
 from baton.errors import Aborted, AlreadyExists, NotFound
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
+from baton.model.limits import check_prompt
 from baton.routing.store import WorkerLoad
 from baton.sarathi.engine import Engine
 

@@ -14,11 +14,11 @@ from baton.api.requests import (
     GenerateRequest,
     ModelInfo,
     Tokenization,
-    check_prompt,
     check_prompt_text,
 )
 from baton.config import ModelSourceConfig
 from baton.model.config import ModelConfig
+from baton.model.limits import check_prompt
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.tokenizer import Tokenizer
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import grpc
 
 from baton.api import convert
-from baton.api.requests import PrefillFirstToken, PrefillRequest, PrefillShipped, check_prompt
+from baton.api.requests import PrefillFirstToken, PrefillRequest, PrefillShipped
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from baton.errors import AlreadyExists
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
+from baton.model.limits import check_prompt
 from baton.prefill.exchange import ChainEventTimeout, ChainExchange, EventPump
 from baton.routing.store import WorkerLoad
 from baton.runahead.partition import even_boundaries

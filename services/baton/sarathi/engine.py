@@ -26,6 +26,7 @@ import torch
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool
+from baton.model.limits import check_prompt
 from baton.model.llama import CausalLM
 from baton.model.sampling import (
     FINISH_ABORT,
@@ -91,6 +92,7 @@ class Engine:
         stream that moved here), so sampling goes on at that position."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_ids(prompt)
+        self._check(prompt_ids, params)
         if not 0 <= generated_before <= len(prompt_ids):
             raise ValueError(f"generated_before {generated_before} is not within the prompt's "
                              f"{len(prompt_ids)} tokens")
@@ -108,6 +110,7 @@ class Engine:
         its first output includes the first token."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_ids(list(prompt_ids))
+        self._check(prompt_ids, params)
         if len(kv) != self.pool.num_layers:
             raise ValueError(f"prefilled KV has {len(kv)} layers, the model {self.pool.num_layers}")
         if isinstance(first_token, torch.Tensor):
@@ -292,16 +295,15 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-            for token in prompt_ids:
-                self._check_token(token, "prompt token id")
-        if not prompt_ids:
-            raise ValueError(f"prompt {prompt!r} has no tokens")
-        limit = min(self.model.config.max_position_embeddings, self.memory.capacity_tokens())
-        if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; this engine takes at most "
-                             f"{limit - 1} (context {self.model.config.max_position_embeddings}, "
-                             f"KV pool {self.memory.capacity_tokens()} tokens)")
         return prompt_ids
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The rule every edge applies (``check_prompt``), then this engine's KV pool size."""
+        config = self.model.config
+        check_prompt(prompt_ids, params, config.vocab_size, config.max_position_embeddings)
+        if len(prompt_ids) >= self.memory.capacity_tokens():
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV pool holds "
+                             f"{self.memory.capacity_tokens()} tokens")
 
     def _check_token(self, token: int, what: str) -> None:
         if not 0 <= token < self.model.config.vocab_size:

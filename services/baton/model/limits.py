@@ -1,0 +1,29 @@
+"""What a request must satisfy to run on a model: one rule, used by every edge.
+
+The gateway, a decode pod's Generate, a pushed cache's handoff, a chain's rank 0 and the
+engine itself (``baton generate`` and every in-process caller) all check a prompt with
+``check_prompt``: non-empty, token ids and stop token ids inside the vocabulary, and the
+prompt plus ``max_tokens`` within the model's context. Resource limits (the KV pool's size,
+queue bounds) are the engine's and servers' own, and say so in their messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from baton.configtree import require
+from baton.model.sampling import SamplingParams
+
+
+def check_prompt(token_ids: Sequence[int], sampling: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> None:
+    """Raise ValueError unless the prompt and its sampling fit a model with these limits."""
+    require(len(token_ids) > 0, "the prompt is empty")
+    bad = [token for token in token_ids if not 0 <= token < vocab_size]
+    require(not bad, f"prompt token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
+    bad = [token for token in sampling.stop_token_ids if token >= vocab_size]
+    require(not bad, f"stop token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
+    total = len(token_ids) + sampling.max_tokens
+    require(total <= max_model_len,
+             f"prompt of {len(token_ids)} tokens + max_tokens {sampling.max_tokens} = {total} "
+             f"exceeds the model's limit of {max_model_len} tokens")
