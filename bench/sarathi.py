@@ -184,7 +184,8 @@ def iteration_costs(model, batch: int, budget: int, rounds: int = 12) -> Iterati
         return torch.randint(0, model.config.vocab_size, (length,), generator=generator).tolist()
 
     for _ in range(batch - 1):
-        engine.add_request(prompt(128), SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+        engine.add_request(prompt(128), SamplingParams(  # decode for as long as the context allows
+            temperature=0.0, max_tokens=model.config.max_position_embeddings - 128, ignore_eos=True))
     while len(engine.scheduler.running) < batch - 1:  # requests reach the scheduler at step()
         engine.step()
     one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
