@@ -47,3 +47,19 @@ def test_a_burst_of_streams_beyond_grpcs_pending_call_default_all_complete():
         assert asyncio.run(burst(1500)) == [3] * 1500
     finally:
         server.stop(0)
+
+
+def test_a_client_message_larger_than_the_limit_is_resource_exhausted():
+    handler = grpc.method_handlers_generic_handler(
+        "test.Burst", {"Stream": grpc.unary_stream_rpc_method_handler(_three_messages)})
+    server = AsyncGrpcServer(ServerConfig(listen="127.0.0.1:0", max_message_mib=1),
+                             lambda s: s.add_generic_rpc_handlers((handler,)), [])
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            call = channel.unary_stream("/test.Burst/Stream")
+            assert len(list(call(b"x" * (1 << 19), timeout=10))) == 3  # half a MiB: served
+            with pytest.raises(grpc.RpcError) as error:
+                list(call(b"x" * (2 << 20), timeout=10))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop(0)

@@ -137,8 +137,10 @@ class AsyncGrpcServer(_Binding):
         # max_pending_requests (1000 by default): a burst of 2,000 streams lost ~200 of them
         # as CANCELLED. Up to max_streams may wait; beyond, RESOURCE_EXHAUSTED says so.
         limits = [("grpc.server.max_pending_requests", self.config.max_streams),
-                  ("grpc.server.max_pending_requests_hard_limit", self.config.max_streams)]
-        self.server = grpc.aio.server(options=GRPC_OPTIONS + limits,
+                  ("grpc.server.max_pending_requests_hard_limit", self.config.max_streams),
+                  ("grpc.max_receive_message_length", self.config.max_message_mib << 20)]
+        options = [option for option in GRPC_OPTIONS if option[0] not in dict(limits)] + limits
+        self.server = grpc.aio.server(options=options,
                                       maximum_concurrent_rpcs=self.config.max_streams)
         register(self.server)
         self.health = health.aio.HealthServicer()

@@ -304,18 +304,25 @@ def test_attach_callers_that_give_up_do_not_keep_the_servers_threads(stub):
     assert time.monotonic() - started < 5
 
 
-def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once(stub, checkpoint):
-    # max_tokens 1: the chain's first token is the whole answer, so the pod finishes the
-    # request as the cache arrives, before any Attach; the Attach must get its end, not
-    # wait for a cache that already came.
-    handoff, chunks = prefilled_handoff(checkpoint, "one-token", PROMPT, 1)
+@pytest.mark.parametrize("ending", ["max_tokens=1", "first token is a stop token"])
+def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once(stub, checkpoint, ending):
+    # The chain's first token is the whole answer (max_tokens 1, or it is a stop token), so
+    # the pod finishes the request as the cache arrives, before any Attach; the Attach must
+    # get its end at once, not wait for a cache that already came.
+    request_id = f"first-ends-{ending.split()[0]}"
+    handoff, chunks = prefilled_handoff(checkpoint, request_id, PROMPT,
+                                        1 if ending == "max_tokens=1" else MAX_TOKENS)
+    if ending != "max_tokens=1":
+        handoff = dataclasses.replace(handoff, sampling=dataclasses.replace(
+            handoff.sampling, stop_token_ids=[handoff.first_token_id]))
     push(stub, handoff, chunks)
     time.sleep(0.3)  # the engine admits and finishes it meanwhile
     started = time.monotonic()
-    tokens, messages = collect(stub.Attach(decode_pb2.AttachRequest(request_id="one-token", wait_s=20),
+    tokens, messages = collect(stub.Attach(decode_pb2.AttachRequest(request_id=request_id, wait_s=20),
                                            timeout=30))
     assert time.monotonic() - started < 5
-    assert tokens == [] and messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    reason = common_pb2.FINISH_REASON_LENGTH if ending == "max_tokens=1" else common_pb2.FINISH_REASON_STOP
+    assert tokens == [] and messages[-1].finish_reason == reason
 
 
 def _header_then_stall(handoff, release):
