@@ -125,7 +125,7 @@ def memory_kib(pid: int, field_name: str) -> int:
 
 def measure_scale(tokenizer: Tokenizer, num_streams: int) -> dict:
     spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS)
-    prompts = prompts_from_source(tokenizer, num_streams, (8, 24), seed=1)
+    prompts = prompts_from_source(tokenizer, num_streams, (8, 24), seed=1)  # dtype: the default
     with LocalCluster(spec) as cluster:
         BatonClient(cluster.gateway_address).wait_until_serving(60)
         gateway_pid = cluster.child("gateway").process.pid
@@ -231,6 +231,21 @@ def measure_faults(tokenizer: Tokenizer) -> tuple[list[dict], list[str]]:
                                      (CHAIN_THRESHOLD_TOKENS, CHAIN_THRESHOLD_TOKENS + 200), seed=3))
     spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
                        heartbeat_s=0.5, worker_ttl_s=2.0)
+    # fp32: a moved stream is recomputed (prompt + tokens sent, prefilled at once), and only
+    # in fp32 does that give exactly the tokens of the uninterrupted stream (in bf16 a
+    # different batching rounds differently, as a preemption would).
+    previous_dtype = os.environ.get("BATON_MODEL_DTYPE")
+    os.environ["BATON_MODEL_DTYPE"] = "float32"
+    try:
+        return _measure_faults(spec, prompts)
+    finally:
+        if previous_dtype is None:
+            os.environ.pop("BATON_MODEL_DTYPE")
+        else:
+            os.environ["BATON_MODEL_DTYPE"] = previous_dtype
+
+
+def _measure_faults(spec: ClusterSpec, prompts: list[list[int]]) -> tuple[list[dict], list[str]]:
     rows = []
     with LocalCluster(spec) as cluster:
         supervisor = Supervisor(cluster)
@@ -292,8 +307,9 @@ serve them on `grpc.aio` event loops: no thread per stream.
 ## Faults mid-stream
 
 48 concurrent streams (36 short prompts, 12 through the chain), {FAULT_TOKENS} greedy tokens
-each, KV compression off; the fault-free run gives every request's tokens and the baseline
-latency. Each fault is injected once every stream has its first tokens (the chain rank:
+each, KV compression off, fp32 (a moved stream is recomputed; only in fp32 is that exact
+token for token, as for any recompute); the fault-free run gives every request's tokens
+and the baseline latency. Each fault is injected once every stream has its first tokens (the chain rank:
 0.3 s after the burst, while the long prompts are being prefilled), and the processes are
 supervised as `baton up` supervises them. "Lost" is a stream that ended in an error; "tokens
 differ" counts completed streams whose tokens are not the fault-free run's.

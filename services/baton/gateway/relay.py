@@ -25,6 +25,7 @@ the gateway's event loop (``grpc.aio`` channels, one per pod, shared by every re
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -57,6 +58,8 @@ from baton.routing import RequestRecord, WorkerInfo
 from baton.serving import CHANNEL_OPTIONS
 
 ABORT_TIMEOUT_S = 5.0  # an Abort to a pod that does not answer in this long is given up
+REPLACE_WAIT_S = 5.0  # how long a request may wait for the decode pod to drop a chain's push
+REPLACE_POLL_S = 0.05
 # What a failed pod (or a failed chain) answers, as opposed to what the request itself
 # caused (INVALID_ARGUMENT, ...) or the caller did (CANCELLED, ABORTED): worth another pod.
 POD_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
@@ -124,6 +127,7 @@ class Relay:
         sent: list[int] = []  # generated token ids the client already has
         decode = decision.decode
         moves = 0
+        replacing_until = 0.0  # after a chain failure: until when a stale id may still be there
         if decision.chain is not None:
             leg = ChainLeg()
             try:
@@ -144,6 +148,10 @@ class Relay:
                     log.warning("request %s: chain %s failed it (%s); prefilling it on a decode "
                                 "pod", live.request_id, decision.chain.chain_id, _describe(e))
                     decode = await self._next_pod(live, prompt_ids, sent, reroute, decode, code, e)
+                    # The chain may have pushed the KV before it failed: what the decode pod
+                    # holds under this id must go before the id is used again.
+                    await self._abort_on(decode, live.request_id)
+                    replacing_until = asyncio.get_running_loop().time() + REPLACE_WAIT_S
                 else:  # the decode pod holding the pushed KV failed it
                     decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
                     moves += 1
@@ -154,8 +162,21 @@ class Relay:
                     yield step
                 return
             except grpc.RpcError as e:
+                if (e.code() is grpc.StatusCode.ALREADY_EXISTS
+                        and asyncio.get_running_loop().time() < replacing_until):
+                    await asyncio.sleep(REPLACE_POLL_S)  # the aborted push is still leaving
+                    continue
                 decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
                 moves += 1
+
+    async def _abort_on(self, decode: WorkerInfo, request_id: str) -> None:
+        """Abort whatever ``decode`` holds under ``request_id`` (nothing, usually); a pod that
+        does not answer is left to fail the request's next call."""
+        try:
+            await self.channels.decode(decode.address).Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+        except grpc.RpcError:
+            pass
 
     def _recoverable(self, live: LiveRequest, code: grpc.StatusCode) -> bool:
         return not live.aborted.is_set() and code in POD_FAILURES
