@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 from baton.api.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from baton.config import KVPoolConfig
 from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
@@ -14,6 +15,16 @@ from baton.sarathi.engine import Engine
 
 CHAIN_THRESHOLD_TOKENS = 128  # prompts this long go through the chain
 WORKER_TTL_S = 2.0
+
+
+def skip_without_cluster_parts() -> None:
+    """Skip the calling test when this machine cannot run the local cluster."""
+    from redis_server import redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed; `make setup` installs it")
+    if not (SHIPPED_MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip("the shipped model is missing")
 
 
 def greedy(max_tokens: int) -> SamplingParams:

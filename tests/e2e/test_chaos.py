@@ -22,10 +22,14 @@ import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
 from baton.gateway.local_cluster import ClusterSpec, LocalCluster
-from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
-from e2e_cluster import CHAIN_THRESHOLD_TOKENS, WORKER_TTL_S, MonolithicReference, greedy
-from redis_server import redis_server_binary
+from e2e_cluster import (
+    CHAIN_THRESHOLD_TOKENS,
+    WORKER_TTL_S,
+    MonolithicReference,
+    greedy,
+    skip_without_cluster_parts,
+)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 40
@@ -35,10 +39,7 @@ NO_COMPRESSION = CompressionParams(enabled=False)
 
 @pytest.fixture(scope="module")
 def chaos_cluster(tmp_path_factory):
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed; `make setup` installs it")
-    if not (SHIPPED_MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip("the shipped model is missing")
+    skip_without_cluster_parts()
     spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
                        heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S)
     with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("chaos-logs")) as cluster:
