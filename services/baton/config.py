@@ -176,6 +176,8 @@ class ServerConfig:
     tls_key: str = setting("", "PEM private key matching tls_cert (e.g. /etc/baton/tls/tls.key)")
     max_streams: int = setting(4096, "calls the server takes at once (each an event-loop coroutine, not "
                                "a thread); more get RESOURCE_EXHAUSTED")
+    max_queued_requests: int = setting(1024, "requests waiting for their prefill (on a decode pod, or in "
+                                       "a chain's queue); more get RESOURCE_EXHAUSTED")
     max_message_mib: int = setting(16, "largest message a client may send, in MiB (a KV chunk is ~1 MiB; "
                                    "a text prompt is bounded far below); larger: RESOURCE_EXHAUSTED")
 
@@ -183,6 +185,8 @@ class ServerConfig:
         require(bool(self.tls_cert) == bool(self.tls_key),
                 f"tls_cert {self.tls_cert!r} and tls_key {self.tls_key!r} go together: set both or neither")
         require(self.max_streams >= 1, f"max_streams must be >= 1, got {self.max_streams}")
+        require(self.max_queued_requests >= 1,
+                f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         require(1 <= self.max_message_mib <= 1024,
                 f"max_message_mib must be in 1..1024, got {self.max_message_mib}")
         _host, sep, port = self.listen.rpartition(":")

@@ -61,7 +61,8 @@ class DecodeServer:
                         compressor_factory=engine_compressor_factory(self.config.pyramid,
                                                                      self.loaded.config))
         self.worker = DecodeWorker(engine, self.address, self.metrics,
-                                   lease_s=self.config.kv.unclaimed_lease_s)
+                                   lease_s=self.config.kv.unclaimed_lease_s,
+                                   max_queued_requests=self.config.server.max_queued_requests)
         self.worker.start()
         spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
                        str(self.loaded.model.dtype).removeprefix("torch."))

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from baton.api.requests import DecodeRequest, Route
 from baton.decode.receiver import PushedCache
 from baton.decode.streams import PushedKVInfo, RequestStream
-from baton.errors import Aborted, AlreadyExists, NotFound
+from baton.errors import Aborted, AlreadyExists, NotFound, ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.limits import check_prompt
@@ -56,9 +56,10 @@ class RequestAborted(Aborted):
 
 class DecodeWorker:
     def __init__(self, engine: Engine, address: str, metrics: DecodeMetrics,
-                 lease_s: float = DEFAULT_LEASE_S) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, max_queued_requests: int = 1024) -> None:
         self.engine = engine
         self.lease_s = lease_s
+        self.max_queued_requests = max_queued_requests
         self.address = address
         self.metrics = metrics
         self.model_config = engine.model.config
@@ -73,6 +74,7 @@ class DecodeWorker:
         self._awaiting_attach: collections.OrderedDict[str, RequestStream] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards the three above
         self._queued_prompt_tokens = 0  # local prompts accepted, not yet at their first token
+        self._queued_requests = 0  # and how many they are
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
                                total_kv_blocks=engine.pool.num_blocks)
         self._stopping = threading.Event()
@@ -101,6 +103,9 @@ class DecodeWorker:
         stream = RequestStream(request.request_id, num_prompt_tokens, Route(self.address),
                                attached=True, queued=True)
         with self._lock:
+            if self._queued_requests >= self.max_queued_requests:
+                raise ResourceExhausted(f"{self._queued_requests} requests wait for a prefill on "
+                                        f"this pod, at most {self.max_queued_requests}; retry later")
             self._claim(stream)
             # A bounded queue: at most one pool's worth of prompt tokens waits for a prefill.
             if self._queued_prompt_tokens + num_prompt_tokens > capacity and self._queued_prompt_tokens:
@@ -108,6 +113,7 @@ class DecodeWorker:
                 raise KVPoolExhausted(self.engine.pool.blocks_for(num_prompt_tokens),
                                       self.engine.pool.num_free_blocks)
             self._queued_prompt_tokens += num_prompt_tokens
+            self._queued_requests += 1
         # The request's compression overrides ride with its sampling params into the engine.
         params = dataclasses.replace(request.sampling, compression=request.compression)
         self._enter(stream, lambda: self.engine.add_request(
@@ -187,6 +193,7 @@ class DecodeWorker:
             with self._lock:
                 self._streams.pop(stream.request_id, None)
                 self._queued_prompt_tokens -= queued_tokens
+                self._queued_requests -= 1 if queued_tokens else 0
             raise
 
     # --- the loop thread -------------------------------------------------------------------
@@ -270,6 +277,7 @@ class DecodeWorker:
         stream.queued = False
         with self._lock:
             self._queued_prompt_tokens -= stream.num_prompt_tokens
+            self._queued_requests -= 1
 
     def _publish_load(self) -> None:
         scheduler = self.engine.scheduler
@@ -290,6 +298,7 @@ class DecodeWorker:
             self._streams.clear()
             self._awaiting_attach.clear()
             self._queued_prompt_tokens = 0
+            self._queued_requests = 0
         for stream in streams:
             stream.fail(message)
             self.engine.abort(stream.request_id)

@@ -25,7 +25,7 @@ import grpc
 from baton.api import convert
 from baton.api.requests import PrefillFirstToken, PrefillRequest, PrefillShipped
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from baton.errors import AlreadyExists
+from baton.errors import AlreadyExists, ResourceExhausted
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
@@ -56,7 +56,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     def __init__(self, exchange: ChainExchange, model_config: ModelConfig, model_id: str,
                  num_ranks: int, mode: str, table: PartitionTable | None,
-                 metrics: PrefillMetrics, timeout_s: float) -> None:
+                 metrics: PrefillMetrics, timeout_s: float, max_queued_requests: int = 1024) -> None:
         self.exchange = exchange
         self.model_config = model_config
         self.model_id = model_id
@@ -65,6 +65,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         self.table = table if mode == "runahead" else None  # TSP always runs even slices
         self.metrics = metrics
         self.timeout_s = timeout_s
+        self.max_queued_requests = max_queued_requests
         self.unavailable: str | None = "the prefill chain is still starting"
         self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -153,6 +154,10 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         boundaries = (self.table.boundaries(self.num_ranks, context_length) if self.table
                       else even_boundaries(context_length, self.num_ranks))
         with self._lock:
+            queued = sum(not pending.taken for _, pending in self._live.values())
+            if queued >= self.max_queued_requests:
+                raise ResourceExhausted(f"{queued} requests wait in this chain's queue, at most "
+                                        f"{self.max_queued_requests}; retry, or prefill elsewhere")
             if request.request_id in self._live:
                 raise DuplicateRequest(f"request id {request.request_id!r} is already live on this chain")
             chain_id = next(self._chain_ids)

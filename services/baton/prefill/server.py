@@ -89,7 +89,8 @@ class PrefillServer:
                 table = None
         self.frontend = PrefillFrontend(self.exchange, self.model_config, self.model_id,
                                         self.config.chain.ranks, self.config.chain.mode, table,
-                                        self.metrics, self.config.chain.timeout_s)
+                                        self.metrics, self.config.chain.timeout_s,
+                                        self.config.server.max_queued_requests)
         self.grpc = AsyncGrpcServer(self.config.server, self._register, [SERVICE_NAME])
         self.port, self.address = self.grpc.port, self.grpc.address
 
