@@ -216,8 +216,8 @@ class GatewayRoutingConfig:
     chain_failure: str = setting("recompute", "when a chain fails a request (a rank died, timed out, or its "
                                  "KV push failed): recompute = prefill it on the decode pod instead; "
                                  "fail = UNAVAILABLE", choices=CHAIN_FAILURE_POLICIES)
-    reroute_wait_s: float = setting(30.0, "how long a request that lost its pod waits for another live "
-                                    "decode pod (e.g. the restarted one) before it fails")
+    reroute_wait_s: float = setting(30.0, "how long a request that lost its pod, or finds none live, waits "
+                                    "for a live decode pod (e.g. the restarted one) before it fails")
 
     def __post_init__(self) -> None:
         require(self.migration_limit >= 0, f"gateway migration_limit must be >= 0, got {self.migration_limit}")

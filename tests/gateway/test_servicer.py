@@ -13,7 +13,7 @@ import pytest
 from baton.api import convert
 from baton.api.requests import GenerateRequest, ModelInfo
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
-from baton.config import GatewayServiceConfig, ModelSourceConfig, ServerConfig
+from baton.config import GatewayRoutingConfig, GatewayServiceConfig, ModelSourceConfig, ServerConfig
 from baton.gateway.server import create_server
 from baton.model.sampling import SamplingParams
 from baton.routing import InMemoryStore, RequestRecord
@@ -27,11 +27,15 @@ def checkpoint(tmp_path_factory):
     return save_cli_checkpoint(tmp_path_factory.mktemp("gateway-model"))
 
 
+WAIT_FOR_A_POD_S = 0.6  # how long a request waits for a live decode pod here
+
+
 @pytest.fixture(scope="module")
 def gateway(checkpoint):
     store = InMemoryStore()
     config = GatewayServiceConfig(server=ServerConfig(listen="127.0.0.1:0"),
-                                  model=ModelSourceConfig(path=str(checkpoint)))
+                                  model=ModelSourceConfig(path=str(checkpoint)),
+                                  gateway=GatewayRoutingConfig(reroute_wait_s=WAIT_FOR_A_POD_S))
     server, port = create_server(config, store=store)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield server, store, api_pb2_grpc.BatonStub(channel), channel
@@ -130,8 +134,11 @@ def test_a_pod_that_registered_after_the_last_view_is_found_before_unavailable(g
 def test_routing_errors_no_decode_pod_is_unavailable_all_full_is_resource_exhausted(gateway):
     server, store, stub, _ = gateway
     request = GenerateRequest(text="x", sampling=SamplingParams(max_tokens=2))
+    started = time.monotonic()
     code, details = first_status(stub, request)
     assert code == grpc.StatusCode.UNAVAILABLE and "no decode worker" in details
+    assert f"waited {WAIT_FOR_A_POD_S:g} s" in details  # for one to come back, bounded
+    assert WAIT_FOR_A_POD_S <= time.monotonic() - started < WAIT_FOR_A_POD_S + 5
     full = decode("full-pod", free=0, model=server.model.info.id)
     store.register_worker(full, ttl_s=60)
     server.servicer.view.refresh_s = 0  # read the store on every request

@@ -87,7 +87,7 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         arrival = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
-            live, request, prompt_ids, decision = await loop.run_in_executor(None, self._admit, message)
+            live, request, prompt_ids, decision = await self._admit_when_a_pod_is_live(message)
         except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
             self.metrics.requests_finished.labels(path="none", outcome=convert.status_for(e).name).inc()
             await context.abort(convert.status_for(e), str(e))
@@ -137,6 +137,20 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
             self._in_background(loop.run_in_executor(None, self.table.finish, live.request_id))
             self.metrics.requests_in_flight.dec()
             self.metrics.requests_finished.labels(path=path, outcome=outcome).inc()
+
+    async def _admit_when_a_pod_is_live(self, message: api_pb2.GenerateRequest):
+        """Admit the request; while no decode pod is live (one restarting after a crash), wait
+        up to ``reroute_wait_s`` for one, as a request that lost its pod does."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.relay.config.reroute_wait_s
+        while True:
+            try:
+                return await loop.run_in_executor(None, self._admit, message)
+            except NoLiveWorkers as e:
+                if self.draining or loop.time() >= deadline:
+                    waited_s = self.relay.config.reroute_wait_s
+                    raise NoLiveWorkers(f"{e} (waited {waited_s:g} s for one)") from None
+            await asyncio.sleep(REROUTE_POLL_S)
 
     def _in_background(self, awaitable) -> None:
         """Run without waiting for it; the reference is kept until it ends."""
