@@ -191,7 +191,11 @@ def _read_gateway(spec: dict) -> GatewaySpec:
         service_type=service_type,
         tls_secret_name=(gateway.get("tls") or {}).get("secretName", ""),
         routing=_build("routing", GatewayRoutingConfig,
-                       prefill_threshold_tokens=routing.get("prefillThresholdTokens")),
+                       prefill_threshold_tokens=routing.get("prefillThresholdTokens"),
+                       chain_max_queued_tokens=routing.get("chainMaxQueuedTokens"),
+                       migration_limit=routing.get("migrationLimit"),
+                       chain_failure=routing.get("chainFailure"),
+                       reroute_wait_s=routing.get("rerouteWaitSeconds")),
         resources=gateway.get("resources") or {})
 
 

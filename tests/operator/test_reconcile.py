@@ -141,6 +141,7 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
     ({"redis": {"mode": "external"}}, "urlSecretRef"),
     ({"decode": {"tokenBudget": 64, "replicas": -1}}, "decode.replicas"),
     ({"prefill": {"ranksPerChain": 0}}, "chain ranks"),
+    ({"routing": {"chainFailure": "retry"}}, "chain_failure"),
 ])
 def test_invalid_spec_sets_degraded_and_builds_nothing(cluster, reconciler, bad, says):
     from baton_operator.spec import InvalidSpec
@@ -208,3 +209,15 @@ def test_everything_written_validates_against_the_schemas(cluster, reconciler):
                                             "Deployment", "StatefulSet"}
     for obj in written:
         validate(obj)
+
+
+def test_the_failure_policies_reach_the_gateway(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "routing": {
+        "migrationLimit": 0, "chainFailure": "fail", "rerouteWaitSeconds": 5,
+        "chainMaxQueuedTokens": 0}})
+    _reconcile(cluster, reconciler)
+    args = _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
+    assert _flag(args, "--gateway-migration-limit") == "0"
+    assert _flag(args, "--gateway-chain-failure") == "fail"
+    assert float(_flag(args, "--gateway-reroute-wait-s")) == 5
+    assert _flag(args, "--gateway-chain-max-queued-tokens") == "0"
