@@ -59,11 +59,6 @@ class LiveRequest:
         for call in calls:
             call.cancel()
 
-    def addresses(self) -> list[str]:
-        """Every pod that may hold state for this request."""
-        return [address for address in (self.record.decode_address, self.record.prefill_address)
-                if address]
-
     def busy_at(self) -> list[str]:
         """The pods this request still costs work: the decode pod, and its chain until the
         chain's part is over (what the routing policy counts as in flight)."""

@@ -142,14 +142,25 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         """Admit the request; while no decode pod is live (one restarting after a crash), wait
         up to ``reroute_wait_s`` for one, as a request that lost its pod does."""
         loop = asyncio.get_running_loop()
+        try:
+            return await self._until_a_pod_is_live(
+                lambda: loop.run_in_executor(None, self._admit, message), (NoLiveWorkers,),
+                give_up_when_draining=True)
+        except NoLiveWorkers as e:
+            raise NoLiveWorkers(f"{e} (waited {self.relay.config.reroute_wait_s:g} s for one)") from None
+
+    async def _until_a_pod_is_live(self, attempt, retried: tuple[type[Exception], ...],
+                                   give_up_when_draining: bool = False):
+        """``await attempt()`` again every ``REROUTE_POLL_S`` while it raises one of
+        ``retried``, for ``reroute_wait_s`` at most (then its last error is raised)."""
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + self.relay.config.reroute_wait_s
         while True:
             try:
-                return await loop.run_in_executor(None, self._admit, message)
-            except NoLiveWorkers as e:
-                if self.draining or loop.time() >= deadline:
-                    waited_s = self.relay.config.reroute_wait_s
-                    raise NoLiveWorkers(f"{e} (waited {waited_s:g} s for one)") from None
+                return await attempt()
+            except retried:
+                if loop.time() >= deadline or (give_up_when_draining and self.draining):
+                    raise
             await asyncio.sleep(REROUTE_POLL_S)
 
     def _in_background(self, awaitable) -> None:
@@ -183,22 +194,19 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
 
     async def _reroute(self, num_prompt_tokens: int, exclude: frozenset[str]) -> WorkerInfo:
         """A live decode pod for a request whose pod failed, none whose address or incarnation
-        is in ``exclude``; waits
-        (re-reading the store) up to ``reroute_wait_s`` for one to appear, e.g. the failed
-        pod restarted at a new address. Raises NoLiveWorkers when none came."""
+        is in ``exclude``; waits (re-reading the store) up to ``reroute_wait_s`` for one to
+        appear, e.g. the failed pod restarted at a new address. Raises NoLiveWorkers when
+        none came."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.relay.config.reroute_wait_s
-        while True:
+
+        async def attempt() -> WorkerInfo:
             snapshot = await loop.run_in_executor(None, self._snapshot, True)
             snapshot = dataclasses.replace(snapshot, workers=tuple(
                 worker for worker in snapshot.workers
                 if worker.address not in exclude and worker.incarnation not in exclude))
-            try:
-                return self.policy.route(num_prompt_tokens, snapshot, self.table.in_flight()).decode
-            except (NoLiveWorkers, WorkersFull):
-                if loop.time() >= deadline:
-                    raise
-            await asyncio.sleep(REROUTE_POLL_S)
+            return self.policy.route(num_prompt_tokens, snapshot, self.table.in_flight()).decode
+
+        return await self._until_a_pod_is_live(attempt, (NoLiveWorkers, WorkersFull))
 
     def _snapshot(self, fresh: bool = False):
         snapshot = self.view.snapshot(fresh)

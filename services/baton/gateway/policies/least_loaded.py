@@ -69,7 +69,8 @@ class LeastLoadedPolicy(RoutingPolicy):
                     max(head.load.queued_requests, here.requests), head.chain_id)
 
         head = min(heads, key=queued)
+        queued_tokens = queued(head)[0]
         limit = self.config.chain_max_queued_tokens
-        if limit and queued(head)[0] > 0 and queued(head)[0] + num_prompt_tokens > limit:
+        if limit and queued_tokens > 0 and queued_tokens + num_prompt_tokens > limit:
             return None  # every chain is backed up: the decode pod prefills it sooner
         return head
