@@ -105,8 +105,9 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
                         live.completed = True
                         outcome = step.finish_reason.value
                         self._record_usage(step)
-                    yield convert.step_to_proto(dataclasses.replace(step, request_id=live.request_id),
-                                                first)
+                    if first:  # the one message that names the request
+                        step = dataclasses.replace(step, request_id=live.request_id)
+                    yield convert.step_to_proto(step, first)
                     first = False
             except (grpc.RpcError, asyncio.CancelledError) as e:
                 # An aio call cancelled here (the Abort RPC cancels the request's downstream
