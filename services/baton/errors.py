@@ -39,6 +39,22 @@ class InvalidArgument(ServiceError, ValueError):
     status = "INVALID_ARGUMENT"
 
 
+class TooLarge(InvalidArgument):
+    """A request too large to be read at all (HTTP 413; INVALID_ARGUMENT over gRPC)."""
+
+
+class Unauthenticated(ServiceError):
+    status = "UNAUTHENTICATED"
+
+
+class Passed(ServiceError):
+    """A downstream pod's error handed on to the caller with the pod's own status."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class FailedPrecondition(ServiceError):
     status = "FAILED_PRECONDITION"
 

@@ -180,7 +180,7 @@ def bad_requests(vocab_size: int, max_model_len: int) -> list:
          grpc.StatusCode.INVALID_ARGUMENT, "got 0.0"),
         (raw(token_ids=api_pb2.TokenIds(ids=[5, vocab_size])), grpc.StatusCode.INVALID_ARGUMENT,
          f"[{vocab_size}]"),
-        (raw(text="x", model="gpt-9"), grpc.StatusCode.INVALID_ARGUMENT, "'gpt-9'"),
+        (raw(text="x", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "'gpt-9'"),
         (raw(token_ids=api_pb2.TokenIds(ids=[5] * too_long),
              sampling=common_pb2.SamplingParams(max_tokens=100)),
          grpc.StatusCode.INVALID_ARGUMENT,

@@ -93,7 +93,6 @@ def raw(**fields) -> api_pb2.GenerateRequest:
     (raw(text="x", sampling=common_pb2.SamplingParams(temperature=-0.5)), "got -0.5"),
     (raw(text="x", sampling=common_pb2.SamplingParams(temperature=math.nan)), "got nan"),
     (raw(text="x", sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p must be in (0, 1], got 1.5"),
-    (raw(text="x", model="llama-70b"), "unknown model 'llama-70b'"),
     (raw(token_ids=api_pb2.TokenIds(ids=[1] * 1000), sampling=common_pb2.SamplingParams(max_tokens=30)),
      "1000 tokens + max_tokens 30 = 1030 exceeds the model's limit of 1024"),
     (raw(text="x", compression=common_pb2.CompressionParams(keep_ratio=0)), "keep_ratio must be in (0, 1], got 0"),
@@ -110,14 +109,25 @@ def test_bad_input_is_invalid_argument_naming_the_value(gateway, message, words)
     assert stub.ListModels(api_pb2.ListModelsRequest()).models, "the server keeps serving"
 
 
+def test_an_unknown_model_is_not_found_naming_it(gateway):
+    _, _, stub, _ = gateway
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(raw(text="x", model="llama-70b"), timeout=10))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "unknown model 'llama-70b'" in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Tokenize(api_pb2.TokenizeRequest(text="x", model="llama-70b"))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_a_pod_that_registered_after_the_last_view_is_found_before_unavailable(gateway):
     # Right after start-up the gateway's view may predate the decode pods: a request that
     # finds none re-reads the store once instead of failing UNAVAILABLE.
     server, store, stub, _ = gateway
     request = GenerateRequest(text="x", sampling=SamplingParams(max_tokens=2))
-    previous_refresh_s = server.servicer.view.refresh_s
-    server.servicer.view.refresh_s = 3600  # no periodic refresh during this test
-    server.servicer.view.snapshot(fresh=True)  # a view without the pod below
+    previous_refresh_s = server.generations.view.refresh_s
+    server.generations.view.refresh_s = 3600  # no periodic refresh during this test
+    server.generations.view.snapshot(fresh=True)  # a view without the pod below
     full = decode("late-pod", free=0, model=server.model.info.id)
     store.register_worker(full, ttl_s=60)
     try:
@@ -126,9 +136,9 @@ def test_a_pod_that_registered_after_the_last_view_is_found_before_unavailable(g
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of KV blocks" in details
     finally:
         store.remove_worker(full.worker_id)
-        server.servicer.view.refresh_s = 0
-        server.servicer.view.snapshot()  # leave the next test a view without the pod
-        server.servicer.view.refresh_s = previous_refresh_s
+        server.generations.view.refresh_s = 0
+        server.generations.view.snapshot()  # leave the next test a view without the pod
+        server.generations.view.refresh_s = previous_refresh_s
 
 
 def test_routing_errors_no_decode_pod_is_unavailable_all_full_is_resource_exhausted(gateway):
@@ -141,7 +151,7 @@ def test_routing_errors_no_decode_pod_is_unavailable_all_full_is_resource_exhaus
     assert WAIT_FOR_A_POD_S <= time.monotonic() - started < WAIT_FOR_A_POD_S + 5
     full = decode("full-pod", free=0, model=server.model.info.id)
     store.register_worker(full, ttl_s=60)
-    server.servicer.view.refresh_s = 0  # read the store on every request
+    server.generations.view.refresh_s = 0  # read the store on every request
     try:
         code, details = first_status(stub, request)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of KV blocks" in details
@@ -153,7 +163,7 @@ def test_a_live_request_id_is_already_exists(gateway):
     server, store, stub, _ = gateway
     store.put_request(RequestRecord(request_id="taken", decode_address="elsewhere:1"), ttl_s=60)
     store.register_worker(decode("pod", model=server.model.info.id), ttl_s=60)
-    server.servicer.view.refresh_s = 0
+    server.generations.view.refresh_s = 0
     try:
         code, details = first_status(stub, GenerateRequest(request_id="taken", text="x"))
         assert code == grpc.StatusCode.ALREADY_EXISTS and "'taken'" in details

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from baton.configtree import require
+from baton.errors import TooLarge
 from baton.kv.wire import KVHeader
 from baton.model.sampling import CompressionParams, SamplingParams
 
@@ -31,11 +32,13 @@ def check_request_id(request_id: str) -> None:
 
 
 def check_prompt_text(text: str, max_model_len: int) -> None:
-    """Raise ValueError when a text prompt is too large to be tokenized for this model."""
+    """Raise TooLarge (a ValueError) when a text prompt is too large to be tokenized for
+    this model."""
     limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
     size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
-    require(size <= limit, f"prompt text is {size} bytes; at most {limit} for a context of "
-                           f"{max_model_len} tokens")
+    if size > limit:
+        raise TooLarge(f"prompt text is {size} bytes; at most {limit} for a context of "
+                       f"{max_model_len} tokens")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from baton.api.requests import (
     check_prompt_text,
 )
 from baton.config import ModelSourceConfig
+from baton.errors import NotFound
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
 from baton.model.loader import SHIPPED_MODEL_DIR
@@ -45,7 +46,7 @@ class ServedModel:
 
     def check_name(self, name: str) -> None:
         if name and name != self.info.id:
-            raise ValueError(f"unknown model {name!r}; this gateway serves {self.info.id!r}")
+            raise NotFound(f"unknown model {name!r}; this gateway serves {self.info.id!r}")
 
     def prompt_ids(self, request: GenerateRequest) -> tuple[int, ...]:
         """The request's prompt as token ids, checked against the vocabulary and the context."""

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import api_pb2, api_pb2_grpc
 from baton.config import GatewayServiceConfig
+from baton.gateway.generations import Generations
 from baton.gateway.relay import Channels, Relay
 from baton.gateway.request_table import RequestTable
 from baton.gateway.routing_policy import create_policy
@@ -43,7 +44,7 @@ class GatewayServer:
         self.model = ServedModel.load(config.model)
         self.metrics = GatewayMetrics(CollectorRegistry())
         self.channels = Channels()
-        self.servicer = BatonServicer(
+        self.generations = Generations(
             model=self.model,
             view=RoutingView(self.store, config.routing.view_refresh_s),
             policy=create_policy(config.gateway, self.model.info.id),
@@ -51,6 +52,7 @@ class GatewayServer:
             relay=Relay(self.channels, self.model.tokenizer, self.model.info.id, config.gateway,
                         self.metrics),
             metrics=self.metrics)
+        self.servicer = BatonServicer(self.generations)
         self.grpc = AsyncGrpcServer(config.server, self._register,
                                [api_pb2.DESCRIPTOR.services_by_name["Baton"].full_name])
         self.address = self.grpc.address
@@ -69,9 +71,9 @@ class GatewayServer:
         ``READINESS_CHECK_S``."""
         loop = asyncio.get_running_loop()
         serving = None
-        while not self.servicer.draining:
-            snapshot = await loop.run_in_executor(None, self.servicer.view.snapshot)
-            ready = bool(self.servicer.policy.decode_workers(snapshot))
+        while not self.generations.draining:
+            snapshot = await loop.run_in_executor(None, self.generations.view.snapshot)
+            ready = bool(self.generations.policy.decode_workers(snapshot))
             if ready != serving:
                 await self.grpc.set_serving_async(ready)
                 if serving is not None:
@@ -90,7 +92,7 @@ class GatewayServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING and UNAVAILABLE for new calls, in-flight streams get ``grace_s``."""
-        self.servicer.draining = True
+        self.generations.draining = True
         self.grpc.loop.call_soon_threadsafe(self._readiness.cancel)
         self.heartbeat.stop()
         self.grpc.stop(grace_s, cleanup=self.channels.close)

@@ -1,12 +1,12 @@
-"""The client API (``baton.v1.Baton``) served by the gateway: convert, route, relay, convert back.
+"""The client API (``baton.v1.Baton``) served by the gateway over gRPC: convert, generate,
+convert back.
 
-Generate: read and check the request (INVALID_ARGUMENT with the numbers), route it
-(UNAVAILABLE when no decode pod is live, RESOURCE_EXHAUSTED when all are full), record where
-it lives (ALREADY_EXISTS for a live duplicate id), then relay the pods' stream. A client that
-cancels, or an Abort naming the request, reaches every pod that holds state for it: the pods
-get Abort, the open downstream calls are cancelled, and an aborted stream still ends with a
-last message whose finish reason is ABORTED. Tokenize and ListModels are answered here.
-Nothing a request does can stop the server: every error becomes the call's status.
+Generate: read and check the request (INVALID_ARGUMENT with the numbers), then stream the
+steps of ``Generations.generate`` (UNAVAILABLE when no decode pod is live, RESOURCE_EXHAUSTED
+when all are full, ALREADY_EXISTS for a live duplicate id; an aborted stream still ends with
+a last message whose finish reason is ABORTED). A client that cancels, or an Abort naming
+the request, reaches every pod that holds state for it. Tokenize and ListModels are answered
+here. Nothing a request does can stop the server: every error becomes the call's status.
 
 The handlers are coroutines on the server's event loop: a stream costs no thread. Work that
 blocks (tokenizing, reading and writing the routing store) runs in the loop's executor.
@@ -15,241 +15,52 @@ blocks (tokenizing, reading and writing the routing store) runs in the loop's ex
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
 from baton.api import convert
-from baton.api.requests import FinishReason, GenerateRequest, GenerationStep, Route, Timings
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
-from baton.gateway.relay import ChainIncomplete, Relay
-from baton.gateway.request_table import LiveRequest, RequestTable
-from baton.gateway.routing_policy import NoLiveWorkers, RouteDecision, RoutingPolicy, WorkersFull
-from baton.gateway.served_model import ServedModel
-from baton.metrics import GatewayMetrics
-from baton.routing import RequestRecord, RoutingView, WorkerInfo
-
-REROUTE_POLL_S = 0.25  # how often a request that lost its pod looks for another
-
-class StreamClock:
-    """The gateway's own timings of one stream: TTFT and the gaps between messages."""
-
-    def __init__(self, metrics: GatewayMetrics, path: str, arrival: float) -> None:
-        self.metrics = metrics
-        self.path = path
-        self.arrival = arrival  # time.monotonic() when the call reached the gateway
-        self.first_token_at: float | None = None
-        self.last_token_at = self.arrival
-        self.num_gaps = 0
-
-    def stamp(self, step: GenerationStep) -> GenerationStep:
-        now = time.monotonic()
-        if step.token_ids:
-            if self.first_token_at is None:
-                self.first_token_at = now
-                self.metrics.ttft_s.labels(path=self.path).observe(now - self.arrival)
-            else:
-                self.metrics.time_between_tokens_s.observe(now - self.last_token_at)
-                self.num_gaps += 1
-            self.last_token_at = now
-        if step.finish_reason is None:
-            return step
-        return dataclasses.replace(step, timings=self._summary(step.timings or Timings(), now))
-
-    def _summary(self, downstream: Timings, now: float) -> Timings:
-        ttft_s = (self.first_token_at or now) - self.arrival
-        decoding_s = self.last_token_at - (self.first_token_at or self.last_token_at)
-        return Timings(queue_s=downstream.queue_s, ttft_s=ttft_s, prefill_s=downstream.prefill_s,
-                       kv_push_s=downstream.kv_push_s,
-                       mean_time_between_tokens_s=decoding_s / self.num_gaps if self.num_gaps else 0.0,
-                       total_s=now - self.arrival)
+from baton.gateway.generations import Generations
 
 
 class BatonServicer(api_pb2_grpc.BatonServicer):
-    def __init__(self, model: ServedModel, view: RoutingView, policy: RoutingPolicy,
-                 table: RequestTable, relay: Relay, metrics: GatewayMetrics) -> None:
-        self.model = model
-        self.view = view
-        self.policy = policy
-        self.table = table
-        self.relay = relay
-        self.metrics = metrics
-        self.draining = False
-        self._background: set[asyncio.Future] = set()
-
-    # --- Generate ------------------------------------------------------------------------
+    def __init__(self, generations: Generations) -> None:
+        self.generations = generations
+        self.model = generations.model
 
     async def Generate(self, message: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         arrival = time.monotonic()
-        loop = asyncio.get_running_loop()
         try:
-            live, request, prompt_ids, decision = await self._admit_when_a_pod_is_live(message)
-        except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
-            self.metrics.requests_finished.labels(path="none", outcome=convert.status_for(e).name).inc()
+            request = convert.generate_request_from_proto(message)
+        except ValueError as e:
+            self.generations.count_refused(e)
             await context.abort(convert.status_for(e), str(e))
-        path = "local" if decision.chain is None else "chain"
-        clock = StreamClock(self.metrics, path, arrival)
-        self.metrics.requests_in_flight.inc()
-        outcome = "INTERNAL"
+        first = True
         try:
-            try:
-                first = True
-                async for step in self.relay.stream(live, request, prompt_ids, decision,
-                                                    self._reroute):
-                    step = clock.stamp(step)
-                    if step.finish_reason is not None:
-                        live.completed = True
-                        outcome = step.finish_reason.value
-                        self._record_usage(step)
-                    if first:  # the one message that names the request
-                        step = dataclasses.replace(step, request_id=live.request_id)
+            async with aclosing(self.generations.generate(request, arrival)) as steps:
+                async for step in steps:
                     yield convert.step_to_proto(step, first)
                     first = False
-            except (grpc.RpcError, asyncio.CancelledError) as e:
-                # An aio call cancelled here (the Abort RPC cancels the request's downstream
-                # calls) raises CancelledError in its reader; this handler's own cancellation
-                # (the client left) is told apart by the task's pending cancellation.
-                if isinstance(e, asyncio.CancelledError) and (
-                        not live.aborted.is_set() or asyncio.current_task().cancelling()):
-                    raise
-                if not live.aborted.is_set():
-                    outcome = e.code().name
-                    await context.abort(e.code(), f"{live.request_id}: {e.details()}")
-                outcome = FinishReason.ABORTED.value
-                route = Route(decode_address=live.record.decode_address, chain_id=live.record.chain_id)
-                yield convert.step_to_proto(clock.stamp(
-                    GenerationStep(live.request_id, finish_reason=FinishReason.ABORTED, route=route)), first)
-            except ChainIncomplete as e:
-                outcome = convert.status_for(e).name
-                await context.abort(convert.status_for(e), str(e))
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away
-            outcome = grpc.StatusCode.CANCELLED.name
+        except (asyncio.CancelledError, GeneratorExit):
             raise
-        finally:
-            # Cancelled, failed or closed before its end (the client went away): the pods
-            # still hold the request; abort it there. Nothing is awaited here, so this runs
-            # as well when the stream is closed from outside.
-            if not live.completed and not live.aborted.is_set():
-                self._in_background(self._abort(live))
-            self._in_background(loop.run_in_executor(None, self.table.finish, live.request_id))
-            self.metrics.requests_in_flight.dec()
-            self.metrics.requests_finished.labels(path=path, outcome=outcome).inc()
-
-    async def _admit_when_a_pod_is_live(self, message: api_pb2.GenerateRequest):
-        """Admit the request; while no decode pod is live (one restarting after a crash), wait
-        up to ``reroute_wait_s`` for one, as a request that lost its pod does."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await self._until_a_pod_is_live(
-                lambda: loop.run_in_executor(None, self._admit, message), (NoLiveWorkers,),
-                give_up_when_draining=True)
-        except NoLiveWorkers as e:
-            raise NoLiveWorkers(f"{e} (waited {self.relay.config.reroute_wait_s:g} s for one)") from None
-
-    async def _until_a_pod_is_live(self, attempt, retried: tuple[type[Exception], ...],
-                                   give_up_when_draining: bool = False):
-        """``await attempt()`` again every ``REROUTE_POLL_S`` while it raises one of
-        ``retried``, for ``reroute_wait_s`` at most (then its last error is raised)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.relay.config.reroute_wait_s
-        while True:
-            try:
-                return await attempt()
-            except retried:
-                if loop.time() >= deadline or (give_up_when_draining and self.draining):
-                    raise
-            await asyncio.sleep(REROUTE_POLL_S)
-
-    def _in_background(self, awaitable) -> None:
-        """Run without waiting for it; the reference is kept until it ends."""
-        task = asyncio.ensure_future(awaitable)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _admit(self, message: api_pb2.GenerateRequest
-               ) -> tuple[LiveRequest, GenerateRequest, tuple[int, ...], RouteDecision]:
-        if self.draining:
-            raise NoLiveWorkers("the gateway is shutting down")
-        request = convert.generate_request_from_proto(message)
-        prompt_ids = self.model.prompt_ids(request)
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        try:
-            decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight())
-            if decision.chain is None and len(prompt_ids) >= self.policy.config.prefill_threshold_tokens:
-                raise NoLiveWorkers("no chain in the view")
-        except NoLiveWorkers:
-            # The view may predate a pod or a chain that registered since (right after
-            # start-up): one fresh read of the store before the caller is told there is no
-            # pod, or a long prompt is prefilled without a chain.
-            decision = self.policy.route(len(prompt_ids), self._snapshot(fresh=True),
-                                         self.table.in_flight())
-        record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
-                               chain_id=decision.chain.chain_id if decision.chain else "",
-                               prefill_address=decision.chain.address if decision.chain else "")
-        live = self.table.admit(record, len(prompt_ids))
-        return live, request, prompt_ids, decision
-
-    async def _reroute(self, num_prompt_tokens: int, exclude: frozenset[str]) -> WorkerInfo:
-        """A live decode pod for a request whose pod failed, none whose address or incarnation
-        is in ``exclude``; waits (re-reading the store) up to ``reroute_wait_s`` for one to
-        appear, e.g. the failed pod restarted at a new address. Raises NoLiveWorkers when
-        none came."""
-        loop = asyncio.get_running_loop()
-
-        async def attempt() -> WorkerInfo:
-            snapshot = await loop.run_in_executor(None, self._snapshot, True)
-            snapshot = dataclasses.replace(snapshot, workers=tuple(
-                worker for worker in snapshot.workers
-                if worker.address not in exclude and worker.incarnation not in exclude))
-            return self.policy.route(num_prompt_tokens, snapshot, self.table.in_flight()).decode
-
-        return await self._until_a_pod_is_live(attempt, (NoLiveWorkers, WorkersFull))
-
-    def _snapshot(self, fresh: bool = False):
-        snapshot = self.view.snapshot(fresh)
-        self.metrics.routing_view_stale.set(1 if snapshot.stale else 0)
-        for role in ("decode", "prefill"):
-            self.metrics.live_workers.labels(role=role).set(len(snapshot.of_role(role)))
-        return snapshot
-
-    def _record_usage(self, step: GenerationStep) -> None:
-        if step.usage is None:
-            return
-        self.metrics.kv_bytes_shipped.inc(step.usage.kv_bytes_shipped)
-        if step.usage.kv_tokens_full:
-            self.metrics.compression_ratio.observe(step.usage.kv_tokens_kept / step.usage.kv_tokens_full)
-
-    async def _abort(self, live: LiveRequest) -> bool:
-        live.aborted.set()
-        found = await self.relay.abort_pods(live.record)
-        live.cancel_calls()
-        return found
-
-    # --- Abort, Tokenize, ListModels ---------------------------------------------------------
+        except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
+            await context.abort(convert.status_for(e), str(e))
 
     async def Abort(self, message: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
-        live = self.table.get(message.request_id)
-        if live is not None:
-            return common_pb2.AbortResponse(found=await self._abort(live))
-        # a request another gateway streams: its record is in the store
-        record = await asyncio.get_running_loop().run_in_executor(None, self.table.find_record,
-                                                                  message.request_id)
-        if record is None:
-            return common_pb2.AbortResponse(found=False)
-        return common_pb2.AbortResponse(found=await self.relay.abort_pods(record))
+        return common_pb2.AbortResponse(found=await self.generations.abort(message.request_id))
 
     async def Tokenize(self, message: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> api_pb2.TokenizeResponse:
         try:
             tokenization = await asyncio.get_running_loop().run_in_executor(
                 None, self.model.tokenize, message.model, message.text)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
+            await context.abort(convert.status_for(e), str(e))
         return convert.tokenization_to_proto(tokenization)
 
     async def ListModels(self, message: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
