@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                         "find KV-Runahead partitions by hierarchical grid search"),
     "prefill": ("baton.commands.prefill", "run one rank of a KV-Runahead prefill chain (gRPC)"),
     "decode": ("baton.commands.decode", "run a SARATHI decode worker (gRPC)"),
-    "gateway": ("baton.commands.gateway", "run the client-facing gateway (gRPC)"),
+    "gateway": ("baton.commands.gateway", "run the client-facing gateway (gRPC, and the OpenAI HTTP API)"),
     "up": ("baton.commands.up", "run the whole service on this machine"),
 }
 

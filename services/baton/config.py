@@ -258,6 +258,30 @@ class PrefillServiceConfig:
 
 
 @dataclass
+class HttpConfig:
+    """The gateway's OpenAI-compatible HTTP API, beside its gRPC one."""
+
+    host: str = setting("127.0.0.1", "address the HTTP API binds (0.0.0.0 in a pod)")
+    port: int = setting(8000, "port of the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /metrics); 0 = off")
+    stall_s: float = setting(30.0, "a streaming client that reads nothing for this long while its "
+                             "response waits to be sent is cut off and its request aborted")
+
+    def __post_init__(self) -> None:
+        require(bool(self.host), "http host must not be empty")
+        require(0 <= self.port <= 65535, f"http port {self.port} is not a port (0 = off)")
+        require(math.isfinite(self.stall_s) and self.stall_s > 0,
+                f"http stall_s must be a number > 0, got {self.stall_s}")
+
+
+@dataclass
+class AuthConfig:
+    api_keys_file: str = setting("", "file of API keys clients must present (gRPC `authorization: "
+                                 "Bearer KEY` metadata, HTTP Authorization header), one per line "
+                                 "as `KEY` or `NAME KEY`; re-read when it changes; empty = no keys")
+
+
+@dataclass
 class GatewayServiceConfig:
     """`baton gateway`: the client-facing router."""
 
@@ -265,6 +289,8 @@ class GatewayServiceConfig:
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     gateway: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 @dataclass

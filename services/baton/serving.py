@@ -159,19 +159,22 @@ class AsyncGrpcServer(_Binding):
         self.call(self.set_serving_async(serving))
 
     def stop(self, grace_s: float | None = None,
-             cleanup: Callable[[], Awaitable[None]] | None = None) -> None:
+             cleanup: Callable[[], Awaitable[None]] | None = None,
+             alongside: Callable[[float], Awaitable[None]] | None = None) -> None:
         """NOT_SERVING, then stop taking calls; in-flight ones get ``grace_s`` to finish.
-        ``cleanup`` runs on the loop after the server stopped (e.g. closing client channels
-        that belong to this loop)."""
+        ``alongside(grace_s)`` drains another server on this loop meanwhile (the gateway's
+        HTTP API); ``cleanup`` runs on the loop after both stopped (e.g. closing client
+        channels that belong to this loop)."""
         grace_s = self.config.grace_s if grace_s is None else grace_s
         try:
-            self.call(self._stop(grace_s, cleanup), timeout_s=grace_s + 10.0)
+            self.call(self._stop(grace_s, cleanup, alongside), timeout_s=grace_s + 10.0)
         finally:
             self._stop_loop()
 
-    async def _stop(self, grace_s: float, cleanup) -> None:
+    async def _stop(self, grace_s: float, cleanup, alongside) -> None:
         await self.set_serving_async(False)
-        await self.server.stop(grace_s)
+        await asyncio.gather(self.server.stop(grace_s),
+                             *([alongside(grace_s)] if alongside is not None else []))
         if cleanup is not None:
             await cleanup()
 

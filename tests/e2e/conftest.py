@@ -1,10 +1,11 @@
-"""One local cluster (real processes, a real redis-server) shared by the end-to-end tests."""
+"""One local cluster (real processes, a real redis-server, the gateway's gRPC and HTTP APIs)
+shared by the end-to-end tests of the session."""
 
 from __future__ import annotations
 
 import pytest
 from baton.client import BatonClient
-from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+from baton.gateway.local_cluster import ClusterSpec, LocalCluster, free_port
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,
     WORKER_TTL_S,
@@ -13,17 +14,17 @@ from e2e_cluster import (
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     skip_without_cluster_parts()
     spec = ClusterSpec(decode_workers=2, chain_ranks=2,
                        prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
-                       heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S)
+                       heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S, gateway_http_port=free_port())
     with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("cluster-logs")) as running:
         yield running
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(cluster):
     client = BatonClient(cluster.gateway_address)
     client.wait_until_serving(timeout_s=30)
@@ -31,6 +32,6 @@ def client(cluster):
     client.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference():
     return MonolithicReference()

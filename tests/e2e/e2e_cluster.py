@@ -66,6 +66,23 @@ def worker_load(address: str, role: str) -> WorkerLoad:
                       queued_prompt_tokens=message.queued_prompt_tokens)
 
 
+def decode_addresses(cluster) -> list[str]:
+    from baton.routing.redis_store import RedisStore
+
+    store = RedisStore(cluster.redis_url)
+    try:
+        return [worker.address for worker in store.list_workers("decode")]
+    finally:
+        store.close()
+
+
+def all_kv_free(cluster) -> bool:
+    """Every decode pod of ``cluster`` holds no sequence and no KV."""
+    loads = [worker_load(address, "decode") for address in decode_addresses(cluster)]
+    return all(load.free_kv_blocks == load.total_kv_blocks and load.running_sequences == 0
+               for load in loads)
+
+
 def wait_until(condition, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while True:

@@ -24,6 +24,8 @@ from baton.routing.redis_store import RedisStore
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,
     WORKER_TTL_S,
+    all_kv_free,
+    decode_addresses,
     greedy,
     long_prompt_ids,
     wait_until,
@@ -35,12 +37,6 @@ SHORT_PROMPT = "import os\n\ndef main():\n"
 NO_COMPRESSION = CompressionParams(enabled=False)
 
 
-def decode_addresses(cluster) -> list[str]:
-    store = RedisStore(cluster.redis_url)
-    try:
-        return [worker.address for worker in store.list_workers("decode")]
-    finally:
-        store.close()
 
 
 def test_a_short_prompt_is_prefilled_on_a_decode_pod_and_equals_the_monolithic_engine(client, reference):
@@ -111,12 +107,6 @@ def test_sixteen_concurrent_streaming_clients_all_complete(cluster, reference):
     used_pods = {completion.last.route.decode_address for completion in results.values()}
     assert len(used_pods) == 2, "the burst spreads over both decode pods"
     assert any(completion.last.route.chain_id for completion in results.values())
-
-
-def all_kv_free(cluster) -> bool:
-    loads = [worker_load(address, "decode") for address in decode_addresses(cluster)]
-    return all(load.free_kv_blocks == load.total_kv_blocks and load.running_sequences == 0
-               for load in loads)
 
 
 @pytest.mark.parametrize("path", ["local", "chain"])

@@ -1,7 +1,7 @@
 """`baton up`: the whole service on this machine as separate processes.
 
     baton up                          gateway + one 2-rank prefill chain + one decode pod
-    baton up --decode-workers 2 --listen 127.0.0.1:50051
+    baton up --decode-workers 2 --listen 127.0.0.1:50051 --http-port 8000
     baton up --demo                   ... then stream a short and a long prompt (`make run`)
     baton up --demo --exit-after-demo for scripts: stop once the demo is shown
 
@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this Redis for routing (default: start a private redis-server)")
     parser.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="the gateway's address (port 0 = any free port)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0 = off)")
     parser.add_argument("--prefill-threshold-tokens", type=int, default=512,
                         help="prompts at least this long go through the chain")
     parser.add_argument("--threads", type=int, default=1,
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--exit-after-demo needs --demo")
     spec = ClusterSpec(model_path=args.model, decode_workers=args.decode_workers,
                        chain_ranks=args.chain_ranks, redis_url=args.redis,
-                       gateway_listen=args.listen,
+                       gateway_listen=args.listen, gateway_http_port=args.http_port,
                        prefill_threshold_tokens=args.prefill_threshold_tokens,
                        threads_per_process=args.threads)
     stopping = threading.Event()
@@ -63,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
                   f"{spec.decode_workers} decode pod(s), chain of {spec.chain_ranks} ranks, "
                   f"routing in {cluster.redis_url}", flush=True)
             print(f"try: baton generate --server {cluster.gateway_address} \"import os\"", flush=True)
+            if cluster.gateway_http_url:
+                print(f"OpenAI API: {cluster.gateway_http_url}", flush=True)
             if args.demo:
                 _demo(cluster.gateway_address, args.max_tokens, args.prefill_threshold_tokens)
+                if cluster.gateway_http_url:
+                    print(f"\n{_curl_line(cluster.gateway_http_url)}", flush=True)
                 if args.exit_after_demo:
                     return 0
             print("serving; Ctrl-C stops every process", flush=True)
@@ -109,6 +115,12 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
                   f"KV shipped {usage.kv_bytes_shipped / 1e6:.2f} MB", flush=True)
     finally:
         client.close()
+
+
+def _curl_line(base_url: str) -> str:
+    """A curl command for the HTTP API, as a user would type it."""
+    body = '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+    return f"try: curl {base_url}/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 def _long_prompt(client, threshold_tokens: int, max_tokens: int) -> str:

@@ -228,11 +228,6 @@ class Generations:
             self.metrics.live_workers.labels(role=role).set(len(snapshot.of_role(role)))
         return snapshot
 
-    def ready(self) -> bool:
-        """Whether a request could be routed now: a live decode pod of the model is in the
-        view (blocks on the routing store: call it from the executor)."""
-        return not self.draining and bool(self.policy.decode_workers(self.view.snapshot()))
-
     # --- helpers -----------------------------------------------------------------------------
 
     def _in_background(self, awaitable) -> None:

@@ -90,6 +90,7 @@ class ClusterSpec:
     chain_ranks: int = 2  # 0 = no chain: every prompt is prefilled on a decode pod
     redis_url: str = ""  # empty = start a redis-server for this cluster
     gateway_listen: str = "127.0.0.1:0"
+    gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
     prefill_threshold_tokens: int = 512
     threads_per_process: int = 1
     heartbeat_s: float = 0.5
@@ -197,6 +198,12 @@ class LocalCluster:
         self.gateway_address = ""
         self._restarts: dict[str, tuple[int, float]] = {}  # unit -> (restarts, last start)
 
+    @property
+    def gateway_http_url(self) -> str:
+        """Base URL of the gateway's OpenAI API (``.../v1``); empty when it is off."""
+        port = self.spec.gateway_http_port
+        return f"http://127.0.0.1:{port}/v1" if port else ""
+
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> Self:
@@ -208,6 +215,7 @@ class LocalCluster:
                 self._spawn(f"prefill-{rank}", "prefill", self._chain_args(rank))
             self._spawn("gateway", "gateway", [
                 "--server-listen", self.spec.gateway_listen,
+                "--http-port", str(self.spec.gateway_http_port),
                 "--gateway-prefill-threshold-tokens", str(self.spec.prefill_threshold_tokens)])
             self.wait_until_registered(timeout_s)
         except BaseException:

@@ -24,11 +24,16 @@ from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.tokenizer import Tokenizer
 
 
+class UnknownModel(NotFound):
+    """A request names a model this gateway does not serve."""
+
+
 @dataclass(frozen=True)
 class ServedModel:
     info: ModelInfo
     tokenizer: Tokenizer
     config: ModelConfig
+    directory: Path
 
     @classmethod
     def load(cls, source: ModelSourceConfig) -> ServedModel:
@@ -42,23 +47,30 @@ class ServedModel:
                          vocab_size=config.vocab_size,
                          max_model_len=config.max_position_embeddings,
                          num_layers=config.num_hidden_layers)
-        return cls(info=info, tokenizer=Tokenizer.from_dir(directory), config=config)
+        return cls(info=info, tokenizer=Tokenizer.from_dir(directory), config=config,
+                   directory=directory)
 
     def check_name(self, name: str) -> None:
         if name and name != self.info.id:
-            raise NotFound(f"unknown model {name!r}; this gateway serves {self.info.id!r}")
+            raise UnknownModel(f"unknown model {name!r}; this gateway serves {self.info.id!r}")
 
     def prompt_ids(self, request: GenerateRequest) -> tuple[int, ...]:
         """The request's prompt as token ids, checked against the vocabulary and the context."""
         self.check_name(request.model)
         if request.text is not None:
-            check_prompt_text(request.text, self.info.max_model_len)
-            token_ids = tuple(self.tokenizer.encode(request.text))
-            if not token_ids:
-                raise ValueError(f"the prompt {request.text!r} has no tokens")
+            token_ids = self.encode_text(request.text)
         else:
             token_ids = tuple(request.token_ids or ())
         check_prompt(token_ids, request.sampling, self.info.vocab_size, self.info.max_model_len)
+        return token_ids
+
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        """A text prompt's token ids; refused (TooLarge) before tokenizing when it is too
+        large for the context, and (ValueError) when it has no tokens."""
+        check_prompt_text(text, self.info.max_model_len)
+        token_ids = tuple(self.tokenizer.encode(text))
+        if not token_ids:
+            raise ValueError(f"the prompt {text[:80]!r} has no tokens")
         return token_ids
 
     def tokenize(self, model: str, text: str) -> Tokenization:

@@ -1,5 +1,5 @@
-"""`baton gateway`: the client-facing gRPC server (``create_server`` for tests, ``serve`` for
-the command).
+"""`baton gateway`: the client-facing gRPC server and, beside it on the same event loop, the
+OpenAI-compatible HTTP API (``create_server`` for tests, ``serve`` for the command).
 
 The gateway registers itself in the routing store with role ``gateway`` (its advertised
 address and model), refreshed by heartbeat like every worker, so ``baton up`` and the
@@ -19,7 +19,10 @@ from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import api_pb2, api_pb2_grpc
 from baton.config import GatewayServiceConfig
+from baton.gateway.api_keys import ApiKeys
 from baton.gateway.generations import Generations
+from baton.gateway.http import OpenAIServer
+from baton.gateway.http.chat_template import ChatTemplate
 from baton.gateway.relay import Channels, Relay
 from baton.gateway.request_table import RequestTable
 from baton.gateway.routing_policy import create_policy
@@ -52,11 +55,26 @@ class GatewayServer:
             relay=Relay(self.channels, self.model.tokenizer, self.model.info.id, config.gateway,
                         self.metrics),
             metrics=self.metrics)
-        self.servicer = BatonServicer(self.generations)
+        self.keys = ApiKeys(config.auth.api_keys_file)
+        self.servicer = BatonServicer(self.generations, self.keys)
+        self.ready = False  # a request could be routed now (SERVING)
         self.grpc = AsyncGrpcServer(config.server, self._register,
                                [api_pb2.DESCRIPTOR.services_by_name["Baton"].full_name])
         self.address = self.grpc.address
         self.port = self.grpc.port
+        self.http: OpenAIServer | None = None
+        self.http_port = 0
+        if config.http.port:
+            self.http = OpenAIServer(
+                config.http, self.generations, self.keys,
+                ChatTemplate.from_dir(self.model.directory), self.metrics.registry,
+                ready=lambda: self.ready, max_streams=config.server.max_streams,
+                max_body_bytes=config.server.max_message_mib << 20)
+            try:
+                self.http_port = self.grpc.call(self.http.start())
+            except BaseException:
+                self.grpc.stop(0)
+                raise
         self.heartbeat = Heartbeat(self.store, self._describe, config.routing.heartbeat_s,
                                    config.routing.worker_ttl_s).start()
         self._stop_metrics = serve_metrics(config.server.metrics_port, self.metrics.registry)
@@ -74,6 +92,7 @@ class GatewayServer:
         while not self.generations.draining:
             snapshot = await loop.run_in_executor(None, self.generations.view.snapshot)
             ready = bool(self.generations.policy.decode_workers(snapshot))
+            self.ready = ready
             if ready != serving:
                 await self.grpc.set_serving_async(ready)
                 if serving is not None:
@@ -95,7 +114,8 @@ class GatewayServer:
         self.generations.draining = True
         self.grpc.loop.call_soon_threadsafe(self._readiness.cancel)
         self.heartbeat.stop()
-        self.grpc.stop(grace_s, cleanup=self.channels.close)
+        self.grpc.stop(grace_s, cleanup=self.channels.close,
+                       alongside=self.http.stop if self.http is not None else None)
         if self._stop_metrics is not None:
             self._stop_metrics()
         self.store.close()
@@ -112,6 +132,7 @@ def create_server(config: GatewayServiceConfig, store: RoutingStore | None = Non
 def serve(config: GatewayServiceConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server, _ = create_server(config)
-    log.info("gateway for model %s on %s", server.model.info.id, server.address)
+    log.info("gateway for model %s on %s (gRPC)%s", server.model.info.id, server.address,
+             f" and http://{config.http.host}:{server.http_port}/v1" if server.http else "")
     run_until_signalled(server.stop)
     return 0

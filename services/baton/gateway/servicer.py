@@ -23,17 +23,29 @@ import grpc
 
 from baton.api import convert
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
+from baton.errors import Unauthenticated
+from baton.gateway.api_keys import ApiKeys
 from baton.gateway.generations import Generations
 
 
 class BatonServicer(api_pb2_grpc.BatonServicer):
-    def __init__(self, generations: Generations) -> None:
+    def __init__(self, generations: Generations, keys: ApiKeys) -> None:
         self.generations = generations
         self.model = generations.model
+        self.keys = keys
+
+    async def _identify(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's identity from its ``authorization: Bearer KEY`` metadata ("" when the
+        gateway has no keys); aborts the call UNAUTHENTICATED when the key is missing or wrong."""
+        try:
+            return self.keys.identify(dict(context.invocation_metadata() or ()).get("authorization"))
+        except Unauthenticated as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
 
     async def Generate(self, message: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         arrival = time.monotonic()
+        await self._identify(context)
         try:
             request = convert.generate_request_from_proto(message)
         except ValueError as e:
@@ -52,10 +64,12 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
 
     async def Abort(self, message: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
+        await self._identify(context)
         return common_pb2.AbortResponse(found=await self.generations.abort(message.request_id))
 
     async def Tokenize(self, message: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> api_pb2.TokenizeResponse:
+        await self._identify(context)
         try:
             tokenization = await asyncio.get_running_loop().run_in_executor(
                 None, self.model.tokenize, message.model, message.text)
@@ -65,4 +79,5 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
 
     async def ListModels(self, message: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> api_pb2.ListModelsResponse:
+        await self._identify(context)
         return convert.models_to_proto([self.model.info])

@@ -1,0 +1,319 @@
+"""The gateway's OpenAI-compatible HTTP API (aiohttp), on the gRPC server's event loop.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+(and ``/v1/models/{id}``), ``GET /health`` (200 only while a request could be routed),
+``GET /metrics`` (the gateway's Prometheus registry). Generation goes through the same
+``Generations`` as gRPC: the same checks, routes, limits, migration and aborts.
+
+Streaming answers are Server-Sent Events: ``data: {chunk}`` per step, ``data: [DONE]`` at
+the end. Errors before the first chunk get their HTTP status and OpenAI's error body;
+after it, an error chunk then ``[DONE]``. A client that disconnects has its handler
+cancelled (``handler_cancellation``), which aborts the request on every pod; one that stops
+reading is cut off after ``http.stall_s`` and its request aborted the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import aclosing
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from baton.api import convert
+from baton.api.requests import GenerateRequest, GenerationStep
+from baton.config import HttpConfig
+from baton.errors import InvalidArgument, ResourceExhausted, TooLarge
+from baton.gateway.api_keys import ApiKeys
+from baton.gateway.generations import Generations
+from baton.gateway.http.chat_template import ChatTemplate
+from baton.gateway.http.protocol import (
+    Answer,
+    BadParameter,
+    Completion,
+    chat_request,
+    completion_request,
+    error_body,
+)
+from baton.gateway.served_model import UnknownModel
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
+               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "ALREADY_EXISTS": 409,
+               "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "FAILED_PRECONDITION": 503,
+               "DEADLINE_EXCEEDED": 504, "DATA_LOSS": 502, "ABORTED": 409, "CANCELLED": 499}
+IDENTITY = web.RequestKey("identity", str)  # whose API key the request came with ("" = no keys)
+STOP_POLL_S = 0.05
+RETRY_AFTER_S = 1  # told to a client refused for being one too many (429) or too early (503)
+
+
+def http_status(error: BaseException) -> int:
+    """The HTTP status of an error (its gRPC status mapped; a request too large is 413)."""
+    if isinstance(error, TooLarge):
+        return 413
+    return HTTP_STATUS.get(convert.status_for(error).name, 500)
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return web.json_response(error_body(status, message, param, code), status=status,
+                             headers=headers)
+
+
+def _error_fields(error: BaseException) -> tuple[str | None, str | None]:
+    """OpenAI's ``param`` and ``code`` of an error, where baton knows them."""
+    return getattr(error, "param", None), "model_not_found" if isinstance(error, UnknownModel) else None
+
+
+def _sse(body: dict | str) -> bytes:
+    text = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+class OpenAIServer:
+    """The HTTP API of one gateway; ``start`` and ``stop`` run on the gateway's loop."""
+
+    def __init__(self, config: HttpConfig, generations: Generations, keys: ApiKeys,
+                 chat_template: ChatTemplate | None, registry, ready: Callable[[], bool],
+                 max_streams: int, max_body_bytes: int) -> None:
+        self.config = config
+        self.generations = generations
+        self.model = generations.model
+        self.keys = keys
+        self.chat_template = chat_template
+        self.registry = registry
+        self.ready = ready
+        self.max_streams = max_streams
+        self.max_body_bytes = max_body_bytes
+        self.streams = 0
+        self.app = web.Application(client_max_size=max_body_bytes,
+                                   middlewares=[self._errors, self._authenticate])
+        self.app.add_routes([web.post("/v1/completions", self.completions),
+                             web.post("/v1/chat/completions", self.chat_completions),
+                             web.get("/v1/models", self.list_models),
+                             web.get("/v1/models/{model_id}", self.get_model),
+                             web.get("/health", self.health),
+                             web.get("/metrics", self.metrics)])
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind ``host:port`` and serve; returns the port bound."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=0.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        log.info("OpenAI HTTP API on http://%s:%d/v1", self.config.host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking connections; open requests get ``grace_s`` to finish, then are
+        cancelled (which aborts them on the pods)."""
+        if self._runner is None:
+            return
+        runner, self._runner = self._runner, None
+        for site in list(runner.sites):
+            await site.stop()
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(STOP_POLL_S)
+        await runner.cleanup()  # cancels what is still open
+
+    # --- middleware -----------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error as OpenAI's error body with its status; a bug is a 500 and logged."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status == 413:
+                return error_response(413, f"the request body is larger than "
+                                           f"{self.max_body_bytes} bytes")
+            if e.status < 400:
+                raise
+            return error_response(e.status, f"{request.method} {request.path}: {e.reason}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            status = http_status(e)
+            if status == 500:
+                log.exception("%s %s failed", request.method, request.path)
+            return error_response(status, str(e), *_error_fields(e))
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            request[IDENTITY] = self.keys.identify(request.headers.get("Authorization"))
+        return await handler(request)
+
+    # --- endpoints ------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.ready():
+            return web.json_response({"status": "ok"})
+        return error_response(503, "no decode pod is live: requests cannot be routed now")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _model_card(self) -> dict:
+        info = self.model.info
+        return {"id": info.id, "object": "model", "created": 0, "owned_by": "baton",
+                "root": info.id, "max_model_len": info.max_model_len}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self.model.check_name(request.match_info["model_id"])
+        return web.json_response(self._model_card())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, completion_request)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat_request)
+
+    # --- generation -----------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, read) -> web.StreamResponse:
+        arrival = time.monotonic()
+        if self.streams >= self.max_streams:
+            error = ResourceExhausted(f"this gateway is streaming {self.streams} requests, its "
+                                      f"limit (server.max_streams); retry later")
+            self.generations.count_refused(error)
+            raise error
+        self.streams += 1  # taken before the first await: concurrent requests see it
+        try:
+            try:
+                completion = read(await self._json(request))
+                if completion.chat and self.chat_template is None:
+                    raise BadParameter("messages", f"model {self.model.info.id!r} has no chat "
+                                                   f"template: use /v1/completions")
+                self.model.check_name(completion.model)
+                request_id = request.headers.get("X-Request-Id") or \
+                    f"{'chatcmpl' if completion.chat else 'cmpl'}-{uuid.uuid4().hex}"
+                generate = await asyncio.get_running_loop().run_in_executor(
+                    None, self._generate_request, completion, request_id)
+            except Exception as e:
+                self.generations.count_refused(e)
+                raise
+            answer = Answer(chat=completion.chat, response_id=request_id, model=self.model.info.id,
+                            created=int(time.time()))
+            async with aclosing(self.generations.generate(generate, arrival)) as steps:
+                first = await anext(steps)  # admission errors are raised here, as HTTP statuses
+                if completion.stream:
+                    return await self._stream(request, answer, completion, first, steps)
+                return await self._whole(answer, completion, first, steps)
+        finally:
+            self.streams -= 1
+
+    async def _json(self, request: web.Request) -> object:
+        try:
+            return await request.json()
+        except web.HTTPException:
+            raise
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
+
+    def _generate_request(self, completion: Completion, request_id: str) -> GenerateRequest:
+        """The generation a completion asks for (runs in the executor: it renders the chat
+        template and tokenizes). A chat without ``max_tokens`` may fill the model's context."""
+        if not completion.chat:
+            return GenerateRequest(request_id=request_id, model=completion.model,
+                                   text=completion.text, token_ids=completion.token_ids,
+                                   sampling=completion.sampling, compression=completion.compression)
+        text = self.chat_template.render(completion.messages, completion.add_generation_prompt)
+        token_ids = self.model.encode_text(text)
+        max_tokens = completion.max_tokens
+        if max_tokens is None:
+            max_tokens = self.model.info.max_model_len - len(token_ids)
+            if max_tokens < 1:
+                raise InvalidArgument(f"the conversation is {len(token_ids)} tokens, the model's "
+                                      f"whole context of {self.model.info.max_model_len}")
+        return GenerateRequest(request_id=request_id, model=completion.model, token_ids=token_ids,
+                               sampling=dataclasses.replace(completion.sampling, max_tokens=max_tokens),
+                               compression=completion.compression)
+
+    async def _whole(self, answer: Answer, completion: Completion, first: GenerationStep,
+                     steps) -> web.Response:
+        texts, token_ids, last = [first.text], list(first.token_ids), first
+        async for step in steps:
+            texts.append(step.text)
+            token_ids += step.token_ids
+            last = step
+        return web.json_response(answer.whole(
+            "".join(texts), last, token_ids if completion.return_token_ids else None))
+
+    async def _stream(self, request: web.Request, answer: Answer, completion: Completion,
+                      first: GenerationStep, steps) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache",
+                                               "X-Request-Id": answer.response_id})
+        await response.prepare(request)
+        try:
+            await self._events(request, response, answer, completion, first, steps)
+        except ConnectionError:  # the client left: closing ``steps`` aborts the request
+            pass
+        return response
+
+    async def _events(self, request: web.Request, response: web.StreamResponse, answer: Answer,
+                      completion: Completion, first: GenerationStep, steps) -> None:
+        usage = completion.include_usage
+
+        def ids(step: GenerationStep) -> tuple[int, ...] | None:
+            return step.token_ids if completion.return_token_ids else None
+
+        if answer.chat:  # the role comes first, alone
+            await self._send(request, response, answer.chunk("", None, usage, role=True))
+        step = first
+        try:
+            while True:
+                # A chat's last chunk carries only the finish reason: content goes before it.
+                separate_finish = answer.chat and step.finish_reason is not None
+                if step.token_ids or step.text or (step.finish_reason and not separate_finish):
+                    await self._send(request, response, answer.chunk(
+                        step.text, None if separate_finish else step.finish_reason, usage,
+                        token_ids=ids(step)))
+                if separate_finish:
+                    await self._send(request, response, answer.chunk(None, step.finish_reason, usage))
+                if step.finish_reason is not None:
+                    if usage:
+                        await self._send(request, response, answer.usage_chunk(step))
+                    break
+                step = await anext(steps)
+        except ConnectionError:
+            raise
+        except Exception as e:
+            status = http_status(e)
+            if status == 500:
+                log.exception("stream %s failed", answer.response_id)
+            await self._send(request, response, error_body(status, str(e), *_error_fields(e)))
+        await self._send(request, response, "[DONE]")
+        await response.write_eof()
+
+    async def _send(self, request: web.Request, response: web.StreamResponse,
+                    body: dict | str) -> None:
+        """Write one event; a client that has not taken it within ``stall_s`` is cut off
+        (the ConnectionError ends the handler, which aborts the request)."""
+        try:
+            await asyncio.wait_for(response.write(_sse(body)), self.config.stall_s)
+        except TimeoutError:
+            log.warning("a client of %s read nothing for %g s: cut off", request.path,
+                        self.config.stall_s)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading") from None
+

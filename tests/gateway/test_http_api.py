@@ -1,0 +1,210 @@
+"""The gateway's OpenAI HTTP API on a real aiohttp server beside its gRPC one (in-memory
+routing store, no pods): API keys (401 / UNAUTHENTICATED, rotation without a restart),
+readiness (503 with Retry-After), limits (429, 413), malformed bodies, and how request
+bodies are read. Generation through real pods is in tests/e2e/test_http.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from baton.api.v1 import api_pb2, api_pb2_grpc
+from baton.config import (
+    AuthConfig,
+    GatewayRoutingConfig,
+    GatewayServiceConfig,
+    HttpConfig,
+    ModelSourceConfig,
+    ServerConfig,
+)
+from baton.gateway.http.protocol import BadParameter, chat_request, completion_request
+from baton.gateway.local_cluster import free_port
+from baton.gateway.server import create_server
+from baton.routing import InMemoryStore
+from commands.cli_checkpoint import save_cli_checkpoint
+from test_servicer import wait_for
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_cli_checkpoint(tmp_path_factory.mktemp("http-model"))
+
+
+class Gateway:
+    def __init__(self, checkpoint, keys_file: str = "", max_streams: int = 4096,
+                 wait_s: float = 0.3) -> None:
+        config = GatewayServiceConfig(
+            server=ServerConfig(listen="127.0.0.1:0", max_streams=max_streams, max_message_mib=1),
+            model=ModelSourceConfig(path=str(checkpoint)),
+            gateway=GatewayRoutingConfig(reroute_wait_s=wait_s),
+            http=HttpConfig(port=free_port()), auth=AuthConfig(api_keys_file=keys_file))
+        self.server, self.grpc_port = create_server(config, store=InMemoryStore())
+        self.url = f"http://127.0.0.1:{config.http.port}"
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self._open(urllib.request.Request(self.url + path, data=data, headers={
+            "Content-Type": "application/json", **(headers or {})}))
+
+    def get(self, path: str):
+        return self._open(urllib.request.Request(self.url + path))
+
+    @staticmethod
+    def _open(request):
+        """(status, JSON body, headers), whatever the status."""
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read()), response.headers
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read()), error.headers
+
+    def close(self) -> None:
+        self.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def gateway(checkpoint):
+    running = Gateway(checkpoint)
+    yield running
+    running.close()
+
+
+def test_without_a_live_pod_health_and_generation_are_503_with_retry_after(gateway):
+    status, body, headers = gateway.get("/health")
+    assert status == 503 and headers["Retry-After"] == "1"
+    status, body, headers = gateway.post("/v1/completions", {"prompt": "def", "max_tokens": 2})
+    assert status == 503 and headers["Retry-After"] == "1"
+    assert body["error"]["type"] == "service_unavailable" and "no decode worker" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "must be a JSON object"),
+    (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', 413, "larger than 1048576 bytes"),
+    (b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "has no chat template"),
+])
+def test_malformed_and_oversized_bodies_get_their_status(gateway, body, status, words):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    got, answer, _ = gateway.post(path, body)
+    assert got == status and words in answer["error"]["message"], answer
+
+
+def test_unknown_paths_and_methods_answer_openai_error_bodies(gateway):
+    status, body, _ = gateway.get("/v1/nothing")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    status, body, _ = gateway.get("/v1/completions")
+    assert status == 405
+
+
+def test_a_gateway_streaming_its_limit_refuses_more_with_429(checkpoint):
+    full = Gateway(checkpoint, max_streams=1, wait_s=3.0)
+    try:
+        waiting = threading.Thread(target=full.post, args=("/v1/completions", {"prompt": "def"}))
+        waiting.start()  # waits up to 3 s for a decode pod, holding the one stream
+        try:
+            wait_for(lambda: full.server.http.streams == 1)
+            status, body, headers = full.post("/v1/completions", {"prompt": "def"})
+            assert status == 429 and headers["Retry-After"] == "1"
+            assert "limit (server.max_streams)" in body["error"]["message"]
+        finally:
+            waiting.join()
+    finally:
+        full.close()
+
+
+def test_api_keys_are_required_on_both_apis_and_a_rotated_file_applies_at_once(checkpoint, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nalice sk-alice-1\nsk-anonymous\n")
+    secured = Gateway(checkpoint, keys_file=str(keys))
+    try:
+        def models(key):
+            return openai.OpenAI(base_url=secured.url + "/v1", api_key=key, max_retries=0).models.list()
+
+        assert models("sk-alice-1").data[0].object == "model"
+        assert models("sk-anonymous").data
+        for wrong in ("sk-alice-2", "sk-alice-1x", "sk-alice-"):
+            with pytest.raises(openai.AuthenticationError) as error:
+                models(wrong)
+            assert error.value.status_code == 401 and error.value.body["code"] == "invalid_api_key"
+        status, _, _ = secured.post("/v1/completions", {"prompt": "def"})
+        assert status == 401, "no Authorization header"
+        assert secured.get("/health")[0] == 503, "health needs no key"
+
+        with grpc.insecure_channel(f"127.0.0.1:{secured.grpc_port}") as channel:
+            stub = api_pb2_grpc.BatonStub(channel)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ListModels(api_pb2.ListModelsRequest())
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.ListModels(api_pb2.ListModelsRequest(),
+                                   metadata=[("authorization", "Bearer sk-alice-1")]).models
+
+            keys.write_text("alice sk-alice-2\n")  # rotated: the old key is refused at once
+            with pytest.raises(openai.AuthenticationError):
+                models("sk-alice-1")
+            assert models("sk-alice-2").data
+            with pytest.raises(grpc.RpcError) as error:
+                stub.ListModels(api_pb2.ListModelsRequest(),
+                                metadata=[("authorization", "Bearer sk-alice-1")])
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        secured.close()
+
+
+# --- reading request bodies ----------------------------------------------------------------------
+
+def test_a_completion_body_reads_every_documented_field():
+    read = completion_request({
+        "model": "m", "prompt": [[5, 6, 7]], "max_tokens": 9, "temperature": 0.5, "top_p": 0.9,
+        "top_k": -1, "seed": 3, "stop": "\n\n", "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True, "stop_token_ids": [2],
+        "n": 1, "logprobs": None, "echo": False, "repetition_penalty": 1.0, "user": "ignored",
+        "compression": {"enabled": True, "keep_ratio": 0.7}})
+    assert read.token_ids == (5, 6, 7) and read.text is None and read.stream and read.include_usage
+    sampling = read.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed,
+            sampling.stop, sampling.stop_token_ids, sampling.ignore_eos) == (
+        9, 0.5, 0.9, 0, 3, ["\n\n"], [2], True)
+    assert (read.compression.enabled, read.compression.keep_ratio) == (True, 0.7)
+    assert completion_request({"prompt": "x"}).sampling.max_tokens == 16  # OpenAI's default
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": ["a", "b"]}, "prompt", "list of 2 prompts is not supported"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": [1, True]}, "prompt", "non-empty string or list of token ids"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "must be an integer"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature", "finite number"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+    ({"prompt": "x", "stop": [1]}, "stop", "string or a list of strings"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+    ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+    ({"prompt": "x", "compression": {"keep_ratio": 2}}, "compression", "keep_ratio must be in (0, 1]"),
+])
+def test_a_bad_completion_field_is_named(body, param, words):
+    with pytest.raises(BadParameter) as error:
+        completion_request(body)
+    assert error.value.param == param and words in str(error.value)
+
+
+def test_a_chat_body_reads_text_parts_and_the_token_limit_aliases():
+    read = chat_request({"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 5})
+    assert read.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert read.max_tokens == 5
+    assert chat_request({"messages": [{"role": "user", "content": "x"}]}).max_tokens is None
+    for messages, words in (([], "non-empty list"), ([{"role": "wizard", "content": "x"}], "'wizard'"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}], "only text parts")):
+        with pytest.raises(BadParameter) as error:
+            chat_request({"messages": messages})
+        assert error.value.param == "messages" and words in str(error.value)
+    with pytest.raises(BadParameter, match="logprobs"):
+        chat_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True})
