@@ -11,12 +11,14 @@ services cannot disagree about what is valid.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from baton.config import (
     ChainConfig,
     GatewayRoutingConfig,
+    HttpConfig,
     KVPoolConfig,
     ModelSourceConfig,
     PyramidConfig,
@@ -25,6 +27,7 @@ from baton.config import (
 
 REDIS_MODES = ("managed", "external")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # what Kubernetes allows as a key in a Secret
 
 
 class InvalidSpec(ValueError):
@@ -56,6 +59,9 @@ class GatewaySpec:
     replicas: int = 1
     service_type: str = "ClusterIP"
     tls_secret_name: str = ""
+    api_keys_secret_name: str = ""  # a Secret holding the API keys file, and its key
+    api_keys_secret_key: str = "keys"
+    http: HttpConfig = field(default_factory=HttpConfig)  # port 0 = the HTTP API is off
     routing: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
     resources: dict = field(default_factory=dict)
 
@@ -180,16 +186,33 @@ def _read_pyramid(spec: dict) -> PyramidConfig:
                   min_context=compression.get("minContext"))
 
 
+def _read_http(gateway: dict) -> HttpConfig:
+    http = gateway.get("http") or {}
+    enabled = http.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise InvalidSpec(f"spec.gateway.http.enabled must be true or false, got {enabled!r}")
+    port = _count(http, "gateway.http", "port", HttpConfig.port, minimum=1)
+    return _build("gateway.http", HttpConfig, port=port if enabled else 0)
+
+
 def _read_gateway(spec: dict) -> GatewaySpec:
     gateway = _section(spec, "gateway")
     routing = _section(spec, "routing")
     service_type = gateway.get("serviceType", GatewaySpec.service_type)
     if service_type not in SERVICE_TYPES:
         raise InvalidSpec(f"spec.gateway.serviceType {service_type!r} is not one of {SERVICE_TYPES}")
+    api_keys = gateway.get("apiKeys") or {}
+    api_keys_key = api_keys.get("key", GatewaySpec.api_keys_secret_key)
+    if not isinstance(api_keys_key, str) or not SECRET_KEY.fullmatch(api_keys_key):
+        raise InvalidSpec(f"spec.gateway.apiKeys.key {api_keys_key!r} is not a Secret key "
+                          f"(letters, digits, '-', '_' and '.')")
     return GatewaySpec(
         replicas=_count(gateway, "gateway", "replicas", GatewaySpec.replicas, minimum=1),
         service_type=service_type,
         tls_secret_name=(gateway.get("tls") or {}).get("secretName", ""),
+        api_keys_secret_name=api_keys.get("secretName", ""),
+        api_keys_secret_key=api_keys_key,
+        http=_read_http(gateway),
         routing=_build("routing", GatewayRoutingConfig,
                        prefill_threshold_tokens=routing.get("prefillThresholdTokens"),
                        chain_max_queued_tokens=routing.get("chainMaxQueuedTokens"),

@@ -3,7 +3,8 @@
     <name>-prefill-<i>   StatefulSet + headless Service per chain: p pods, rank = pod ordinal,
                          rank 0's stable DNS name is the torch.distributed rendezvous
     <name>-decode        Deployment of SARATHI decode workers
-    <name>-gateway       Deployment + Service: the client endpoint
+    <name>-gateway       Deployment + Service: the client endpoint (gRPC, and the OpenAI
+                         HTTP API on Service port `http` unless turned off)
     <name>-redis         Deployment + Service, only when Redis is managed
     <name>-partitions    ConfigMap with the KV-Runahead partition table, when one is given
 
@@ -20,6 +21,7 @@ import hashlib
 from typing import Any
 
 from baton.config import (
+    AuthConfig,
     DecodeServiceConfig,
     GatewayServiceConfig,
     ModelSourceConfig,
@@ -29,7 +31,7 @@ from baton.config import (
 )
 from baton.configtree import flag_names
 
-from baton_operator.spec import ServiceSpec
+from baton_operator.spec import InvalidSpec, ServiceSpec
 
 GATEWAY_PORT = 50051
 DECODE_PORT = 50061
@@ -43,6 +45,7 @@ TERMINATION_MARGIN_S = 15  # past server.grace_s: stopping the engine, leaving r
 PARTITIONS_DIR = "/etc/baton/partitions"
 PARTITIONS_FILE = "partitions.json"
 TLS_DIR = "/etc/baton/tls"
+API_KEYS_DIR = "/etc/baton/api-keys"  # the whole Secret volume: the kubelet refreshes it in place
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
 
 
@@ -129,11 +132,23 @@ def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeService
         routing=_routing(name, namespace, spec))
 
 
+def _api_keys_file(spec: ServiceSpec) -> str:
+    if not spec.gateway.api_keys_secret_name:
+        return ""
+    return f"{API_KEYS_DIR}/{spec.gateway.api_keys_secret_key}"
+
+
 def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServiceConfig:
+    http_port = spec.gateway.http.port
+    if http_port in (GATEWAY_PORT, METRICS_PORT):
+        raise InvalidSpec(f"spec.gateway.http.port {http_port} is the gateway pod's "
+                          f"{'gRPC' if http_port == GATEWAY_PORT else 'metrics'} port: pick another")
     return GatewayServiceConfig(
         server=_server(GATEWAY_PORT, "$(POD_IP)"), model=dataclasses.replace(
             _model_config(spec), device="cpu"),  # the gateway only tokenizes
-        gateway=spec.gateway.routing, routing=_routing(name, namespace, spec))
+        gateway=spec.gateway.routing, routing=_routing(name, namespace, spec),
+        http=dataclasses.replace(spec.gateway.http, host="0.0.0.0"),
+        auth=AuthConfig(api_keys_file=_api_keys_file(spec)))
 
 
 def _field_env(name: str, path: str) -> dict:
@@ -182,6 +197,13 @@ def _volumes(name: str, spec: ServiceSpec, role: str) -> tuple[list[dict], list[
     if role == "gateway" and spec.gateway.tls_secret_name:
         volumes.append({"name": "tls", "secret": {"secretName": spec.gateway.tls_secret_name}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    if role == "gateway" and spec.gateway.api_keys_secret_name:
+        # No subPath: the kubelet updates a whole-volume mount when the Secret changes, and
+        # the gateway re-reads the file. A key missing from the Secret keeps the pod from starting.
+        key = spec.gateway.api_keys_secret_key
+        volumes.append({"name": "api-keys", "secret": {
+            "secretName": spec.gateway.api_keys_secret_name, "items": [{"key": key, "path": key}]}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -200,6 +222,8 @@ def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port:
                                                        "containerPort": METRICS_PORT}]
     if role == "prefill":
         ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT})
+    if role == "gateway" and spec.gateway.http.port:
+        ports.append({"name": "http", "containerPort": spec.gateway.http.port})
     annotations = {}
     if role == "prefill" and spec.prefill.partition_table:
         # A new table must restart the chains that read it at startup.
@@ -280,9 +304,11 @@ def decode_workers(name: str, namespace: str, spec: ServiceSpec, replicas: int) 
 def gateway(name: str, namespace: str, spec: ServiceSpec) -> list[dict]:
     args = config_arguments(gateway_config(name, namespace, spec))
     template = pod_template(name, spec, "gateway", args, GATEWAY_PORT, spec.gateway.resources)
+    ports = [_port("grpc", GATEWAY_PORT)]
+    if spec.gateway.http.port:
+        ports.append(_port("http", spec.gateway.http.port))
     return [_deployment(name, "gateway", spec.gateway.replicas, template),
-            _service(name, "gateway", f"{name}-gateway", [_port("grpc", GATEWAY_PORT)],
-                     type=spec.gateway.service_type)]
+            _service(name, "gateway", f"{name}-gateway", ports, type=spec.gateway.service_type)]
 
 
 def redis(name: str, spec: ServiceSpec) -> list[dict]:

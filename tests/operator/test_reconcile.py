@@ -142,6 +142,9 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
     ({"decode": {"tokenBudget": 64, "replicas": -1}}, "decode.replicas"),
     ({"prefill": {"ranksPerChain": 0}}, "chain ranks"),
     ({"routing": {"chainFailure": "retry"}}, "chain_failure"),
+    ({"gateway": {"http": {"port": 9090}}}, "the gateway pod's metrics port"),
+    ({"gateway": {"http": {"port": 70000}}}, "http port 70000 is not a port"),
+    ({"gateway": {"apiKeys": {"secretName": "keys", "key": "../keys"}}}, "apiKeys.key"),
 ])
 def test_invalid_spec_sets_degraded_and_builds_nothing(cluster, reconciler, bad, says):
     from baton_operator.spec import InvalidSpec
@@ -196,7 +199,9 @@ def test_everything_written_validates_against_the_schemas(cluster, reconciler):
         **SPEC, "model": {"source": {"hostPath": "/data/models/llama"}, "revision": "r1"},
         "prefill": {"chains": 1, "ranksPerChain": 2, "partitionTable": '{"entries": []}'},
         "redis": {"mode": "external", "external": {"urlSecretRef": {"name": "redis-url"}}},
-        "gateway": {"tls": {"secretName": "gateway-tls"}, "serviceType": "LoadBalancer"},
+        "gateway": {"tls": {"secretName": "gateway-tls"}, "serviceType": "LoadBalancer",
+                    "http": {"enabled": True, "port": 8080},
+                    "apiKeys": {"secretName": "gateway-keys", "key": "keys.txt"}},
         "gpu": {"perPod": 1, "ncclEnv": {"NCCL_DEBUG": "WARN"}},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]})
     _reconcile(cluster, reconciler)
@@ -221,3 +226,39 @@ def test_the_failure_policies_reach_the_gateway(cluster, reconciler):
     assert _flag(args, "--gateway-chain-failure") == "fail"
     assert float(_flag(args, "--gateway-reroute-wait-s")) == 5
     assert _flag(args, "--gateway-chain-max-queued-tokens") == "0"
+
+
+def _container(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_http_api_and_api_keys_reach_the_gateway(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "gateway": {
+        "http": {"port": 8080}, "apiKeys": {"secretName": "gateway-keys"}}})
+    _reconcile(cluster, reconciler)
+    deployment = cluster.kube.get("Deployment", NS, "demo-gateway")
+    container = _container(deployment)
+    assert {"name": "http", "containerPort": 8080} in container["ports"]
+    assert _flag(container["args"], "--http-host") == "0.0.0.0"
+    assert _flag(container["args"], "--http-port") == "8080"
+    ports = cluster.kube.get("Service", NS, "demo-gateway")["spec"]["ports"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in ports] == [
+        ("grpc", 50051, "grpc"), ("http", 8080, "http")]
+    # The keys file is inside the read-only Secret volume (whole, so the kubelet refreshes it).
+    assert _flag(container["args"], "--auth-api-keys-file") == "/etc/baton/api-keys/keys"
+    assert {"name": "api-keys", "mountPath": "/etc/baton/api-keys", "readOnly": True} in \
+        container["volumeMounts"]
+    assert {"name": "api-keys", "secret": {"secretName": "gateway-keys", "items": [
+        {"key": "keys", "path": "keys"}]}} in deployment["spec"]["template"]["spec"]["volumes"]
+
+    # Turning the HTTP API off and the keys away takes both out of the running objects.
+    cluster.kube.patch("BatonService", NS, "demo", {"metadata": {"generation": 2}, "spec": {
+        "gateway": {"http": {"enabled": False}, "apiKeys": None}}})
+    _reconcile(cluster, reconciler)
+    container = _container(cluster.kube.get("Deployment", NS, "demo-gateway"))
+    assert [p["name"] for p in container["ports"]] == ["grpc", "metrics"]
+    assert _flag(container["args"], "--http-port") == "0"
+    assert "--auth-api-keys-file" not in container["args"]
+    assert "api-keys" not in {m["name"] for m in container["volumeMounts"]}
+    ports = cluster.kube.get("Service", NS, "demo-gateway")["spec"]["ports"]
+    assert [p["name"] for p in ports] == ["grpc"]
