@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import helm_python
 import pytest
+from baton.config import HttpConfig
 from baton_operator import workloads
 from baton_operator.spec import read_spec
 from chart_render import CHART, KUBE_VERSION, NAMESPACE, objects, render, validate
@@ -130,17 +131,53 @@ def test_network_policy_admits_only_the_request_paths():
     assert sources("prefill") == [["gateway"], ["prefill"]]  # ranks meet on any port
     assert sources("redis") == [["decode", "gateway", "prefill"]]
     # The chart's ports are the operator's ports.
-    assert ports("gateway") == [workloads.GATEWAY_PORT]
+    assert ports("gateway") == [workloads.GATEWAY_PORT, HttpConfig().port]
     assert ports("decode") == [workloads.DECODE_PORT]
     assert ports("prefill") == [workloads.PREFILL_PORT]
     assert ports("redis") == [workloads.REDIS_PORT]
+
+
+def _gateway_values(gateway: dict | None, clients_from: list | None = None) -> dict:
+    return {"service": {"spec": {"gateway": gateway}},
+            "networkPolicy": {"enabled": True, "clientsFrom": clients_from or []}}
+
+
+def _gateway_policy_and_pod(values: dict) -> tuple[dict, dict]:
+    """The chart's gateway NetworkPolicy and the gateway container the operator makes."""
+    rendered = objects(values)
+    policy = next(o for o in rendered if o["metadata"]["name"] == "baton-gateway")
+    service = next(o for o in rendered if o["kind"] == "BatonService")
+    children = workloads.children("baton", NAMESPACE, read_spec(service["spec"], "unused"), 1, 1)
+    deployment = next(o for o in children if o["metadata"]["name"] == "baton-gateway"
+                      and o["kind"] == "Deployment")
+    return policy, deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("gateway, http_port", [
+    ({"http": {"port": 8080}}, 8080),
+    ({"http": None}, HttpConfig().port),  # values without it: the template's and the gateway's default
+    ({"http": {"enabled": False}}, None),
+])
+def test_clients_reach_the_http_port_exactly_as_the_grpc_port(gateway, http_port):
+    clients = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    for clients_from in (clients, []):
+        policy, container = _gateway_policy_and_pod(_gateway_values(gateway, clients_from))
+        (rule,) = policy["spec"]["ingress"]  # one rule: the same peers for every client port
+        wanted = [workloads.GATEWAY_PORT] + ([http_port] if http_port else [])
+        assert [p["port"] for p in rule["ports"]] == wanted
+        assert rule.get("from", []) == clients_from  # none: anyone
+        # The port the policy opens is the one the operator gives the container.
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}.get("http") == http_port
 
 
 def test_values_schema_rejects_bad_values():
     with helm_python.Chart.load(CHART) as chart:
         chart.validate_schema({})
         for bad in ({"operator": {"replicas": 0}}, {"image": {"pullPolicy": "Sometimes"}},
-                    {"service": {"spec": {"decode": {"replicas": -1}}}}, {"typo": 1}):
+                    {"service": {"spec": {"decode": {"replicas": -1}}}}, {"typo": 1},
+                    {"service": {"spec": {"gateway": {"http": {"port": 0}}}}},
+                    {"service": {"spec": {"gateway": {"http": {"prot": 8080}}}}},
+                    {"service": {"spec": {"gateway": {"apiKeys": {"key": "a/b"}}}}}):
             with pytest.raises(helm_python.errors.HelmError):
                 chart.validate_schema(bad)
 
@@ -148,4 +185,10 @@ def test_values_schema_rejects_bad_values():
 def test_notes_tell_how_to_call_and_scale():
     notes = render()["baton/templates/NOTES.txt"]
     assert "port-forward svc/baton-gateway 50051:50051" in notes
+    assert "port-forward svc/baton-gateway 8000:8000" in notes
+    assert "Authorization" not in notes
+    keyed = render({"service": {"spec": {"gateway": {"apiKeys": {"secretName": "keys"}}}}})
+    assert 'Authorization: Bearer $KEY' in keyed["baton/templates/NOTES.txt"]
+    grpc_only = render({"service": {"spec": {"gateway": {"http": {"enabled": False}}}}})
+    assert "8000" not in grpc_only["baton/templates/NOTES.txt"]
     assert "kubectl -n serving scale batonpool/baton-decode --replicas=4" in notes

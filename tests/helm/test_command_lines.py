@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from baton.config import HttpConfig
 from baton_operator import __main__ as operator_main
 from baton_operator import workloads
 from baton_operator.spec import read_spec
@@ -84,6 +85,49 @@ def test_operator_containers_parse_as_baton_commands(chart_values, monkeypatch):
     for config in configs.values():
         assert config.routing.redis_url == "redis://baton-redis.serving.svc:6379/0"
         assert config.server.metrics_port == workloads.METRICS_PORT
+    assert configs["baton-gateway"].http.host == "0.0.0.0"  # reachable from other pods
+    assert configs["baton-gateway"].http.port == HttpConfig().port
+    assert configs["baton-gateway"].auth.api_keys_file == ""  # no Secret named: no keys
+
+
+def _gateway(values: dict) -> tuple[dict, dict, dict]:
+    """The operator's gateway Deployment, its container and its Service, for chart values."""
+    children = {(o["kind"], o["metadata"]["name"]): o for o in operator_children(values)}
+    deployment = children["Deployment", "baton-gateway"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return deployment, container, children["Service", "baton-gateway"]
+
+
+def test_the_gateway_serves_http_on_its_service_port_named_http(monkeypatch):
+    values = {"service": {"spec": {"gateway": {"http": {"port": 8080}}}}}
+    _, container, service = _gateway(values)
+    config = load_with_baton_cli(container, monkeypatch)
+    assert (config.http.host, config.http.port) == ("0.0.0.0", 8080)
+    assert {"name": "http", "containerPort": 8080} in container["ports"]
+    http = next(p for p in service["spec"]["ports"] if p["name"] == "http")
+    assert (http["port"], http["targetPort"]) == (8080, "http")
+
+
+def test_a_gateway_without_http_passes_port_0(monkeypatch):
+    _, container, service = _gateway({"service": {"spec": {"gateway": {"http": {"enabled": False}}}}})
+    assert "--http-port" in container["args"]
+    assert load_with_baton_cli(container, monkeypatch).http.port == 0
+    assert "http" not in {p["name"] for p in container["ports"]}
+    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc"]
+
+
+def test_the_api_keys_file_lies_in_the_mounted_secret(monkeypatch):
+    values = {"service": {"spec": {"gateway": {"apiKeys": {"secretName": "gateway-keys",
+                                                             "key": "keys.txt"}}}}}
+    deployment, container, _ = _gateway(values)
+    keys_file = load_with_baton_cli(container, monkeypatch).auth.api_keys_file
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if v.get("secret", {}).get("secretName") == "gateway-keys"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True and "subPath" not in mount  # subPath mounts never refresh
+    (item,) = volume["secret"]["items"]
+    assert item["key"] == "keys.txt"
+    assert keys_file == f"{mount['mountPath']}/{item['path']}"
 
 
 def test_external_redis_url_reaches_every_role_from_the_secret(monkeypatch):
