@@ -1,6 +1,6 @@
 """`baton up --demo --exit-after-demo`: the whole service comes up as processes, streams a
-short prompt through a decode pod and a long one through the chain, and leaves nothing
-running behind it."""
+short prompt through a decode pod and a long one through the chain, answers the short one
+again over the OpenAI HTTP API, and leaves nothing running behind it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from baton.gateway.local_cluster import free_port
 from baton.model.loader import SHIPPED_MODEL_DIR
 from redis_server import redis_server_binary
 
@@ -21,13 +22,17 @@ def test_up_demo_shows_both_paths_and_stops_every_process():
         pytest.skip("needs redis-server and the shipped model")
     completed = subprocess.run(
         [sys.executable, "-m", "baton.cli", "up", "--demo", "--exit-after-demo",
-         "--listen", "127.0.0.1:0", "--max-tokens", "8", "--prefill-threshold-tokens", "200"],
+         "--listen", "127.0.0.1:0", "--http-port", str(free_port()), "--max-tokens", "8",
+         "--prefill-threshold-tokens", "200"],
         capture_output=True, text=True, timeout=240, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]
     output = completed.stdout
     local, chained = re.findall(r"--- TTFT (\d+) ms, (\d+) tokens .*; path: (.*);", output)
     assert local[2].startswith("prefilled on decode pod") and int(local[1]) > 0
     assert chained[2].startswith("prefill chain chain-0 (slices [0, ") and int(chained[1]) > 0
+    assert re.search(r"=== OpenAI API: POST http://127\.0\.0\.1:\d+/v1/completions -> length after "
+                     r"8 tokens \(path: local\)", output), output
+    assert "try: curl http://127.0.0.1:" in output
     # Every child named the private Redis on its command line; none may outlive the command,
     # nor may that redis-server (its title shows its port).
     redis_url = re.search(r"routing in (redis://127\.0\.0\.1:(\d+)/0)", output)

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             if args.demo:
                 _demo(cluster.gateway_address, args.max_tokens, args.prefill_threshold_tokens)
                 if cluster.gateway_http_url:
-                    print(f"\n{_curl_line(cluster.gateway_http_url)}", flush=True)
+                    _demo_http(cluster.gateway_http_url, args.max_tokens)
                 if args.exit_after_demo:
                     return 0
             print("serving; Ctrl-C stops every process", flush=True)
@@ -117,10 +117,23 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
         client.close()
 
 
-def _curl_line(base_url: str) -> str:
-    """A curl command for the HTTP API, as a user would type it."""
-    body = '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
-    return f"try: curl {base_url}/completions -H 'Content-Type: application/json' -d '{body}'"
+def _demo_http(base_url: str, max_tokens: int) -> None:
+    """The short prompt again through the OpenAI HTTP API, then the curl line that did it."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"prompt": DEMO_SHORT_PROMPT, "max_tokens": max_tokens, "temperature": 0})
+    request = urllib.request.Request(f"{base_url}/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    choice = answer["choices"][0]
+    print(f"\n=== OpenAI API: POST {base_url}/completions -> {choice['finish_reason']} after "
+          f"{answer['usage']['completion_tokens']} tokens (path: {answer['baton']['route']['path']})",
+          flush=True)
+    print(DEMO_SHORT_PROMPT + choice["text"], flush=True)
+    print(f"try: curl {base_url}/completions -H 'Content-Type: application/json' -d '{body}'",
+          flush=True)
 
 
 def _long_prompt(client, threshold_tokens: int, max_tokens: int) -> str:
