@@ -154,7 +154,16 @@ def test_each_bad_request_gets_its_status_and_openais_error_body(api, model_id, 
         assert body["code"] == "model_not_found" and "gpt-9" in body["message"]
 
 
+def cancelled_streams(cluster) -> float:
+    """The gateway's count of streams whose client went away before their end."""
+    metrics = urllib.request.urlopen(cluster.gateway_http_url.removesuffix("/v1") + "/metrics")
+    lines = [line for line in metrics.read().decode().splitlines()
+             if line.startswith("baton_gateway_requests_finished_total{") and 'outcome="CANCELLED"' in line]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_the_kv(cluster, api, model_id):
+    before = cancelled_streams(cluster)
     body = json.dumps({"model": model_id, "prompt": PROMPT, "max_tokens": 600, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
     request = urllib.request.Request(f"{cluster.gateway_http_url}/completions", data=body,
@@ -163,8 +172,16 @@ def test_a_client_that_disconnects_mid_stream_frees_the_kv(cluster, api, model_i
         events = [response.readline() for _ in range(6)]  # three events and their blank lines
     assert all(line.startswith(b"data: {") for line in events[::2]), events
     wait_until(lambda: all_kv_free(cluster), 10, "the decode pods to free a disconnected request")
-    metrics = urllib.request.urlopen(cluster.gateway_http_url.removesuffix("/v1") + "/metrics").read()
-    assert b'outcome="CANCELLED"' in metrics
+    assert cancelled_streams(cluster) == before + 1, "counted as the client going away"
+
+
+def test_a_finished_stream_is_counted_by_its_finish_reason_not_as_cancelled(cluster, api, model_id):
+    before = cancelled_streams(cluster)
+    for stream in (False, True):
+        answer = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=3, stream=stream)
+        if stream:
+            list(answer)  # read to [DONE]
+    assert cancelled_streams(cluster) == before
 
 
 def test_health_is_ok_while_requests_can_be_routed(cluster, client):

@@ -128,7 +128,8 @@ class Generations:
                 outcome = convert.status_for(e).name
                 raise
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away
-            outcome = grpc.StatusCode.CANCELLED.name
+            if not live.completed:  # (a caller may close the stream after its last step)
+                outcome = grpc.StatusCode.CANCELLED.name
             raise
         finally:
             # Cancelled, failed or closed before its end: the pods still hold the request;
