@@ -196,6 +196,25 @@ class ServerConfig:
         require(self.grace_s >= 0, f"grace_s must be >= 0, got {self.grace_s}")
 
 
+@dataclass
+class MtlsConfig:
+    """Mutual TLS between pods (baton.mtls): one CA; each pod's certificate names its role."""
+
+    ca: str = setting("", "PEM CA bundle that signs every internal certificate (e.g. "
+                      "/etc/baton/mtls/ca.crt)")
+    cert: str = setting("", "this pod's PEM certificate, common name baton-<role> (or "
+                        "baton-internal), DNS name baton.internal; served and presented as client")
+    key: str = setting("", "the PEM private key of cert")
+    insecure: bool = setting(False, "plaintext, unauthenticated internal calls (only when asked: a "
+                             "service without certificates refuses to start otherwise)")
+
+    def __post_init__(self) -> None:
+        given = [bool(self.ca), bool(self.cert), bool(self.key)]
+        require(all(given) or not any(given),
+                f"mtls ca {self.ca!r}, cert {self.cert!r} and key {self.key!r} go together: set all "
+                f"three or none")
+
+
 GATEWAY_POLICIES = ("least-loaded",)
 CHAIN_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -244,6 +263,7 @@ class DecodeServiceConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    mtls: MtlsConfig = field(default_factory=MtlsConfig)
 
 
 @dataclass
@@ -255,6 +275,7 @@ class PrefillServiceConfig:
     chain: ChainConfig = field(default_factory=ChainConfig)
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    mtls: MtlsConfig = field(default_factory=MtlsConfig)
 
 
 @dataclass
@@ -291,6 +312,7 @@ class GatewayServiceConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    mtls: MtlsConfig = field(default_factory=MtlsConfig)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What every baton gRPC server shares: binding (plaintext or TLS), the standard health
+"""What every baton gRPC server shares: binding (plaintext, TLS, or an internal port's mTLS
+credentials from ``baton.mtls``), the standard health
 service, the advertised address, the release version and a graceful stop on SIGTERM/SIGINT.
 
 Every server is an ``AsyncGrpcServer``: ``grpc.aio`` on an event loop of its own thread, so
@@ -71,10 +72,13 @@ class _Binding:
     """Binding and the advertised address, the same for both kinds of server."""
 
     config: ServerConfig
+    credentials: grpc.ServerCredentials | None = None  # an internal port's mTLS (baton.mtls)
 
     def _bind(self, server) -> int:
         try:
-            if not self.config.tls_cert:
+            if self.credentials is not None:
+                port = server.add_secure_port(self.config.listen, self.credentials)
+            elif not self.config.tls_cert:
                 port = server.add_insecure_port(self.config.listen)
             else:
                 credentials = grpc.ssl_server_credentials([
@@ -113,9 +117,10 @@ class AsyncGrpcServer(_Binding):
     once per step) or ``call``."""
 
     def __init__(self, config: ServerConfig, register: Callable[[grpc.aio.Server], None],
-                 service_names: list[str]) -> None:
+                 service_names: list[str], credentials: grpc.ServerCredentials | None = None) -> None:
         self.config = config
         self.service_names = service_names
+        self.credentials = credentials
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 from baton.api.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from baton.config import KVPoolConfig
@@ -54,8 +53,11 @@ def long_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def worker_load(address: str, role: str) -> WorkerLoad:
-    with grpc.insecure_channel(address) as channel:
+def worker_load(cluster, address: str, role: str) -> WorkerLoad:
+    """A pod's load, asked over its internal port with the cluster's gateway certificate."""
+    from baton.mtls import Mtls
+
+    with Mtls(cluster.mtls_for("gateway")).channel(address, []) as channel:
         stub = (decode_pb2_grpc.DecodeStub(channel) if role == "decode"
                 else prefill_pb2_grpc.PrefillStub(channel))
         message = stub.Stats(common_pb2.StatsRequest(), timeout=5)
@@ -78,7 +80,7 @@ def decode_addresses(cluster) -> list[str]:
 
 def all_kv_free(cluster) -> bool:
     """Every decode pod of ``cluster`` holds no sequence and no KV."""
-    loads = [worker_load(address, "decode") for address in decode_addresses(cluster)]
+    loads = [worker_load(cluster, address, "decode") for address in decode_addresses(cluster)]
     return all(load.free_kv_blocks == load.total_kv_blocks and load.running_sequences == 0
                for load in loads)
 

@@ -126,7 +126,7 @@ def test_abort_mid_stream_ends_the_stream_and_frees_the_kv_everywhere(cluster, c
     assert sum(len(s.token_ids) for s in steps) < 600
     wait_until(lambda: all_kv_free(cluster), 10, "the decode pods to free the aborted KV")
     chain_head = cluster_chain_address(cluster)
-    wait_until(lambda: worker_load(chain_head, "prefill").queued_requests == 0, 10,
+    wait_until(lambda: worker_load(cluster, chain_head, "prefill").queued_requests == 0, 10,
                "the chain to drop the request")
     assert not client.abort(request.request_id), "nothing is left to abort"
 

@@ -14,7 +14,9 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 
 def _instructions(name: str) -> list[str]:
-    return re.findall(rf"^{name}\s+(.+)$", DOCKERFILE, flags=re.MULTILINE)
+    """Each `name` instruction's arguments, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    return re.findall(rf"^{name}\s+(.+)$", joined, flags=re.MULTILINE)
 
 
 def _copied() -> list[str]:
@@ -54,3 +56,21 @@ def test_cpu_and_cuda_bases_by_build_argument():
     pinned = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     torch_version = re.search(r"ARG TORCH_VERSION=(\S+)", DOCKERFILE)[1]
     assert f"torch=={torch_version}" in pinned
+
+
+def test_torch_source_is_a_build_argument_with_the_cpu_index_by_default():
+    # `make image TORCH_WHEELS=DIR` sets TORCH_FIND_LINKS; users get the CPU index.
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in DOCKERFILE
+    assert re.search(r"^ARG TORCH_FIND_LINKS=$", DOCKERFILE, flags=re.MULTILINE)
+    install = " ".join(_instructions("RUN"))
+    assert "pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION}" in install
+    assert ("pip install --no-index --no-deps --find-links ${TORCH_FIND_LINKS} "
+            "torch==${TORCH_VERSION}") in install
+
+
+def test_redis_server_is_installed_for_baton_up():
+    # `baton up` starts its own redis-server (gateway/local_cluster.py, ManagedRedis).
+    (system_packages, *_) = _instructions("RUN")
+    assert "command -v redis-server" in system_packages
+    assert 'packages="$packages redis-server"' in system_packages
+    assert "apt-get install -y --no-install-recommends $packages" in system_packages

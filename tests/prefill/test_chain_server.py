@@ -1,10 +1,12 @@
 """A 2-rank prefill chain as real `baton prefill` processes (gloo) whose tail pushes to a real
-decode server in this process: the streamed tokens equal the monolithic engine."""
+decode server in this process (both registered in a real redis-server): the streamed tokens
+equal the monolithic engine, and the chain pushes only to registered decode pods."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ import time
 import grpc
 import pytest
 from baton.api.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from baton.routing.redis_store import RedisStore
 from baton.runahead.local import free_port
 from decode.decode_servers import (
     collect,
@@ -21,6 +24,7 @@ from decode.decode_servers import (
     start_decode_server,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis_server import RedisServer, redis_server_binary
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +39,23 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def decode_server(checkpoint):
-    server, _ = start_decode_server(checkpoint)
+def redis(tmp_path_factory):
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed; `make setup` installs it")
+    server = RedisServer(tmp_path_factory.mktemp("chain-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def decode_server(checkpoint, redis):
+    server, _ = start_decode_server(checkpoint, store=RedisStore(redis.url))
     yield server
     server.stop(0)
 
 
 @pytest.fixture(scope="module")
-def chain(checkpoint, tmp_path_factory):
+def chain(checkpoint, redis, tmp_path_factory):
     """Rank 0 and rank 1 of chain-test, as `baton prefill` processes; yields rank 0's port."""
     grpc_port, master_port = free_port(), free_port()
     logs = tmp_path_factory.mktemp("chain-logs")
@@ -55,7 +68,8 @@ def chain(checkpoint, tmp_path_factory):
                        "--chain-chain-id", "chain-test", "--chain-master-port", str(master_port),
                        "--chain-backend", "gloo", "--chain-timeout-s", "30",
                        "--pyramid-enabled", "false", "--server-listen", f"127.0.0.1:{grpc_port}",
-                       "--server-grace-s", "1"]
+                       "--server-grace-s", "1", "--mtls-insecure", "true",
+                       "--routing-redis-url", redis.url]
             log = files.enter_context(open(logs / f"rank{rank}.log", "w"))
             processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                               env=environment))
@@ -135,10 +149,16 @@ def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_
         with pytest.raises(grpc.RpcError) as error:
             list(stub.Prefill(request, timeout=60))
         assert error.value.code() == code and named in error.value.details()
-    # A decode pod that is not there: the tail's push fails, the caller hears why.
-    with pytest.raises(grpc.RpcError) as error:
-        list(stub.Prefill(prefill_request("no-decode", f"127.0.0.1:{free_port()}"), timeout=120))
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    # An address that is no registered decode pod: refused before anything connects to it
+    # (a caller cannot make the chain probe or push KV to a host of its choice).
+    with socket.create_server(("127.0.0.1", 0)) as bait:
+        bait.settimeout(0.5)
+        target = f"127.0.0.1:{bait.getsockname()[1]}"
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Prefill(prefill_request("elsewhere", target), timeout=60))
+        assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED and target in error.value.details()
+        with pytest.raises(TimeoutError):
+            bait.accept()
     with pytest.raises(grpc.RpcError) as error:
         stub.Abort(common_pb2.AbortRequest(request_id="nobody"), timeout=10)
     assert error.value.code() == grpc.StatusCode.NOT_FOUND

@@ -21,6 +21,7 @@ from baton.decode.servicer import DecodeServicer
 from baton.decode.worker import DecodeWorker
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
+from baton.mtls import Mtls
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.sarathi.engine import Engine
@@ -37,8 +38,10 @@ class DecodeServer:
         self.store = store or open_store(config.routing)
         self.registry = CollectorRegistry()
         self.metrics = DecodeMetrics(self.registry)
-        self.servicer = DecodeServicer(config.kv.max_pending_pushes)
-        self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME])
+        self.mtls = Mtls(config.mtls)
+        self.servicer = DecodeServicer(config.kv.max_pending_pushes, self.mtls)
+        self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME],
+                                    self.mtls.server_credentials() if self.mtls.enabled else None)
         self.port, self.address = self.grpc.port, self.grpc.address
         self.incarnation = new_incarnation()
         self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)
@@ -96,6 +99,7 @@ def create_server(config: DecodeServiceConfig,
 def serve(config: DecodeServiceConfig) -> int:
     """Run until SIGTERM/SIGINT, then stop gracefully."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    Mtls(config.mtls).check_service("decode")
     server, _ = create_server(config)
     run_until_signalled(server.stop)
     return 0

@@ -20,11 +20,13 @@ import grpc
 
 from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from baton.config import MtlsConfig
 from baton.decode.receiver import Incarnation, receive_cache
 from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestNotFound
 from baton.errors import check_incarnation
 from baton.kv.wire import KVSpec
+from baton.mtls import Mtls, PermissionDenied, require_role
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Serves one ``DecodeWorker``; UNAVAILABLE until ``ready(worker, spec, loop)`` and after
     ``drain()``."""
 
-    def __init__(self, max_pending_pushes: int = 64) -> None:
+    def __init__(self, max_pending_pushes: int = 64, mtls: Mtls | None = None) -> None:
+        self.mtls = mtls or Mtls(MtlsConfig())
         self.worker: DecodeWorker | None = None
         self.spec: KVSpec | None = None
         self.changes: Changes | None = None
@@ -104,7 +107,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def drain(self) -> None:
         self.draining = True
 
-    async def _worker(self, context: grpc.aio.ServicerContext) -> DecodeWorker:
+    async def _worker(self, context: grpc.aio.ServicerContext, roles: tuple[str, ...],
+                      what: str) -> DecodeWorker:
+        """The worker, for a caller whose certificate names one of ``roles`` (PERMISSION_DENIED
+        otherwise: a client of the gateway cannot push KV or attach to a request here)."""
+        try:
+            require_role(context, self.mtls, roles, what)
+        except PermissionDenied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         if self.worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode pod is still loading its model")
         if self.draining:
@@ -115,7 +125,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def PushKV(self, request_iterator: AsyncIterator[decode_pb2.PushKVRequest],
                      context) -> decode_pb2.PushKVResponse:
-        worker = await self._worker(context)
+        worker = await self._worker(context, ("prefill",), "PushKV")
         if self.pushes_in_progress >= self.max_pending_pushes:
             worker.metrics.kv_pushes_rejected.labels(code="RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -137,7 +147,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                          bytes_received=cache.num_bytes)
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
-        worker = await self._worker(context)
+        worker = await self._worker(context, ("gateway",), "Generate")
         try:
             self._check_incarnation(f"request {request.request_id!r}", request.incarnation)
             stream = worker.submit_prompt(convert.decode_request_from_proto(request))
@@ -147,7 +157,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield message
 
     async def Attach(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
-        worker = await self._worker(context)
+        worker = await self._worker(context, ("gateway",), "Attach")
         try:
             self._check_incarnation(f"the Attach of {request.request_id!r}", request.incarnation)
             stream = await self._attach(worker, request.request_id, attach_wait_s(request.wait_s))
@@ -157,14 +167,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield message
 
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
-        worker = await self._worker(context)
+        worker = await self._worker(context, ("gateway",), "Abort")
         if not worker.abort(request.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no request {request.request_id!r} on this decode pod")
         return common_pb2.AbortResponse(found=True)
 
     async def Stats(self, request, context) -> common_pb2.WorkerLoad:
-        return convert.worker_load_to_proto((await self._worker(context)).load)
+        worker = await self._worker(context, ("gateway", "prefill", "decode"), "Stats")
+        return convert.worker_load_to_proto(worker.load)
 
     def _check_incarnation(self, what: str, theirs: str) -> None:
         check_incarnation(what, self.incarnation.address, self.incarnation.id, theirs)

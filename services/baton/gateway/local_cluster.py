@@ -13,6 +13,11 @@ free localhost port (no persistence; ``make setup`` installs the binary) and sto
 the rest; with ``redis_url`` it uses that Redis. The in-memory store remains the default of
 the single-process tools (``baton generate``).
 
+Internal calls are mTLS like a deployed service's (``baton.mtls``): the cluster makes a
+private CA at start and a certificate per role under ``log_dir/pki`` (``spec.mtls``; off,
+every child gets ``--mtls-insecure``). ``mtls_for(role)`` hands a test or a benchmark the
+certificate of a role to call the pods' internal ports with.
+
 Children die with the cluster: ``stop()`` (also on any start-up failure and on exit from
 the ``with`` block) sends SIGTERM, waits ``STOP_TIMEOUT_S``, then SIGKILL; and on Linux each
 child asks the kernel for SIGTERM when its parent dies, so even a killed ``baton up``
@@ -42,9 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from baton.config import MtlsConfig
+
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
+MTLS_DAYS = 2.0  # the local CA's certificates outlive any `baton up`; made anew at every start
 RESTART_BACKOFF_S = 0.5  # the wait before the first restart of a unit
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_BACKOFF_S again
@@ -93,6 +101,7 @@ class ClusterSpec:
     gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
     prefill_threshold_tokens: int = 512
     threads_per_process: int = 1
+    mtls: bool = True  # a private CA and a certificate per role; False: --mtls-insecure
     heartbeat_s: float = 0.5
     worker_ttl_s: float = 2.0
     # more flags per role, e.g. {"decode": ["--pyramid-enabled", "false"]}
@@ -197,6 +206,18 @@ class LocalCluster:
         self.children: list[Child] = []
         self.gateway_address = ""
         self._restarts: dict[str, tuple[int, float]] = {}  # unit -> (restarts, last start)
+        self._pki: dict[str, MtlsConfig] = {}  # role -> its certificate (spec.mtls)
+        if spec.mtls:
+            from baton.certificates import Authority
+
+            authority = Authority.create(f"baton up {os.getpid()}", days=MTLS_DAYS)
+            self._pki = {role: authority.write(self.log_dir / "pki", role, days=MTLS_DAYS)
+                         for role in ("gateway", "prefill", "decode")}
+
+    def mtls_for(self, role: str) -> MtlsConfig:
+        """A ``role`` certificate of this cluster's CA (for a caller of the pods' internal
+        ports: tests, benchmarks); plaintext settings when the cluster runs without mTLS."""
+        return self._pki.get(role, MtlsConfig(insecure=True))
 
     @property
     def gateway_http_url(self) -> str:
@@ -263,6 +284,9 @@ class LocalCluster:
                      "--model-threads", str(self.spec.threads_per_process)]
         if self.spec.model_path:
             args += ["--model-path", self.spec.model_path]
+        mtls = self.mtls_for(role)
+        args += (["--mtls-ca", mtls.ca, "--mtls-cert", mtls.cert, "--mtls-key", mtls.key]
+                 if mtls.cert else ["--mtls-insecure", "true"])
         return args
 
     def wait_until_registered(self, timeout_s: float) -> None:

@@ -48,18 +48,20 @@ from baton.api.requests import (
     Usage,
 )
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from baton.config import GatewayRoutingConfig
+from baton.config import GatewayRoutingConfig, MtlsConfig
 from baton.errors import Unavailable
 from baton.gateway.request_table import LiveRequest
 from baton.gateway.routing_policy import RouteDecision
 from baton.metrics import GatewayMetrics
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
+from baton.mtls import Mtls
 from baton.routing import RequestRecord, WorkerInfo
 from baton.serving import CHANNEL_OPTIONS
 
 ABORT_TIMEOUT_S = 5.0  # an Abort to a pod that does not answer in this long is given up
 REPLACE_WAIT_S = 5.0  # how long a request may wait for the decode pod to drop a chain's push
 REPLACE_POLL_S = 0.05
+RETIRED_CHANNEL_GRACE_S = 600.0  # calls on a channel replaced by rotated certificates may end
 # What a failed pod (or a failed chain) answers, as opposed to what the request itself
 # caused (INVALID_ARGUMENT, ...) or the caller did (CANCELLED, ABORTED): worth another pod.
 POD_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
@@ -88,15 +90,27 @@ class ChainLeg:
 
 
 class Channels:
-    """One gRPC channel per pod address, reused by every request (a channel multiplexes).
-    Used only on the gateway's event loop, which its channels belong to."""
+    """One gRPC channel per pod address, reused by every request (a channel multiplexes),
+    mTLS when on; all opened anew once the certificates rotate (calls in flight keep their
+    old channel until they end). Used only on the gateway's event loop, which its channels
+    belong to."""
 
-    def __init__(self) -> None:
+    def __init__(self, mtls: Mtls | None = None) -> None:
+        self.mtls = mtls or Mtls(MtlsConfig())
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._generation = self.mtls.generation()
+        self._closing: set[asyncio.Task] = set()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
+        generation = self.mtls.generation()
+        if generation != self._generation:
+            for channel in self._channels.values():  # closed once their calls end
+                task = asyncio.ensure_future(channel.close(grace=RETIRED_CHANNEL_GRACE_S))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            self._channels, self._generation = {}, generation
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = self.mtls.channel(address, CHANNEL_OPTIONS, aio=True)
         return self._channels[address]
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeStub:

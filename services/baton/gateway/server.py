@@ -29,6 +29,7 @@ from baton.gateway.routing_policy import create_policy
 from baton.gateway.served_model import ServedModel
 from baton.gateway.servicer import BatonServicer
 from baton.metrics import GatewayMetrics, serve_metrics
+from baton.mtls import Mtls
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
 from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
@@ -46,7 +47,7 @@ class GatewayServer:
         self.store = store if store is not None else open_store(config.routing)
         self.model = ServedModel.load(config.model)
         self.metrics = GatewayMetrics(CollectorRegistry())
-        self.channels = Channels()
+        self.channels = Channels(Mtls(config.mtls))
         self.generations = Generations(
             model=self.model,
             view=RoutingView(self.store, config.routing.view_refresh_s),
@@ -131,6 +132,7 @@ def create_server(config: GatewayServiceConfig, store: RoutingStore | None = Non
 
 def serve(config: GatewayServiceConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    Mtls(config.mtls).check_service("gateway")
     server, _ = create_server(config)
     log.info("gateway for model %s on %s (gRPC)%s", server.model.info.id, server.address,
              f" and http://{config.http.host}:{server.http_port}/v1" if server.http else "")

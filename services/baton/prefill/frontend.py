@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -25,10 +25,12 @@ import grpc
 from baton.api import convert
 from baton.api.requests import PrefillFirstToken, PrefillRequest, PrefillShipped
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from baton.errors import AlreadyExists, ResourceExhausted
+from baton.config import MtlsConfig
+from baton.errors import AlreadyExists, ResourceExhausted, Unavailable
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
+from baton.mtls import Mtls, PermissionDenied, require_role
 from baton.prefill.exchange import ChainEventTimeout, ChainExchange, EventPump
 from baton.routing.store import WorkerLoad
 from baton.runahead.partition import even_boundaries
@@ -56,7 +58,12 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     def __init__(self, exchange: ChainExchange, model_config: ModelConfig, model_id: str,
                  num_ranks: int, mode: str, table: PartitionTable | None,
-                 metrics: PrefillMetrics, timeout_s: float, max_queued_requests: int = 1024) -> None:
+                 metrics: PrefillMetrics, timeout_s: float, max_queued_requests: int = 1024,
+                 mtls: Mtls | None = None) -> None:
+        self.mtls = mtls or Mtls(MtlsConfig())
+        # Set once the routing store is open: raises PermissionDenied for an address that is
+        # not a registered decode pod (the tail would otherwise connect wherever it is told).
+        self.check_decode: Callable[[str], None] | None = None
         self.exchange = exchange
         self.model_config = model_config
         self.model_id = model_id
@@ -101,7 +108,14 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     # --- RPCs ------------------------------------------------------------------------------
 
+    async def _require(self, context, roles: tuple[str, ...], what: str) -> None:
+        try:
+            require_role(context, self.mtls, roles, what)
+        except PermissionDenied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+
     async def Prefill(self, request, context) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        await self._require(context, ("gateway",), "Prefill")
         if self.unavailable is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
         arrival_s = time.monotonic()
@@ -124,6 +138,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
             loop.run_in_executor(None, self._retire, prefill_request.request_id, chain_id)
 
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
+        await self._require(context, ("gateway",), "Abort")
         with self._lock:
             entry = self._live.get(request.request_id)
             if entry is not None:
@@ -141,6 +156,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         return common_pb2.AbortResponse(found=True)
 
     async def Stats(self, request, context) -> common_pb2.WorkerLoad:
+        await self._require(context, ("gateway", "prefill", "decode"), "Stats")
         return convert.worker_load_to_proto(self.load)
 
     # --- helpers ---------------------------------------------------------------------------
@@ -150,6 +166,9 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
             raise ValueError(f"unknown model {request.model!r}; this chain serves {self.model_id!r}")
         check_prompt(request.prompt_token_ids, request.sampling, self.model_config.vocab_size,
                      self.model_config.max_position_embeddings)
+        if self.check_decode is None:
+            raise Unavailable("the chain is not ready")
+        self.check_decode(request.decode_address)
         context_length = len(request.prompt_token_ids)
         boundaries = (self.table.boundaries(self.num_ranks, context_length) if self.table
                       else even_boundaries(context_length, self.num_ranks))

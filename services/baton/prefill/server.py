@@ -24,10 +24,11 @@ from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
 from baton.config import PrefillServiceConfig
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.mtls import Mtls, PermissionDenied
 from baton.prefill.exchange import ChainExchange
 from baton.prefill.frontend import PrefillFrontend
 from baton.prefill.tail import TailSink
-from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
+from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
 from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank
@@ -70,6 +71,7 @@ class PrefillServer:
         self.model_config = self.model_source.config()
         directory = Path(config.model.path or SHIPPED_MODEL_DIR)
         self.model_id, self.revision = directory.name, config.model.revision or directory.name
+        self.mtls = Mtls(config.mtls)
         self.exchange = ChainExchange(chain.master_addr, chain.master_port)
         self.broken = threading.Event()  # the chain failed or stopped: the process should end
         self.heartbeat: Heartbeat | None = None
@@ -90,8 +92,9 @@ class PrefillServer:
         self.frontend = PrefillFrontend(self.exchange, self.model_config, self.model_id,
                                         self.config.chain.ranks, self.config.chain.mode, table,
                                         self.metrics, self.config.chain.timeout_s,
-                                        self.config.server.max_queued_requests)
-        self.grpc = AsyncGrpcServer(self.config.server, self._register, [SERVICE_NAME])
+                                        self.config.server.max_queued_requests, self.mtls)
+        self.grpc = AsyncGrpcServer(self.config.server, self._register, [SERVICE_NAME],
+                                    self.mtls.server_credentials() if self.mtls.enabled else None)
         self.port, self.address = self.grpc.port, self.grpc.address
 
     def _register(self, server) -> None:
@@ -103,7 +106,7 @@ class PrefillServer:
         if self.is_tail:
             self.sink = TailSink(self.exchange, self.model_config, self.model_id, self.revision,
                                  self.config.pyramid, self.metrics, lambda: self.rank.request_id,
-                                 self.config.chain.timeout_s, on_ready, on_fail)
+                                 self.config.chain.timeout_s, on_ready, on_fail, self.mtls)
         else:
             self.sink = RankSink(on_ready, on_fail)
         self.rank = ChainRank(self.config.chain, self.model_source, self.sink,
@@ -112,8 +115,10 @@ class PrefillServer:
                               cpu_threads=self.config.model.threads or 1)
 
     def _on_ready(self) -> None:
-        self.frontend.unavailable = None
         self.store = self.store or open_store(self.config.routing)
+        self.frontend.check_decode = DecodePods(RoutingView(self.store, self.config.routing.view_refresh_s),
+                                                self.model_id).check
+        self.frontend.unavailable = None
         self.heartbeat = Heartbeat(self.store, self.describe, self.config.routing.heartbeat_s,
                                    self.config.routing.worker_ttl_s).start()
         self.grpc.set_serving(True)
@@ -152,8 +157,27 @@ class PrefillServer:
             self._stop_metrics()
 
 
+class DecodePods:
+    """The decode pods a chain may push KV to: those registered in the routing store."""
+
+    def __init__(self, view: RoutingView, model_id: str) -> None:
+        self.view = view
+        self.model_id = model_id
+
+    def check(self, address: str) -> None:
+        """PermissionDenied unless a live decode pod of this model is registered at
+        ``address``: a caller cannot make the chain connect anywhere else."""
+        for fresh in (False, True):  # a pod that registered since the last read
+            if any(worker.address == address and worker.model_id == self.model_id
+                   for worker in self.view.snapshot(fresh).of_role("decode")):
+                return
+        raise PermissionDenied(f"decode_address {address!r} is not a decode pod of {self.model_id!r} "
+                               f"in the routing store: this chain pushes KV only to those")
+
+
 def serve(config: PrefillServiceConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    Mtls(config.mtls).check_service("prefill")
     server = PrefillServer(config)
     if not server.is_head:
         try:

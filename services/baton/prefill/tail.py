@@ -23,11 +23,12 @@ import grpc
 from baton.api import convert
 from baton.api.requests import KVHandoff, PrefillRequest
 from baton.api.v1 import decode_pb2_grpc
-from baton.config import PyramidConfig
+from baton.config import MtlsConfig, PyramidConfig
 from baton.kv.wire import encode_kv
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.sampling import Sampler
+from baton.mtls import Mtls
 from baton.prefill.exchange import ChainExchange
 from baton.pyramid import PromptCompressor, compressor_factory, request_config
 from baton.runahead.request import ChainResult
@@ -45,7 +46,8 @@ class TailSink:
                  revision: str, pyramid: PyramidConfig, metrics: PrefillMetrics,
                  current_request: Callable[[], int], timeout_s: float,
                  on_ready: Callable[[], None] = lambda: None,
-                 on_fail: Callable[[str], None] = lambda message: None) -> None:
+                 on_fail: Callable[[str], None] = lambda message: None,
+                 mtls: Mtls | None = None) -> None:
         self.exchange = exchange
         self.model_config = model_config
         self.model_id = model_id
@@ -56,9 +58,10 @@ class TailSink:
         self.timeout_s = timeout_s
         self.on_ready = on_ready
         self.on_fail = on_fail
-        self._make_compressor = compressor_factory(pyramid, model_config)
+        self.mtls = mtls or Mtls(MtlsConfig())
         self._requests: dict[int, PrefillRequest] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        self._generation = self.mtls.generation()
 
     # --- ChainSink -------------------------------------------------------------------------
 
@@ -76,7 +79,8 @@ class TailSink:
         self._requests[chain_request_id] = request
         settings = request_config(self.pyramid, request.compression.enabled,
                                   request.compression.keep_ratio)
-        return self._make_compressor(prompt_length) if settings.enabled else None
+        # The request's own settings, not the deployment's: its keep_ratio holds here too.
+        return compressor_factory(settings, self.model_config)(prompt_length) if settings.enabled else None
 
     def deliver(self, result: ChainResult) -> None:
         chain_request_id = result.request_id
@@ -125,8 +129,13 @@ class TailSink:
         self.metrics.requests_finished.labels(outcome="shipped").inc()
 
     def _channel(self, address: str) -> grpc.Channel:
+        """A channel per decode pod (mTLS when on); all anew once the certificates rotate."""
+        generation = self.mtls.generation()
+        if generation != self._generation:
+            self.close()
+            self._channels, self._generation = {}, generation
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = self.mtls.channel(address, CHANNEL_OPTIONS)
         return self._channels[address]
 
     def close(self) -> None:
