@@ -8,7 +8,13 @@ import torch
 from baton.api import convert
 from baton.api.requests import CompressionParams, KVHandoff
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from baton.config import DecodeServiceConfig, KVPoolConfig, ModelSourceConfig, RoutingConfig
+from baton.config import (
+    DecodeServiceConfig,
+    KVPoolConfig,
+    ModelSourceConfig,
+    MtlsConfig,
+    RoutingConfig,
+)
 from baton.decode.server import create_server
 from baton.kv import DenseKV
 from baton.kv.wire import encode_kv
@@ -28,12 +34,13 @@ def make_checkpoint(directory):
 
 
 def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
-                        metrics_port: int = 0, lease_s: float = 30.0, max_pending_pushes: int = 64):
+                        metrics_port: int = 0, lease_s: float = 30.0, max_pending_pushes: int = 64,
+                        mtls: MtlsConfig | None = None):
     config = DecodeServiceConfig(
         model=ModelSourceConfig(path=str(checkpoint), dtype="float32"),
         kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks, unclaimed_lease_s=lease_s,
                         max_pending_pushes=max_pending_pushes),
-        routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0))
+        routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0), mtls=mtls or MtlsConfig())
     config.server.grace_s = 0.5
     config.server.metrics_port = metrics_port
     return create_server(config, store or InMemoryStore())
