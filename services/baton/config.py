@@ -169,7 +169,8 @@ class RoutingConfig:
 class ServerConfig:
     listen: str = setting("127.0.0.1:0", "host:port the gRPC server binds (port 0 = any free port)")
     advertise: str = setting("", "address peers use to reach this server; empty = the bound address")
-    metrics_port: int = setting(0, "Prometheus metrics port; 0 = off")
+    metrics_port: int = setting(0, "Prometheus metrics port (/metrics, and /healthz for probes); 0 = off")
+    metrics_host: str = setting("127.0.0.1", "address the metrics port binds (the pod's IP in a cluster)")
     grace_s: float = setting(30.0, "seconds in-flight calls get to finish on SIGTERM (a draining pod takes "
                              "nothing new meanwhile)")
     tls_cert: str = setting("", "PEM certificate chain for TLS (e.g. /etc/baton/tls/tls.crt); empty = plaintext")

@@ -2,8 +2,8 @@
 
 Each server builds its group on a registry of its own (``CollectorRegistry``), so several
 servers can live in one process (tests, ``baton up`` in one interpreter) without clashing
-names, and ``serve_metrics(port, registry)`` exposes it over HTTP when
-``server.metrics_port`` is non-zero. Names follow Prometheus conventions: a ``baton_``
+names, and ``serve_metrics(host, port, registry)`` exposes it over HTTP on
+``server.metrics_host`` when ``server.metrics_port`` is non-zero. Names follow Prometheus conventions: a ``baton_``
 prefix, the service, base units in the name (``_seconds``, ``_bytes``), ``_total`` on
 counters.
 """
@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +147,37 @@ class GatewayMetrics:
             "the gateway routes from its last view", registry=registry)
 
 
-def serve_metrics(port: int, registry: CollectorRegistry) -> Callable[[], None] | None:
-    """Expose ``registry`` on http://0.0.0.0:port/metrics; returns a function that stops it
-    (None when ``port`` is 0: metrics off)."""
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # a scrape every few seconds: no log line
+        pass
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry,
+                  ready: Callable[[], bool] | None = None) -> Callable[[], None] | None:
+    """Expose ``registry`` on http://host:port/metrics, and ``/healthz``: 200 while ``ready()``
+    (the server's health is SERVING; None = alive is enough), else 503. Kubernetes probes
+    read ``/healthz`` here because the gRPC ports require client certificates (mTLS) that
+    the kubelet does not have. Returns a function that stops it (None when ``port`` is 0)."""
     if port == 0:
         return None
-    server, thread = start_http_server(port, registry=registry)
-    log.info("metrics on port %d", port)
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/healthz":
+            ok = ready is None or ready()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "text/plain")])
+            return [b"ok\n" if ok else b"not serving\n"]
+        return metrics(environ, start_response)
+
+    server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    log.info("metrics on http://%s:%d/metrics (and /healthz)", host, port)
 
     def stop() -> None:
         server.shutdown()

@@ -121,6 +121,7 @@ class AsyncGrpcServer(_Binding):
         self.config = config
         self.service_names = service_names
         self.credentials = credentials
+        self.serving = False  # what the health service says
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
@@ -157,6 +158,7 @@ class AsyncGrpcServer(_Binding):
 
     async def set_serving_async(self, serving: bool) -> None:
         """``set_serving`` from a coroutine on the server's loop."""
+        self.serving = serving
         for name in ["", *self.service_names]:
             await self.health.set(name, _serving_status(serving))
 

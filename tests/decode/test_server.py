@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -267,7 +268,7 @@ def test_stop_deregisters_and_reports_not_serving(checkpoint):
     assert store.list_workers("decode") == []
 
 
-def test_metrics_are_served_when_a_port_is_given(checkpoint):
+def test_metrics_and_health_are_served_over_http_when_a_port_is_given(checkpoint):
     metrics_port = free_port()
     server, port = start_decode_server(checkpoint, metrics_port=metrics_port)
     channel, stub = decode_stub(port)
@@ -275,6 +276,11 @@ def test_metrics_are_served_when_a_port_is_given(checkpoint):
         collect(stub.Generate(generate_request("measured"), timeout=30))
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                       timeout=10).read().decode()
+        assert urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=10).status == 200
+        server.grpc.set_serving(False)  # what a draining pod says: probes see it too
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=10)
+        assert error.value.code == 503
     finally:
         channel.close()
         server.stop(0)

@@ -44,7 +44,8 @@ class DecodeServer:
                                     self.mtls.server_credentials() if self.mtls.enabled else None)
         self.port, self.address = self.grpc.port, self.grpc.address
         self.incarnation = new_incarnation()
-        self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)
+        self._stop_metrics = serve_metrics(config.server.metrics_host, config.server.metrics_port,
+                                           self.registry, lambda: self.grpc.serving)
         self._init_worker()
         self.heartbeat = Heartbeat(self.store, self.describe, config.routing.heartbeat_s,
                                    config.routing.worker_ttl_s).start()

@@ -78,7 +78,8 @@ class GatewayServer:
                 raise
         self.heartbeat = Heartbeat(self.store, self._describe, config.routing.heartbeat_s,
                                    config.routing.worker_ttl_s).start()
-        self._stop_metrics = serve_metrics(config.server.metrics_port, self.metrics.registry)
+        self._stop_metrics = serve_metrics(config.server.metrics_host, config.server.metrics_port,
+                                           self.metrics.registry, lambda: self.grpc.serving)
         self._readiness = self.grpc.call(self._start_readiness())
 
     async def _start_readiness(self):

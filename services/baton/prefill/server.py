@@ -76,7 +76,8 @@ class PrefillServer:
         self.broken = threading.Event()  # the chain failed or stopped: the process should end
         self.heartbeat: Heartbeat | None = None
         self.store = store
-        self._stop_metrics = serve_metrics(config.server.metrics_port, self.registry)
+        self._stop_metrics = serve_metrics(config.server.metrics_host, config.server.metrics_port,
+                                           self.registry, self._ready if self.is_head else None)
         if self.is_head:
             self._init_frontend()
         self._init_chain()
@@ -96,6 +97,11 @@ class PrefillServer:
         self.grpc = AsyncGrpcServer(self.config.server, self._register, [SERVICE_NAME],
                                     self.mtls.server_credentials() if self.mtls.enabled else None)
         self.port, self.address = self.grpc.port, self.grpc.address
+
+    def _ready(self) -> bool:
+        """Rank 0 is ready while its gRPC health is SERVING (the whole chain joined)."""
+        grpc_server = getattr(self, "grpc", None)
+        return grpc_server is not None and grpc_server.serving
 
     def _register(self, server) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(self.frontend, server)
