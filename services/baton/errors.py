@@ -47,6 +47,10 @@ class Unauthenticated(ServiceError):
     status = "UNAUTHENTICATED"
 
 
+class PermissionDenied(ServiceError):
+    status = "PERMISSION_DENIED"
+
+
 class Passed(ServiceError):
     """A downstream pod's error handed on to the caller with the pod's own status."""
 

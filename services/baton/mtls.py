@@ -30,17 +30,13 @@ from pathlib import Path
 import grpc
 
 from baton.config import MtlsConfig
-from baton.errors import ServiceError
+from baton.errors import PermissionDenied
 
 log = logging.getLogger(__name__)
 
 INTERNAL_SERVER_NAME = "baton.internal"
 ROLE_PREFIX = "baton-"
 SHARED_ROLE = "internal"  # a certificate every pod shares: any internal role
-
-
-class PermissionDenied(ServiceError):
-    status = "PERMISSION_DENIED"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from baton.api.v1 import api_pb2, api_pb2_grpc
+from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.config import (
     AuthConfig,
     GatewayRoutingConfig,
@@ -27,6 +27,7 @@ from baton.gateway.local_cluster import free_port
 from baton.gateway.server import create_server
 from baton.routing import InMemoryStore
 from commands.cli_checkpoint import save_cli_checkpoint
+from decode.decode_servers import start_decode_server
 from test_servicer import wait_for
 
 
@@ -37,13 +38,13 @@ def checkpoint(tmp_path_factory):
 
 class Gateway:
     def __init__(self, checkpoint, keys_file: str = "", max_streams: int = 4096,
-                 wait_s: float = 0.3) -> None:
+                 wait_s: float = 0.3, store=None) -> None:
         config = GatewayServiceConfig(
             server=ServerConfig(listen="127.0.0.1:0", max_streams=max_streams, max_message_mib=1),
             model=ModelSourceConfig(path=str(checkpoint)),
             gateway=GatewayRoutingConfig(reroute_wait_s=wait_s),
             http=HttpConfig(port=free_port()), auth=AuthConfig(api_keys_file=keys_file))
-        self.server, self.grpc_port = create_server(config, store=InMemoryStore())
+        self.server, self.grpc_port = create_server(config, store=store or InMemoryStore())
         self.url = f"http://127.0.0.1:{config.http.port}"
 
     def post(self, path: str, body: bytes | dict, headers: dict | None = None):
@@ -153,6 +154,36 @@ def test_api_keys_are_required_on_both_apis_and_a_rotated_file_applies_at_once(c
             assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         secured.close()
+
+
+def test_only_the_key_that_sent_a_request_may_abort_it(checkpoint, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("alice sk-alice\nbob sk-bob\n")
+    store = InMemoryStore()
+    decode_server, _ = start_decode_server(checkpoint, store=store)
+    secured = Gateway(checkpoint, keys_file=str(keys), store=store, wait_s=10.0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{secured.grpc_port}") as channel:
+            stub = api_pb2_grpc.BatonStub(channel)
+
+            def as_(key):
+                return [("authorization", f"Bearer {key}")]
+
+            stream = stub.Generate(api_pb2.GenerateRequest(
+                request_id="alices", token_ids=api_pb2.TokenIds(ids=[5] * 20),
+                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)),
+                metadata=as_("sk-alice"), timeout=60)
+            next(stream)  # running on the decode pod
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Abort(common_pb2.AbortRequest(request_id="alices"), metadata=as_("sk-bob"))
+            assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert decode_server.worker.load.running_sequences == 1, "Bob's Abort changed nothing"
+            assert stub.Abort(common_pb2.AbortRequest(request_id="alices"), metadata=as_("sk-alice")).found
+            last = list(stream)[-1]
+            assert last.finish_reason == common_pb2.FINISH_REASON_ABORTED
+    finally:
+        secured.close()
+        decode_server.stop(0)
 
 
 # --- reading request bodies ----------------------------------------------------------------------

@@ -24,9 +24,9 @@ from baton.config import MtlsConfig
 from baton.decode.receiver import Incarnation, receive_cache
 from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestNotFound
-from baton.errors import check_incarnation
+from baton.errors import PermissionDenied, check_incarnation
 from baton.kv.wire import KVSpec
-from baton.mtls import Mtls, PermissionDenied, require_role
+from baton.mtls import Mtls, require_role
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import grpc
 
 from baton.api import convert
 from baton.api.requests import FinishReason, GenerateRequest, GenerationStep, Route, Timings
-from baton.errors import Passed
+from baton.errors import Passed, PermissionDenied
 from baton.gateway.relay import ChainIncomplete, Relay
 from baton.gateway.request_table import LiveRequest, RequestTable
 from baton.gateway.routing_policy import NoLiveWorkers, RouteDecision, RoutingPolicy, WorkersFull
@@ -82,13 +82,14 @@ class Generations:
         self.draining = False
         self._background: set[asyncio.Future] = set()
 
-    async def generate(self, request: GenerateRequest, arrival: float
+    async def generate(self, request: GenerateRequest, arrival: float, owner: str = ""
                        ) -> AsyncIterator[GenerationStep]:
         """The request's steps; the first names the request id (``arrival`` is when it reached
-        the gateway, ``time.monotonic()``: TTFT counts from there)."""
+        the gateway, ``time.monotonic()``: TTFT counts from there; ``owner``, the caller's API
+        key name, is the only identity that may abort it)."""
         loop = asyncio.get_running_loop()
         try:
-            live, prompt_ids, decision = await self._admit_when_a_pod_is_live(request)
+            live, prompt_ids, decision = await self._admit_when_a_pod_is_live(request, owner)
         except Exception as e:
             self.count_refused(e)
             raise
@@ -145,27 +146,31 @@ class Generations:
         """A request refused before it was routed (a door's own checks call this too)."""
         self.metrics.requests_finished.labels(path="none", outcome=convert.status_for(error).name).inc()
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, caller: str = "") -> bool:
         """End a request wherever it runs (this gateway's stream, or another gateway's through
-        the routing store); True when some pod held it."""
+        the routing store); True when some pod held it. Raises PermissionDenied when the
+        request belongs to another API key than ``caller``'s (it is left running)."""
         live = self.table.get(request_id)
-        if live is not None:
-            return await self._abort(live)
-        record = await asyncio.get_running_loop().run_in_executor(None, self.table.find_record,
-                                                                  request_id)
+        record = live.record if live is not None else await asyncio.get_running_loop(
+            ).run_in_executor(None, self.table.find_record, request_id)
         if record is None:
             return False
+        if record.owner != caller:
+            raise PermissionDenied(f"request {request_id!r} was sent with another API key; only "
+                                   f"that key may abort it")
+        if live is not None:
+            return await self._abort(live)
         return await self.relay.abort_pods(record)
 
     # --- admission and rerouting -------------------------------------------------------------
 
-    async def _admit_when_a_pod_is_live(self, request: GenerateRequest):
+    async def _admit_when_a_pod_is_live(self, request: GenerateRequest, owner: str):
         """Admit the request; while no decode pod is live (one restarting after a crash), wait
         up to ``reroute_wait_s`` for one, as a request that lost its pod does."""
         loop = asyncio.get_running_loop()
         try:
             return await self._until_a_pod_is_live(
-                lambda: loop.run_in_executor(None, self._admit, request), (NoLiveWorkers,),
+                lambda: loop.run_in_executor(None, self._admit, request, owner), (NoLiveWorkers,),
                 give_up_when_draining=True)
         except NoLiveWorkers as e:
             raise NoLiveWorkers(f"{e} (waited {self.relay.config.reroute_wait_s:g} s for one)") from None
@@ -184,7 +189,7 @@ class Generations:
                     raise
             await asyncio.sleep(REROUTE_POLL_S)
 
-    def _admit(self, request: GenerateRequest
+    def _admit(self, request: GenerateRequest, owner: str
                ) -> tuple[LiveRequest, tuple[int, ...], RouteDecision]:
         if self.draining:
             raise NoLiveWorkers("the gateway is shutting down")
@@ -202,7 +207,8 @@ class Generations:
                                          self.table.in_flight())
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
                                chain_id=decision.chain.chain_id if decision.chain else "",
-                               prefill_address=decision.chain.address if decision.chain else "")
+                               prefill_address=decision.chain.address if decision.chain else "",
+                               owner=owner)
         live = self.table.admit(record, len(prompt_ids))
         return live, prompt_ids, decision
 

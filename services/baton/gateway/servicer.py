@@ -23,7 +23,7 @@ import grpc
 
 from baton.api import convert
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
-from baton.errors import Unauthenticated
+from baton.errors import PermissionDenied, Unauthenticated
 from baton.gateway.api_keys import ApiKeys
 from baton.gateway.generations import Generations
 
@@ -45,7 +45,7 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
     async def Generate(self, message: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
         arrival = time.monotonic()
-        await self._identify(context)
+        owner = await self._identify(context)
         try:
             request = convert.generate_request_from_proto(message)
         except ValueError as e:
@@ -53,7 +53,7 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
             await context.abort(convert.status_for(e), str(e))
         first = True
         try:
-            async with aclosing(self.generations.generate(request, arrival)) as steps:
+            async with aclosing(self.generations.generate(request, arrival, owner)) as steps:
                 async for step in steps:
                     yield convert.step_to_proto(step, first)
                     first = False
@@ -64,8 +64,12 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
 
     async def Abort(self, message: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:
-        await self._identify(context)
-        return common_pb2.AbortResponse(found=await self.generations.abort(message.request_id))
+        caller = await self._identify(context)
+        try:
+            found = await self.generations.abort(message.request_id, caller)
+        except PermissionDenied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        return common_pb2.AbortResponse(found=found)
 
     async def Tokenize(self, message: api_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> api_pb2.TokenizeResponse:

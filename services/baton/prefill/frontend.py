@@ -26,11 +26,11 @@ from baton.api import convert
 from baton.api.requests import PrefillFirstToken, PrefillRequest, PrefillShipped
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from baton.config import MtlsConfig
-from baton.errors import AlreadyExists, ResourceExhausted, Unavailable
+from baton.errors import AlreadyExists, PermissionDenied, ResourceExhausted, Unavailable
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
-from baton.mtls import Mtls, PermissionDenied, require_role
+from baton.mtls import Mtls, require_role
 from baton.prefill.exchange import ChainEventTimeout, ChainExchange, EventPump
 from baton.routing.store import WorkerLoad
 from baton.runahead.partition import even_boundaries

@@ -22,9 +22,10 @@ from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
 from baton.config import PrefillServiceConfig
+from baton.errors import PermissionDenied
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.loader import SHIPPED_MODEL_DIR
-from baton.mtls import Mtls, PermissionDenied
+from baton.mtls import Mtls
 from baton.prefill.exchange import ChainExchange
 from baton.prefill.frontend import PrefillFrontend
 from baton.prefill.tail import TailSink

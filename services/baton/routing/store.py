@@ -82,13 +82,16 @@ class RequestRecord:
     chain_id: str = ""  # empty when the prompt is prefilled on the decode pod
     prefill_address: str = ""
     created_at: float = 0.0  # wall-clock seconds (time.time()) when the gateway admitted it
+    owner: str = ""  # the API key's name the request came with ("" when the gateway has no keys)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RequestRecord:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields.setdefault("owner", "")  # written by a gateway of an earlier release
+        return cls(**fields)
 
 
 class RoutingStore(abc.ABC):

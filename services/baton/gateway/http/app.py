@@ -212,7 +212,8 @@ class OpenAIServer:
                 raise
             answer = Answer(chat=completion.chat, response_id=request_id, model=self.model.info.id,
                             created=int(time.time()))
-            async with aclosing(self.generations.generate(generate, arrival)) as steps:
+            async with aclosing(self.generations.generate(generate, arrival,
+                                                          request[IDENTITY])) as steps:
                 first = await anext(steps)  # admission errors are raised here, as HTTP statuses
                 if completion.stream:
                     return await self._stream(request, answer, completion, first, steps)
