@@ -5,6 +5,7 @@ equal the monolithic engine, and the chain pushes only to registered decode pods
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -76,10 +77,16 @@ def chain(checkpoint, redis, tmp_path_factory):
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         try:
             wait_serving(channel, processes, logs)
-            yield channel
+            yield Chain(channel, master_port)
         finally:
             channel.close()
             stop_all(processes)
+
+
+@dataclasses.dataclass
+class Chain:
+    channel: grpc.Channel  # to rank 0's Prefill service
+    master_port: int  # rank 0's rendezvous store
 
 
 def stop_all(processes) -> None:
@@ -120,7 +127,7 @@ def prefill_request(request_id, decode_address, prompt=PROMPT, **sampling):
 
 def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_server, checkpoint):
     reference = reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
-    stub = prefill_pb2_grpc.PrefillStub(chain)
+    stub = prefill_pb2_grpc.PrefillStub(chain.channel)
     decode_channel, decode = decode_stub(decode_server.port)
     attach = decode.Attach(decode_pb2.AttachRequest(request_id="chain-1", wait_s=60), timeout=120)
     events = list(stub.Prefill(prefill_request("chain-1", decode_server.address), timeout=120))
@@ -137,7 +144,7 @@ def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_se
 
 
 def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_server, checkpoint):
-    stub = prefill_pb2_grpc.PrefillStub(chain)
+    stub = prefill_pb2_grpc.PrefillStub(chain.channel)
     address = decode_server.address
     cases = [
         (prefill_request("bad-1", address, prompt=[1, 2, 999]), grpc.StatusCode.INVALID_ARGUMENT, "999"),
@@ -170,3 +177,21 @@ def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_
     decode_channel.close()
     assert [events[0].first_token.token_id] + tokens == reference_tokens(checkpoint, PROMPT,
                                                                         MAX_TOKENS)
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, local_port = local.rsplit(":", 1)
+                if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+def test_the_chains_rendezvous_listens_on_rank_0s_address_only(chain):
+    # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex); not 0.0.0.0 or ::
+    assert listening_addresses(chain.master_port) == ["0100007F"]

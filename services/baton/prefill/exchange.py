@@ -18,17 +18,26 @@ nobody waits it sleeps.
 Values: the request is its ``PrefillRequest`` protobuf; events are JSON (``{"error": ...}``
 with a gRPC status name for failures). Each thread keeps its own store client (handlers run
 on many threads; a client is one TCP connection).
+
+Sealed: the store listens on rank 0's own address, but anyone who reaches that port could
+read and write keys. Every value (requests and events; abort flags and the counter carry no
+payload) is AES-GCM encrypted and authenticated with the chain's key (``seal_with``), which
+rank 0 made at start and broadcast over the process group: an outsider reads ciphertext and
+cannot forge a request or an event (a forged value fails its tag: the request fails).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from baton.api import convert
 from baton.api.requests import PrefillRequest
@@ -37,10 +46,15 @@ from baton.api.v1 import prefill_pb2
 KEY_PREFIX = "baton/prefill"
 EVENTS_KEY = f"{KEY_PREFIX}/events"  # bumped by the tail after every event it writes
 PUMP_POLL_S = 0.002  # how often the pump reads the counter while handlers wait
+NONCE_BYTES = 12  # AES-GCM's nonce, random per value
 
 
 class ChainEventTimeout(Exception):
     """The tail did not report in time (the chain is stuck or gone)."""
+
+
+class ChainTampered(Exception):
+    """A value in the store failed its authentication tag: somebody else wrote it."""
 
 
 class ChainExchange:
@@ -48,6 +62,25 @@ class ChainExchange:
         self.host = host
         self.port = port
         self._local = threading.local()
+        self._cipher: AESGCM | None = None
+
+    def seal_with(self, key: bytes) -> None:
+        """Encrypt and authenticate every value from now on with the chain's ``key``."""
+        self._cipher = AESGCM(key)
+
+    def seal(self, name: str, data: bytes) -> bytes:
+        if self._cipher is None:
+            raise RuntimeError("the chain's key is not shared yet")
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self._cipher.encrypt(nonce, data, name.encode())  # bound to its key name
+
+    def unseal(self, name: str, value: bytes) -> bytes:
+        if self._cipher is None:
+            raise RuntimeError("the chain's key is not shared yet")
+        try:
+            return self._cipher.decrypt(value[:NONCE_BYTES], value[NONCE_BYTES:], name.encode())
+        except InvalidTag:
+            raise ChainTampered(f"{name} in the chain's store was not written by this chain") from None
 
     def _store(self, timeout_s: float) -> dist.TCPStore:
         store = getattr(self._local, "store", None)
@@ -66,7 +99,8 @@ class ChainExchange:
 
     def publish_request(self, chain_request_id: int, request: PrefillRequest) -> None:
         message = convert.prefill_request_to_proto(request)
-        self._store(10.0).set(self._key("request", chain_request_id), message.SerializeToString())
+        key = self._key("request", chain_request_id)
+        self._store(10.0).set(key, self.seal(key, message.SerializeToString()))
 
 
     def abort(self, chain_request_id: int) -> None:
@@ -80,9 +114,9 @@ class ChainExchange:
     # --- the tail (and rank 0 when it reports a broken chain) ---------------------------
 
     def read_request(self, chain_request_id: int, timeout_s: float) -> PrefillRequest:
-        value = self._store(timeout_s).get(self._key("request", chain_request_id))
+        key = self._key("request", chain_request_id)
         message = prefill_pb2.PrefillRequest()
-        message.ParseFromString(value)
+        message.ParseFromString(self.unseal(key, self._store(timeout_s).get(key)))
         return convert.prefill_request_from_proto(message)
 
     def is_aborted(self, chain_request_id: int) -> bool:
@@ -90,7 +124,8 @@ class ChainExchange:
 
     def report(self, chain_request_id: int, kind: str, event: dict) -> None:
         store = self._store(10.0)
-        store.set(self._key(kind, chain_request_id), json.dumps(event))
+        key = self._key(kind, chain_request_id)
+        store.set(key, self.seal(key, json.dumps(event).encode()))
         store.add(EVENTS_KEY, 1)  # after the event: a pump that sees the count finds it
 
     def report_error(self, chain_request_id: int, code: str, message: str) -> None:
@@ -160,7 +195,11 @@ class EventPump:
             seen = count
             for key in keys:
                 if store.check([key]):
-                    self._resolve(key, store.get(key))
+                    try:
+                        value = self.exchange.unseal(key, store.get(key))
+                    except ChainTampered as e:  # the request fails; the chain goes on
+                        value = json.dumps({"error": {"code": "DATA_LOSS", "message": str(e)}}).encode()
+                    self._resolve(key, value)
 
     def _resolve(self, key: str, value: bytes) -> None:
         with self._lock:

@@ -120,6 +120,7 @@ class PrefillServer:
                               source=self.frontend if self.is_head else None,
                               make_observer=self.sink.make_observer if self.is_tail else None,
                               cpu_threads=self.config.model.threads or 1)
+        self.exchange.seal_with(self.rank.secret)  # before any request: the chain is not ready yet
 
     def _on_ready(self) -> None:
         self.store = self.store or open_store(self.config.routing)

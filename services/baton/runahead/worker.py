@@ -18,6 +18,8 @@ builds the tail's compression hook: an ``AttentionObserver`` with a
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,6 +37,7 @@ from baton.runahead.request import MODES, ChainRequest, ChainResult, ModelSource
 from baton.runahead.transport import AllGatherKV, RankCounters, RunaheadKV
 
 OP_STOP, OP_KEEPALIVE, OP_PREFILL = 0, 1, 2
+SECRET_BYTES = 32
 HEADER_FIELDS = 4  # op, request id, mode, return_kv; then the p+1 boundaries
 
 
@@ -123,11 +126,30 @@ class ChainRank:
         backend = self.config.backend
         if backend == "auto":
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{self.config.master_addr}:{self.config.master_port}",
-            rank=self.config.rank, world_size=self.config.ranks,
-            timeout=timedelta(seconds=self.config.timeout_s),
-            device_id=self.device if self.device.type == "cuda" else None)
+        timeout = timedelta(seconds=self.config.timeout_s)
+        listen_fd = None
+        if self.config.rank == 0:
+            # torch's own rendezvous store listens on every interface; this one listens on
+            # rank 0's address only (the chain's peers are the only ones meant to reach it).
+            # The store owns the socket from here on (it closes it): Python lets go of it.
+            listen_fd = socket.create_server((self.config.master_addr, self.config.master_port),
+                                             backlog=self.config.ranks * 16).detach()
+        store = dist.TCPStore(self.config.master_addr, self.config.master_port, self.config.ranks,
+                              is_master=self.config.rank == 0, timeout=timeout,
+                              master_listen_fd=listen_fd)
+        dist.init_process_group(backend, store=store, rank=self.config.rank,
+                                world_size=self.config.ranks, timeout=timeout,
+                                device_id=self.device if self.device.type == "cuda" else None)
+        self.secret = self._share_secret()
+
+    def _share_secret(self) -> bytes:
+        """A random key rank 0 makes at start and broadcasts over the process group: the
+        services seal what they put in the rendezvous store with it (``ChainExchange``)."""
+        secret = torch.zeros(SECRET_BYTES, dtype=torch.uint8, device=self.device)
+        if self.config.rank == 0:
+            secret.copy_(torch.frombuffer(bytearray(os.urandom(SECRET_BYTES)), dtype=torch.uint8))
+        self._broadcast(secret, "the chain's key")
+        return bytes(secret.cpu().tolist())
 
     @property
     def is_tail(self) -> bool:
