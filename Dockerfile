@@ -6,10 +6,15 @@
 #   docker build -t baton:0.1.0-cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+# Without a Docker daemon, `make image` builds it with buildah; `make image-check` builds it
+# and runs baton inside it (docs/operations.md, "Building the image").
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A directory (or URL) of wheels to take torch itself from instead of TORCH_INDEX_URL; empty =
+# the index. `make image TORCH_WHEELS=DIR` mounts DIR here for the build; nothing is copied in.
+ARG TORCH_FIND_LINKS=
 ARG TORCH_VERSION=2.13.0
 ARG UID=10001
 
@@ -21,13 +26,25 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
     HOME=/tmp
 
-# CUDA bases come without Python; python:* bases already have it.
-RUN if ! python3 -c "import venv, ensurepip" 2>/dev/null; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+# CUDA and bare Debian bases come without Python; python:* bases have it. None has
+# redis-server, which `baton up` starts for its routing state.
+RUN packages=""; \
+    python3 -c "import venv, ensurepip" 2>/dev/null || packages="python3 python3-venv"; \
+    command -v redis-server >/dev/null || packages="$packages redis-server"; \
+    if [ -n "$packages" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends $packages \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
-    && python3 -m venv /opt/venv \
-    && pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION}
+    && python3 -m venv /opt/venv
+
+# From a wheel directory take only torch, then its dependencies from PyPI: PyPI's own torch
+# is the CUDA build, gigabytes, and must not win the resolution.
+RUN if [ -n "${TORCH_FIND_LINKS}" ]; then \
+        pip install --no-index --no-deps --find-links ${TORCH_FIND_LINKS} torch==${TORCH_VERSION} \
+        && pip install torch==${TORCH_VERSION}; \
+    else \
+        pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION}; \
+    fi
 
 WORKDIR /opt/baton
 COPY pyproject.toml README.md ./
