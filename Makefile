@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test proto lint bench bench-peer gpu-check helm-lint clean
+.PHONY: help setup run test proto lint bench bench-peer gpu-check helm-lint image image-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -59,6 +59,21 @@ gpu-check: setup ## on a CUDA machine: the GPU tests, then the GPU reports (*-gp
 
 helm-lint: $(STAMP) ## lint and render the Helm chart with the real Helm library
 	$(PY) -m pytest -q tests/helm
+
+# The image's settings; empty keeps the Dockerfile's defaults (python:3.11-slim-bookworm, torch
+# from the PyTorch CPU index). TORCH_WHEELS=DIR takes torch from a wheel directory (buildah only).
+IMAGE ?= baton:0.1.0
+BASE_IMAGE ?=
+TORCH_INDEX_URL ?=
+TORCH_WHEELS ?=
+
+image: ## build the image: docker build when a daemon answers, else buildah (IMAGE, BASE_IMAGE, TORCH_*)
+	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) TORCH_INDEX_URL=$(TORCH_INDEX_URL) \
+	TORCH_WHEELS=$(TORCH_WHEELS) scripts/image.sh build
+
+image-check: ## build the image here with buildah and run baton, the operator and `baton up` in it (slow)
+	BASE_IMAGE=$(BASE_IMAGE) TORCH_INDEX_URL=$(TORCH_INDEX_URL) TORCH_WHEELS=$(TORCH_WHEELS) \
+	scripts/image.sh check
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .venv-peer .pytest_cache .ruff_cache
