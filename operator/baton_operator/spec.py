@@ -28,6 +28,7 @@ from baton.config import (
 REDIS_MODES = ("managed", "external")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # what Kubernetes allows as a key in a Secret
+MTLS_ROLES = ("gateway", "prefill", "decode")  # the pods that speak baton's internal gRPC
 
 
 class InvalidSpec(ValueError):
@@ -67,6 +68,15 @@ class GatewaySpec:
 
 
 @dataclass(frozen=True)
+class MtlsSpec:
+    """Where each role's internal certificates come from: one Secret per role (the same
+    Secret for every role when one is shared), or none at all when ``insecure``."""
+
+    secret_names: dict[str, str] = field(default_factory=dict)  # role -> Secret
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
 class PrefillSpec:
     chains: int = 1
     chain: ChainConfig = field(default_factory=ChainConfig)  # ranks and mode; rank comes per pod
@@ -100,6 +110,7 @@ class ServiceSpec:
     redis: RedisSpec
     gateway: GatewaySpec
     gpu: GPUSpec
+    mtls: MtlsSpec
     node_selector: dict[str, str]
     tolerations: list[dict]
 
@@ -233,6 +244,35 @@ def _read_gpu(spec: dict) -> GPUSpec:
                    nccl_env={k: str(v) for k, v in nccl_env.items()})
 
 
+def _read_mtls(spec: dict) -> MtlsSpec:
+    """Certificates for every role, or an explicit ``insecure``: never neither, because the
+    services refuse to start without one (``baton.mtls.Mtls.check_service``)."""
+    mtls = _section(spec, "mtls")
+    insecure = mtls.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise InvalidSpec(f"spec.mtls.insecure must be true or false, got {insecure!r}")
+    shared = mtls.get("secretName") or ""
+    per_role = mtls.get("secretNames") or {}
+    if not isinstance(per_role, dict) or set(per_role) - set(MTLS_ROLES):
+        raise InvalidSpec(f"spec.mtls.secretNames takes only {', '.join(MTLS_ROLES)}, got {per_role!r}")
+    names = {role: per_role.get(role) or shared for role in MTLS_ROLES}
+    for role, name in names.items():
+        if not isinstance(name, str):
+            raise InvalidSpec(f"spec.mtls: the Secret for {role} pods must be a name, got {name!r}")
+    if insecure:
+        if any(names.values()):
+            raise InvalidSpec("spec.mtls.insecure is true but spec.mtls also names Secrets: "
+                              "choose certificates or plaintext, not both")
+        return MtlsSpec(insecure=True)
+    missing = [role for role, name in names.items() if not name]
+    if missing:
+        raise InvalidSpec(f"spec.mtls names no Secret for {', '.join(missing)} pods: give "
+                          f"spec.mtls.secretName (every pod) or spec.mtls.secretNames.<role>, "
+                          f"Secrets with ca.crt, tls.crt and tls.key, or set spec.mtls.insecure: "
+                          f"true for plaintext internal calls")
+    return MtlsSpec(secret_names=names)
+
+
 def read_spec(spec: dict, default_image: str) -> ServiceSpec:
     """The typed spec of a `BatonService`; raises InvalidSpec naming the first bad value."""
     image = _section(spec, "image")
@@ -247,6 +287,7 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         redis=_read_redis(spec),
         gateway=_read_gateway(spec),
         gpu=_read_gpu(spec),
+        mtls=_read_mtls(spec),
         node_selector=dict(spec.get("nodeSelector") or {}),
         tolerations=list(spec.get("tolerations") or []),
     )

@@ -12,6 +12,11 @@ Prefill and decode pods mirror each other: one pod template builder, a role
 label, and container arguments derived from the same configuration dataclasses
 the services parse (``baton.config``), so a manifest cannot ask for a flag the
 service does not know.
+
+Every gateway, prefill and decode pod mounts its role's mTLS Secret whole at
+``MTLS_DIR`` and gets ``--mtls-ca/--mtls-cert/--mtls-key``, or ``--mtls-insecure true``
+when the service asks for plaintext; never neither (the services would refuse to
+start).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from baton.config import (
     DecodeServiceConfig,
     GatewayServiceConfig,
     ModelSourceConfig,
+    MtlsConfig,
     PrefillServiceConfig,
     RoutingConfig,
     ServerConfig,
@@ -46,6 +52,9 @@ PARTITIONS_DIR = "/etc/baton/partitions"
 PARTITIONS_FILE = "partitions.json"
 TLS_DIR = "/etc/baton/tls"
 API_KEYS_DIR = "/etc/baton/api-keys"  # the whole Secret volume: the kubelet refreshes it in place
+MTLS_DIR = "/etc/baton/mtls"  # the role's whole Secret volume, refreshed in place on rotation
+MTLS_FILES = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}  # the kubernetes.io/tls layout
+SECRET_FILE_MODE = 0o440  # owner root, group fsGroup (the baton user): nobody else reads keys
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
 
 
@@ -105,6 +114,13 @@ def _server(port: int, advertise_host: str) -> ServerConfig:
                         metrics_port=METRICS_PORT)
 
 
+def _mtls(spec: ServiceSpec) -> MtlsConfig:
+    """The role's certificate files in its mounted Secret, or plaintext when asked."""
+    if spec.mtls.insecure:
+        return MtlsConfig(insecure=True)
+    return MtlsConfig(**{field: f"{MTLS_DIR}/{file}" for field, file in MTLS_FILES.items()})
+
+
 def _routing(name: str, namespace: str, spec: ServiceSpec) -> RoutingConfig:
     if spec.redis.mode == "managed":
         return RoutingConfig(redis_url=f"redis://{name}-redis.{namespace}.svc:{REDIS_PORT}/0")
@@ -122,14 +138,14 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
             master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",
             partition_table=table),
         pyramid=spec.pyramid,
-        routing=_routing(name, namespace, spec))
+        routing=_routing(name, namespace, spec), mtls=_mtls(spec))
 
 
 def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
     return DecodeServiceConfig(
         server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec), kv=spec.decode.kv,
         scheduler=spec.decode.scheduler, pyramid=spec.pyramid,
-        routing=_routing(name, namespace, spec))
+        routing=_routing(name, namespace, spec), mtls=_mtls(spec))
 
 
 def _api_keys_file(spec: ServiceSpec) -> str:
@@ -148,7 +164,7 @@ def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServi
             _model_config(spec), device="cpu"),  # the gateway only tokenizes
         gateway=spec.gateway.routing, routing=_routing(name, namespace, spec),
         http=dataclasses.replace(spec.gateway.http, host="0.0.0.0"),
-        auth=AuthConfig(api_keys_file=_api_keys_file(spec)))
+        auth=AuthConfig(api_keys_file=_api_keys_file(spec)), mtls=_mtls(spec))
 
 
 def _field_env(name: str, path: str) -> dict:
@@ -194,6 +210,12 @@ def _volumes(name: str, spec: ServiceSpec, role: str) -> tuple[list[dict], list[
     if role == "prefill" and spec.prefill.partition_table:
         volumes.append({"name": "partitions", "configMap": {"name": f"{name}-partitions"}})
         mounts.append({"name": "partitions", "mountPath": PARTITIONS_DIR, "readOnly": True})
+    if not spec.mtls.insecure:
+        # Whole volume, no subPath: rotated certificates reach the running servers.
+        volumes.append({"name": "mtls", "secret": {
+            "secretName": spec.mtls.secret_names[role], "defaultMode": SECRET_FILE_MODE,
+            "items": [{"key": file, "path": file} for file in MTLS_FILES.values()]}})
+        mounts.append({"name": "mtls", "mountPath": MTLS_DIR, "readOnly": True})
     if role == "gateway" and spec.gateway.tls_secret_name:
         volumes.append({"name": "tls", "secret": {"secretName": spec.gateway.tls_secret_name}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})

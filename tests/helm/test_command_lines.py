@@ -12,6 +12,7 @@ import re
 
 import pytest
 from baton.config import HttpConfig
+from baton.mtls import Mtls
 from baton_operator import __main__ as operator_main
 from baton_operator import workloads
 from baton_operator.spec import read_spec
@@ -52,7 +53,10 @@ def load_with_baton_cli(container: dict, monkeypatch):
     args = build_parser().parse_args(argv)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    return importlib.import_module(f"baton.commands.{argv[0]}").load_config(args)
+    config = importlib.import_module(f"baton.commands.{argv[0]}").load_config(args)
+    # What `baton <role>` checks before it serves: certificates, or plaintext asked for.
+    Mtls(config.mtls).check_service(argv[0])
+    return config
 
 
 def operator_children(values: dict, num_chains=2, num_decode=2) -> list[dict]:
@@ -85,6 +89,7 @@ def test_operator_containers_parse_as_baton_commands(chart_values, monkeypatch):
     for config in configs.values():
         assert config.routing.redis_url == "redis://baton-redis.serving.svc:6379/0"
         assert config.server.metrics_port == workloads.METRICS_PORT
+        assert config.mtls.cert and not config.mtls.insecure  # secure by default
     assert configs["baton-gateway"].http.host == "0.0.0.0"  # reachable from other pods
     assert configs["baton-gateway"].http.port == HttpConfig().port
     assert configs["baton-gateway"].auth.api_keys_file == ""  # no Secret named: no keys
@@ -157,3 +162,50 @@ def test_operator_deployment_args_parse_as_the_operator_cli(chart_values):
         operator_main.validate(args)
         assert args.image == container["image"]
         assert args.all_namespaces or args.namespace == [NAMESPACE]
+
+
+def _pods_by_role(values: dict):
+    """(role, pod spec, container) for every gateway, prefill and decode pod template."""
+    for obj in operator_children(values):
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            pod = obj["spec"]["template"]["spec"]
+            role = obj["spec"]["template"]["metadata"]["labels"]["baton.dev/role"]
+            if role != "redis":
+                yield role, pod, pod["containers"][0]
+
+
+def _secret_files(pod: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret, key) that the kubelet puts at ``path`` in this container."""
+    for mount in container["volumeMounts"]:
+        if path.startswith(mount["mountPath"] + "/"):
+            assert mount["readOnly"] is True and "subPath" not in mount  # whole, refreshed in place
+            volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+            relative = path[len(mount["mountPath"]) + 1:]
+            item = next(i for i in volume["secret"]["items"] if i["path"] == relative)
+            return volume["secret"]["secretName"], item["key"]
+    raise AssertionError(f"{path} is in no mounted volume")
+
+
+@pytest.mark.parametrize("mtls, secret_of_role", [
+    ({}, "prod-baton-mtls-{role}"),  # the chart's generated certificates
+    ({"certManager": {"enabled": True}}, "prod-baton-mtls-{role}"),
+    ({"secretName": "our-pki"}, "our-pki"),
+])
+def test_every_pod_reads_its_certificates_from_the_mounted_secret(mtls, secret_of_role,
+                                                                  monkeypatch):
+    roles = set()
+    for role, pod, container in _pods_by_role({"mtls": mtls}):
+        config = load_with_baton_cli(container, monkeypatch)
+        for path, key in ((config.mtls.ca, "ca.crt"), (config.mtls.cert, "tls.crt"),
+                          (config.mtls.key, "tls.key")):
+            assert _secret_files(pod, container, path) == (secret_of_role.format(role=role), key)
+        roles.add(role)
+    assert roles == {"gateway", "prefill", "decode"}
+
+
+def test_plaintext_only_when_asked(monkeypatch):
+    for role, pod, container in _pods_by_role({"mtls": {"insecure": True}}):
+        config = load_with_baton_cli(container, monkeypatch)
+        assert config.mtls.insecure and not config.mtls.cert, role
+        assert not [v for v in pod["volumes"] if "secret" in v], role
+

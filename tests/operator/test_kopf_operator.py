@@ -52,7 +52,7 @@ def operator(cluster):
 def test_operator_creates_scales_and_deletes(operator):
     kube = operator.kube
     create_service(kube, "demo", {"prefill": {"chains": 1, "ranksPerChain": 2},
-                                  "decode": {"replicas": 1}})
+                                  "decode": {"replicas": 1}, "mtls": {"insecure": True}})
 
     def decode_replicas():
         return kube.get("Deployment", NS, "demo-decode")["spec"]["replicas"]

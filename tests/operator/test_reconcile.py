@@ -7,7 +7,9 @@ from baton_operator.reconcile import Reconciler
 from emulated_cluster import create_service
 
 NS = "serving"
-SPEC = {"prefill": {"chains": 2, "ranksPerChain": 3}, "decode": {"replicas": 2, "tokenBudget": 128}}
+MTLS = {"mtls": {"secretName": "demo-mtls"}}
+SPEC = {"prefill": {"chains": 2, "ranksPerChain": 3}, "decode": {"replicas": 2, "tokenBudget": 128},
+        **MTLS}
 
 
 @pytest.fixture
@@ -149,7 +151,7 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
 def test_invalid_spec_sets_degraded_and_builds_nothing(cluster, reconciler, bad, says):
     from baton_operator.spec import InvalidSpec
 
-    service = create_service(cluster.kube, "demo", bad)
+    service = create_service(cluster.kube, "demo", {**MTLS, **bad})
     with pytest.raises(InvalidSpec) as raised:
         reconciler.reconcile(service)
     reconciler.record_invalid(service, raised.value)
@@ -179,7 +181,7 @@ def test_ready_condition_follows_children(cluster, reconciler):
 
 def test_delete_removes_children_and_pools(cluster, reconciler):
     create_service(cluster.kube, "demo", SPEC)
-    create_service(cluster.kube, "other", {"prefill": {"chains": 0}})
+    create_service(cluster.kube, "other", {"prefill": {"chains": 0}, **MTLS})
     _reconcile(cluster, reconciler)
     _reconcile(cluster, reconciler, "other")
 
@@ -197,6 +199,7 @@ def test_everything_written_validates_against_the_schemas(cluster, reconciler):
 
     create_service(cluster.kube, "demo", {
         **SPEC, "model": {"source": {"hostPath": "/data/models/llama"}, "revision": "r1"},
+        "mtls": {"secretName": "demo-mtls", "secretNames": {"decode": "demo-mtls-decode"}},
         "prefill": {"chains": 1, "ranksPerChain": 2, "partitionTable": '{"entries": []}'},
         "redis": {"mode": "external", "external": {"urlSecretRef": {"name": "redis-url"}}},
         "gateway": {"tls": {"secretName": "gateway-tls"}, "serviceType": "LoadBalancer",
@@ -262,3 +265,70 @@ def test_the_http_api_and_api_keys_reach_the_gateway(cluster, reconciler):
     assert "api-keys" not in {m["name"] for m in container["volumeMounts"]}
     ports = cluster.kube.get("Service", NS, "demo-gateway")["spec"]["ports"]
     assert [p["name"] for p in ports] == ["grpc"]
+
+
+ROLE_SECRETS = {"gateway": "mtls-gateway", "prefill": "mtls-prefill", "decode": "mtls-decode"}
+
+
+def _pods(cluster) -> dict[str, dict]:
+    """Role -> one pod template of that role the operator wrote (gateway, prefill, decode)."""
+    pods = {}
+    for kind in ("Deployment", "StatefulSet"):
+        for obj in cluster.kube.list(kind, NS, "baton.dev/service=demo"):
+            template = obj["spec"]["template"]
+            role = template["metadata"]["labels"]["baton.dev/role"]
+            if role != "redis":
+                pods[role] = template["spec"]
+    assert set(pods) == set(ROLE_SECRETS)
+    return pods
+
+
+def test_every_pod_mounts_its_roles_certificates_whole_and_read_only(cluster, reconciler):
+    from baton_operator import workloads
+
+    create_service(cluster.kube, "demo", {**SPEC, "mtls": {"secretName": "shared",
+                                                           "secretNames": ROLE_SECRETS}})
+    _reconcile(cluster, reconciler)
+    for role, pod in _pods(cluster).items():
+        container = pod["containers"][0]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "mtls"]
+        assert volume["secret"]["secretName"] == ROLE_SECRETS[role]  # the role's, over the shared
+        assert [item["key"] for item in volume["secret"]["items"]] == ["ca.crt", "tls.crt", "tls.key"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "mtls"]
+        # Whole volume (no subPath, which the kubelet never refreshes), read-only.
+        assert mount == {"name": "mtls", "mountPath": workloads.MTLS_DIR, "readOnly": True}
+        args = container["args"]
+        for flag, file in (("--mtls-ca", "ca.crt"), ("--mtls-cert", "tls.crt"),
+                           ("--mtls-key", "tls.key")):
+            assert _flag(args, flag) == f"{workloads.MTLS_DIR}/{file}"
+        assert "--mtls-insecure" not in args
+
+    # Plaintext when asked: the flag, and no Secret volume left behind.
+    cluster.kube.patch("BatonService", NS, "demo", {"metadata": {"generation": 2}, "spec": {
+        "mtls": {"secretName": None, "secretNames": None, "insecure": True}}})
+    _reconcile(cluster, reconciler)
+    for pod in _pods(cluster).values():
+        container = pod["containers"][0]
+        assert _flag(container["args"], "--mtls-insecure") == "true"
+        assert not [a for a in container["args"] if a in ("--mtls-ca", "--mtls-cert", "--mtls-key")]
+        assert "mtls" not in {v["name"] for v in pod["volumes"]}
+        assert "mtls" not in {m["name"] for m in container["volumeMounts"]}
+
+
+@pytest.mark.parametrize("mtls, says", [
+    (None, "names no Secret for gateway, prefill, decode pods"),
+    ({"secretNames": {"gateway": "a", "decode": "b"}}, "names no Secret for prefill pods"),
+    ({"insecure": True, "secretName": "shared"}, "not both"),
+    ({"insecure": "yes"}, "spec.mtls.insecure must be true or false"),
+    ({"secretNames": {"redis": "a"}}, "takes only gateway, prefill, decode"),
+])
+def test_no_pod_is_built_without_certificates_or_an_explicit_insecure(cluster, reconciler,
+                                                                        mtls, says):
+    from baton_operator.spec import InvalidSpec
+
+    spec = {key: value for key, value in SPEC.items() if key != "mtls"}
+    service = create_service(cluster.kube, "demo", {**spec, **({"mtls": mtls} if mtls else {})})
+    with pytest.raises(InvalidSpec, match=says):
+        reconciler.reconcile(service)
+    assert _names(cluster, "Deployment") == [] and _names(cluster, "StatefulSet") == []
+

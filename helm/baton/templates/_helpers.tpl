@@ -50,3 +50,43 @@ seccompProfile:
       baton.dev/service: {{ .service }}
       baton.dev/role: {{ .role }}
 {{- end -}}
+
+{{/* The roles whose pods speak baton's internal gRPC (baton_operator.spec.MTLS_ROLES). */}}
+{{- define "baton.mtls.roles" -}}
+gateway prefill decode
+{{- end -}}
+
+{{/*
+Where the internal certificates come from: insecure, secret (mtls.secretName),
+certManager, or generated (the default, when none is set). Two at once fail.
+*/}}
+{{- define "baton.mtls.source" -}}
+{{- $chosen := list -}}
+{{- if .Values.mtls.insecure -}}{{- $chosen = append $chosen "insecure" -}}{{- end -}}
+{{- if .Values.mtls.secretName -}}{{- $chosen = append $chosen "secret" -}}{{- end -}}
+{{- if dig "certManager" "enabled" false .Values.mtls -}}{{- $chosen = append $chosen "certManager" -}}{{- end -}}
+{{- if gt (len $chosen) 1 -}}
+{{- fail (printf "mtls: set one of insecure, secretName and certManager.enabled, not %s" (join " and " $chosen)) -}}
+{{- end -}}
+{{- default "generated" (first $chosen) -}}
+{{- end -}}
+
+{{/* The Secret a role's pods mount when the chart issues the certificates. */}}
+{{- define "baton.mtls.roleSecret" -}}
+{{- printf "%s-baton-mtls-%s" .top.Release.Name .role -}}
+{{- end -}}
+
+{{/* spec.mtls of the BatonService the chart creates. */}}
+{{- define "baton.mtls.spec" -}}
+{{- $source := include "baton.mtls.source" . -}}
+{{- if eq $source "insecure" -}}
+insecure: true
+{{- else if eq $source "secret" -}}
+secretName: {{ .Values.mtls.secretName }}
+{{- else -}}
+secretNames:
+{{- range $role := splitList " " (include "baton.mtls.roles" .) }}
+  {{ $role }}: {{ include "baton.mtls.roleSecret" (dict "top" $ "role" $role) }}
+{{- end }}
+{{- end -}}
+{{- end -}}
