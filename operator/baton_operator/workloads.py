@@ -16,7 +16,8 @@ service does not know.
 Every gateway, prefill and decode pod mounts its role's mTLS Secret whole at
 ``MTLS_DIR`` and gets ``--mtls-ca/--mtls-cert/--mtls-key``, or ``--mtls-insecure true``
 when the service asks for plaintext; never neither (the services would refuse to
-start).
+start). The kubelet cannot present a client certificate, so probes read ``/healthz``
+on the metrics port, which binds the pod's IP.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ API_KEYS_DIR = "/etc/baton/api-keys"  # the whole Secret volume: the kubelet ref
 MTLS_DIR = "/etc/baton/mtls"  # the role's whole Secret volume, refreshed in place on rotation
 MTLS_FILES = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}  # the kubernetes.io/tls layout
 SECRET_FILE_MODE = 0o440  # owner root, group fsGroup (the baton user): nobody else reads keys
+HEALTH_PATH = "/healthz"  # served on the metrics port (baton.metrics.serve_metrics)
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
 
 
@@ -109,9 +111,10 @@ def _model_config(spec: ServiceSpec) -> ModelSourceConfig:
 
 
 def _server(port: int, advertise_host: str) -> ServerConfig:
-    # $(VAR) is expanded by the kubelet from the container's env (see _env).
+    # $(VAR) is expanded by the kubelet from the container's env (see _env). Metrics and
+    # /healthz bind the pod's IP, where Prometheus and the kubelet's probes reach them.
     return ServerConfig(listen=f"0.0.0.0:{port}", advertise=f"{advertise_host}:{port}",
-                        metrics_port=METRICS_PORT)
+                        metrics_port=METRICS_PORT, metrics_host="$(POD_IP)")
 
 
 def _mtls(spec: ServiceSpec) -> MtlsConfig:
@@ -236,6 +239,16 @@ def _resources(spec: ServiceSpec, role: str, requested: dict) -> dict:
     return resources
 
 
+def _probes() -> dict:
+    """Readiness: /healthz says the server can take work (SERVING; a prefill rank other
+    than 0 is ready while alive). Startup: the same, within 10 minutes (large models load
+    for minutes). No liveness probe: /healthz turns 503 when a gateway has no live decode
+    pod or a server drains, which is no reason to restart it (a dead process restarts anyway)."""
+    health = {"httpGet": {"path": HEALTH_PATH, "port": "metrics"}}
+    return {"readinessProbe": {**health, "periodSeconds": 5},
+            "startupProbe": {**health, "periodSeconds": 5, "failureThreshold": 120}}
+
+
 def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port: int,
                  resources: dict, extra_labels: dict | None = None) -> dict:
     """The pod every baton role runs in; roles differ only in arguments, ports and volumes."""
@@ -263,10 +276,7 @@ def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port:
             "name": role, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
             "args": [role, *args], "env": _env(spec, role), "ports": ports,
             "volumeMounts": mounts, "resources": _resources(spec, role, resources),
-            "securityContext": container_security(),
-            "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5},
-            "startupProbe": {"grpc": {"port": port}, "periodSeconds": 5,
-                             "failureThreshold": 120},  # large models take minutes to load
+            "securityContext": container_security(), **_probes(),
         }],
         "volumes": volumes,
     }

@@ -89,6 +89,7 @@ def test_operator_containers_parse_as_baton_commands(chart_values, monkeypatch):
     for config in configs.values():
         assert config.routing.redis_url == "redis://baton-redis.serving.svc:6379/0"
         assert config.server.metrics_port == workloads.METRICS_PORT
+        assert config.server.metrics_host == "10.1.2.3"  # the pod's IP: probes and scrapes reach it
         assert config.mtls.cert and not config.mtls.insecure  # secure by default
     assert configs["baton-gateway"].http.host == "0.0.0.0"  # reachable from other pods
     assert configs["baton-gateway"].http.port == HttpConfig().port
@@ -209,3 +210,34 @@ def test_plaintext_only_when_asked(monkeypatch):
         assert config.mtls.insecure and not config.mtls.cert, role
         assert not [v for v in pod["volumes"] if "secret" in v], role
 
+
+def test_probes_reach_healthz_where_the_server_serves_it(monkeypatch):
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from baton.metrics import serve_metrics
+    from prometheus_client import CollectorRegistry
+
+    for role, _, container in _pods_by_role({}):
+        config = load_with_baton_cli(container, monkeypatch)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for probe in ("readinessProbe", "startupProbe"):
+            get = container[probe]["httpGet"]
+            assert "host" not in get  # the kubelet calls the pod's IP, which metrics bind
+            assert ports[get["port"]] == config.server.metrics_port, role
+    # The path answers as the probes need: 200 while serving, 503 otherwise.
+    serving = [False]
+    with socket.socket() as probe_socket:  # a free port: serve_metrics takes 0 as "off"
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    stop = serve_metrics("127.0.0.1", port, CollectorRegistry(), lambda: serving[0])
+    try:
+        url = f"http://127.0.0.1:{port}{get['path']}"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=5)
+        assert refused.value.code == 503
+        serving[0] = True
+        assert urllib.request.urlopen(url, timeout=5).status == 200
+    finally:
+        stop()
