@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import helm_python
 import pytest
-from baton.config import HttpConfig
 from baton_operator import workloads
 from baton_operator.spec import read_spec
 from chart_render import CHART, KUBE_VERSION, NAMESPACE, objects, render, validate
@@ -110,64 +109,6 @@ def test_gpu_values_schedule_on_gpus():
             assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
             assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
             assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-
-
-def test_network_policy_admits_only_the_request_paths():
-    policies = {o["metadata"]["name"]: o for o in objects({"networkPolicy": {"enabled": True}})
-                if o["kind"] == "NetworkPolicy"}
-    assert set(policies) == {"baton-gateway", "baton-decode", "baton-prefill", "baton-redis"}
-
-    def sources(role):
-        rules = policies[f"baton-{role}"]["spec"]["ingress"]
-        return [sorted(peer["podSelector"]["matchLabels"]["baton.dev/role"]
-                       for peer in rule.get("from", [])) for rule in rules]
-
-    def ports(role):
-        return [p["port"] for rule in policies[f"baton-{role}"]["spec"]["ingress"]
-                for p in rule.get("ports", [])]
-
-    assert "from" not in policies["baton-gateway"]["spec"]["ingress"][0]  # clients: anyone
-    assert sources("decode") == [["gateway", "prefill"]]
-    assert sources("prefill") == [["gateway"], ["prefill"]]  # ranks meet on any port
-    assert sources("redis") == [["decode", "gateway", "prefill"]]
-    # The chart's ports are the operator's ports.
-    assert ports("gateway") == [workloads.GATEWAY_PORT, HttpConfig().port]
-    assert ports("decode") == [workloads.DECODE_PORT]
-    assert ports("prefill") == [workloads.PREFILL_PORT]
-    assert ports("redis") == [workloads.REDIS_PORT]
-
-
-def _gateway_values(gateway: dict | None, clients_from: list | None = None) -> dict:
-    return {"service": {"spec": {"gateway": gateway}},
-            "networkPolicy": {"enabled": True, "clientsFrom": clients_from or []}}
-
-
-def _gateway_policy_and_pod(values: dict) -> tuple[dict, dict]:
-    """The chart's gateway NetworkPolicy and the gateway container the operator makes."""
-    rendered = objects(values)
-    policy = next(o for o in rendered if o["metadata"]["name"] == "baton-gateway")
-    service = next(o for o in rendered if o["kind"] == "BatonService")
-    children = workloads.children("baton", NAMESPACE, read_spec(service["spec"], "unused"), 1, 1)
-    deployment = next(o for o in children if o["metadata"]["name"] == "baton-gateway"
-                      and o["kind"] == "Deployment")
-    return policy, deployment["spec"]["template"]["spec"]["containers"][0]
-
-
-@pytest.mark.parametrize("gateway, http_port", [
-    ({"http": {"port": 8080}}, 8080),
-    ({"http": None}, HttpConfig().port),  # values without it: the template's and the gateway's default
-    ({"http": {"enabled": False}}, None),
-])
-def test_clients_reach_the_http_port_exactly_as_the_grpc_port(gateway, http_port):
-    clients = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
-    for clients_from in (clients, []):
-        policy, container = _gateway_policy_and_pod(_gateway_values(gateway, clients_from))
-        (rule,) = policy["spec"]["ingress"]  # one rule: the same peers for every client port
-        wanted = [workloads.GATEWAY_PORT] + ([http_port] if http_port else [])
-        assert [p["port"] for p in rule["ports"]] == wanted
-        assert rule.get("from", []) == clients_from  # none: anyone
-        # The port the policy opens is the one the operator gives the container.
-        assert {p["name"]: p["containerPort"] for p in container["ports"]}.get("http") == http_port
 
 
 def test_values_schema_rejects_bad_values():
