@@ -162,8 +162,11 @@ def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServi
     if http_port in (GATEWAY_PORT, METRICS_PORT):
         raise InvalidSpec(f"spec.gateway.http.port {http_port} is the gateway pod's "
                           f"{'gRPC' if http_port == GATEWAY_PORT else 'metrics'} port: pick another")
+    server = _server(GATEWAY_PORT, "$(POD_IP)")
+    if spec.gateway.tls_secret_name:  # clients' TLS on the public gRPC port (no client certificate)
+        server = dataclasses.replace(server, tls_cert=f"{TLS_DIR}/tls.crt", tls_key=f"{TLS_DIR}/tls.key")
     return GatewayServiceConfig(
-        server=_server(GATEWAY_PORT, "$(POD_IP)"), model=dataclasses.replace(
+        server=server, model=dataclasses.replace(
             _model_config(spec), device="cpu"),  # the gateway only tokenizes
         gateway=spec.gateway.routing, routing=_routing(name, namespace, spec),
         http=dataclasses.replace(spec.gateway.http, host="0.0.0.0"),

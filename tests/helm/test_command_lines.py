@@ -136,6 +136,17 @@ def test_the_api_keys_file_lies_in_the_mounted_secret(monkeypatch):
     assert keys_file == f"{mount['mountPath']}/{item['path']}"
 
 
+def test_the_gateway_serves_grpc_tls_from_its_mounted_secret(monkeypatch):
+    deployment, container, _ = _gateway({"service": {"spec": {"gateway": {
+        "tls": {"secretName": "gateway-tls"}}}}})
+    server = load_with_baton_cli(container, monkeypatch).server
+    pod = deployment["spec"]["template"]["spec"]
+    assert _secret_files(pod, container, server.tls_cert) == ("gateway-tls", "tls.crt")
+    assert _secret_files(pod, container, server.tls_key) == ("gateway-tls", "tls.key")
+    _, plain, _ = _gateway({})
+    assert not load_with_baton_cli(plain, monkeypatch).server.tls_cert
+
+
 def test_external_redis_url_reaches_every_role_from_the_secret(monkeypatch):
     values = {"service": {"spec": {"redis": {"mode": "external", "external": {
         "urlSecretRef": {"name": "routing-redis", "key": "url"}}}}}}
@@ -182,7 +193,8 @@ def _secret_files(pod: dict, container: dict, path: str) -> tuple[str, str]:
             assert mount["readOnly"] is True and "subPath" not in mount  # whole, refreshed in place
             volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
             relative = path[len(mount["mountPath"]) + 1:]
-            item = next(i for i in volume["secret"]["items"] if i["path"] == relative)
+            items = volume["secret"].get("items") or [{"key": relative, "path": relative}]
+            item = next(i for i in items if i["path"] == relative)
             return volume["secret"]["secretName"], item["key"]
     raise AssertionError(f"{path} is in no mounted volume")
 
