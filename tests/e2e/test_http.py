@@ -189,3 +189,15 @@ def test_health_is_ok_while_requests_can_be_routed(cluster, client):
         assert health.status == 200
     assert client.generate(GenerateRequest(text=PROMPT, sampling=SamplingParams(
         temperature=0, max_tokens=2))).last.finish_reason is FinishReason.LENGTH
+
+
+def test_the_prefill_route_can_be_pinned_over_http_and_is_named_with_its_reason(api, model_id):
+    for route in ("chain", "local"):
+        answer = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=4, temperature=0,
+                                        extra_body={"prefill_route": route})
+        taken = answer.model_extra["baton"]["route"]
+        assert taken["path"] == route and taken["reason"].startswith(f"prefill_route {route}")
+    with pytest.raises(openai.BadRequestError) as error:
+        api.completions.create(model=model_id, prompt=PROMPT, max_tokens=4,
+                               extra_body={"prefill_route": "nearest"})
+    assert error.value.body["param"] == "prefill_route"

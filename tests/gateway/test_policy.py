@@ -95,3 +95,19 @@ def test_an_unknown_policy_name_is_a_value_error():
     config.policy = "random"
     with pytest.raises(ValueError, match="'random'"):
         create_policy(config, MODEL)
+
+
+def test_a_pinned_prefill_route_overrides_length_and_load_and_says_so(policy):
+    workers = snapshot(decode("a"), rank("c0", 0, queued_tokens=1_000_000))
+    local = policy.route(5000, workers, {}, prefill_route="local")
+    assert local.chain is None and local.reason == "prefill_route local: prefilled on the decode pod"
+    chain = policy.route(5, workers, {}, prefill_route="chain")  # short and backed up: still the chain
+    assert chain.chain.chain_id == "c0" and chain.reason == "prefill_route chain: chain c0"
+    with pytest.raises(NoLiveWorkers, match="prefill_route chain"):
+        policy.route(5, snapshot(decode("a")), {}, prefill_route="chain")
+
+
+def test_every_automatic_decision_names_its_reason(policy):
+    assert "< prefill_threshold_tokens 100" in policy.route(99, snapshot(decode("a")), {}).reason
+    assert "no chain is live" in policy.route(100, snapshot(decode("a")), {}).reason
+    assert policy.route(100, snapshot(decode("a"), rank("c0", 0)), {}).reason.endswith("chain c0")

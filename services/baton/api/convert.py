@@ -118,7 +118,8 @@ def compression_from_proto(message: common_pb2.CompressionParams) -> Compression
 def generate_request_to_proto(request: GenerateRequest) -> api_pb2.GenerateRequest:
     message = api_pb2.GenerateRequest(request_id=request.request_id, model=request.model,
                                       sampling=sampling_to_proto(request.sampling),
-                                      compression=compression_to_proto(request.compression))
+                                      compression=compression_to_proto(request.compression),
+                                      prefill_route=_PREFILL_ROUTE_TO_PROTO[request.prefill_route])
     if request.text is not None:
         message.text = request.text
     else:
@@ -133,7 +134,19 @@ def generate_request_from_proto(message: api_pb2.GenerateRequest) -> GenerateReq
         text=message.text if prompt == "text" else None,
         token_ids=tuple(message.token_ids.ids) if prompt == "token_ids" else None,
         sampling=sampling_from_proto(message.sampling),
-        compression=compression_from_proto(message.compression))
+        compression=compression_from_proto(message.compression),
+        prefill_route=_prefill_route_from_proto(message.prefill_route))
+
+
+_PREFILL_ROUTE_TO_PROTO = {"auto": api_pb2.PREFILL_ROUTE_AUTO, "chain": api_pb2.PREFILL_ROUTE_CHAIN,
+                           "local": api_pb2.PREFILL_ROUTE_LOCAL}
+
+
+def _prefill_route_from_proto(value: int) -> str:
+    for name, code in _PREFILL_ROUTE_TO_PROTO.items():
+        if code == value:
+            return name
+    raise ValueError(f"prefill_route {value} is not one of {sorted(_PREFILL_ROUTE_TO_PROTO.values())}")
 
 
 _FINISH_TO_PROTO = {
@@ -147,12 +160,12 @@ _FINISH_FROM_PROTO = {code: reason for reason, code in _FINISH_TO_PROTO.items()}
 
 def route_to_proto(route: Route) -> common_pb2.Route:
     return common_pb2.Route(decode_address=route.decode_address, chain_id=route.chain_id,
-                            partition=route.partition)
+                            partition=route.partition, reason=route.reason)
 
 
 def route_from_proto(message: common_pb2.Route) -> Route:
     return Route(decode_address=message.decode_address, chain_id=message.chain_id,
-                 partition=tuple(message.partition))
+                 partition=tuple(message.partition), reason=message.reason)
 
 
 def step_to_proto(step: GenerationStep, first: bool = True) -> common_pb2.GenerateResponse:

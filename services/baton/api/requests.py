@@ -24,6 +24,9 @@ MAX_REQUEST_ID_CHARS = 256
 # many per token of the model's context: no real text averages more bytes per token, and
 # tokenizing megabytes would stall the caller's server for everyone.
 MAX_PROMPT_BYTES_PER_TOKEN = 32
+# Where a prompt is prefilled: the gateway decides (by length and load), a prefill chain,
+# or the decode pod. The tokens are the same on every route; only the time differs.
+PREFILL_ROUTES = ("auto", "chain", "local")
 
 
 def check_request_id(request_id: str) -> None:
@@ -51,10 +54,13 @@ class GenerateRequest:
     token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     compression: CompressionParams = field(default_factory=CompressionParams)
+    prefill_route: str = "auto"  # PREFILL_ROUTES: where the prompt is prefilled
 
     def __post_init__(self) -> None:
         require((self.text is None) != (self.token_ids is None),
                  "a request needs a prompt as text or as token ids (exactly one)")
+        require(self.prefill_route in PREFILL_ROUTES,
+                f"prefill_route {self.prefill_route!r} is not one of {PREFILL_ROUTES}")
         require(bool(self.text) or bool(self.token_ids), "the prompt is empty")
         check_request_id(self.request_id)
 
@@ -144,6 +150,7 @@ class Route:
     decode_address: str = ""
     chain_id: str = ""  # empty for a prompt prefilled on the decode pod
     partition: tuple[int, ...] = ()  # the chain's slice boundaries [0, b1, ..., C]
+    reason: str = ""  # why the request took this route
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class RequestStream:
         step = GenerationStep(self.request_id, tuple(token_ids), output.text_delta)
         if output.finished:
             self.finished = True
-            step = self._final(step, FINISH_REASONS[output.finish_reason], now_s)
+            step = self._final(step, FINISH_REASONS[output.finish_reason], now_s, output.kv_entries)
         if step.token_ids or step.text or output.finished:
             self._steps.append(step)
         return gaps
@@ -88,8 +88,12 @@ class RequestStream:
         self.finished = True
         self._steps.append(StreamFailed(message))
 
-    def _final(self, step: GenerationStep, reason: FinishReason, now_s: float) -> GenerationStep:
-        pushed = self.pushed or PushedKVInfo(0, 0, 0)
+    def _final(self, step: GenerationStep, reason: FinishReason, now_s: float,
+               kv_entries: tuple[int, int] | None = None) -> GenerationStep:
+        # KV entries mean the same on both routes: after the prompt's compression, all layers
+        # (a prompt prefilled here reports what this pod kept; a pushed one what the chain sent)
+        kept, full = kv_entries or (0, 0)
+        pushed = self.pushed or PushedKVInfo(0, kept, full)
         usage = Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_tokens,
                       kv_tokens_kept=pushed.kv_tokens_kept, kv_tokens_full=pushed.kv_tokens_full,
                       kv_bytes_shipped=pushed.num_bytes)

@@ -195,16 +195,19 @@ class Generations:
             raise NoLiveWorkers("the gateway is shutting down")
         prompt_ids = self.model.prompt_ids(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        pinned = request.prefill_route
         try:
-            decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight())
-            if decision.chain is None and len(prompt_ids) >= self.policy.config.prefill_threshold_tokens:
+            decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight(),
+                                         pinned)
+            if (decision.chain is None and pinned == "auto"
+                    and len(prompt_ids) >= self.policy.config.prefill_threshold_tokens):
                 raise NoLiveWorkers("no chain in the view")
         except NoLiveWorkers:
             # The view may predate a pod or a chain that registered since (right after
             # start-up): one fresh read of the store before the caller is told there is no
             # pod, or a long prompt is prefilled without a chain.
             decision = self.policy.route(len(prompt_ids), self._snapshot(fresh=True),
-                                         self.table.in_flight())
+                                         self.table.in_flight(), pinned)
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
                                chain_id=decision.chain.chain_id if decision.chain else "",
                                prefill_address=decision.chain.address if decision.chain else "",

@@ -140,6 +140,7 @@ class Relay:
         """The client's steps, whichever pods end up producing them."""
         sent: list[int] = []  # generated token ids the client already has
         decode = decision.decode
+        reason = decision.reason  # grows by what happened on the way (on the last step's route)
         moves = 0
         replacing_until = 0.0  # after a chain failure: until when a stale id may still be there
         if decision.chain is not None:
@@ -162,16 +163,20 @@ class Relay:
                     log.warning("request %s: chain %s failed it (%s); prefilling it on a decode "
                                 "pod", live.request_id, decision.chain.chain_id, _describe(e))
                     decode = await self._next_pod(live, prompt_ids, sent, reroute, decode, code, e)
+                    reason += (f"; chain {decision.chain.chain_id} failed it ({code.name}): "
+                               f"prefilled on the decode pod")
                     # The chain may have pushed the KV before it failed: what the decode pod
                     # holds under this id must go before the id is used again.
                     await self._abort_on(decode, live.request_id)
                     replacing_until = asyncio.get_running_loop().time() + REPLACE_WAIT_S
                 else:  # the decode pod holding the pushed KV failed it
+                    failed = decode
                     decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
+                    reason += _moved(failed, decode, e, len(sent))
                     moves += 1
         while True:
             try:
-                async for step in self._local(live, request, prompt_ids, sent, decode):
+                async for step in self._local(live, request, prompt_ids, sent, decode, reason):
                     sent += step.token_ids
                     yield step
                 return
@@ -180,7 +185,9 @@ class Relay:
                         and asyncio.get_running_loop().time() < replacing_until):
                     await asyncio.sleep(REPLACE_POLL_S)  # the aborted push is still leaving
                     continue
+                failed = decode
                 decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
+                reason += _moved(failed, decode, e, len(sent))
                 moves += 1
 
     async def _abort_on(self, decode: WorkerInfo, request_id: str) -> None:
@@ -227,10 +234,10 @@ class Relay:
         return decode
 
     async def _local(self, live: LiveRequest, request: GenerateRequest, prompt_ids: tuple[int, ...],
-                     sent: list[int], decode: WorkerInfo) -> AsyncIterator[GenerationStep]:
+                     sent: list[int], decode: WorkerInfo, reason: str) -> AsyncIterator[GenerationStep]:
         """Generate on ``decode``; after a failure elsewhere, ``sent`` are the tokens the client
         has: they are replayed as prompt and only the rest is generated."""
-        route = Route(decode_address=decode.address)
+        route = Route(decode_address=decode.address, reason=reason)
         remaining = request.sampling.max_tokens - len(sent)
         if remaining <= 0:  # the failure came after the last token: only the end is missing
             yield GenerationStep(live.request_id, finish_reason=FinishReason.LENGTH, route=route,
@@ -282,6 +289,7 @@ class Relay:
         leg.shipped = shipped
         live.chain_done = True
         leg.route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
+                          reason=decision.reason,
                           partition=first.partition)
 
     async def _attach(self, live: LiveRequest, decision: RouteDecision, leg: ChainLeg
@@ -327,6 +335,11 @@ class Relay:
                 continue
             found = found or answer.found
         return found
+
+
+def _moved(failed: WorkerInfo, decode: WorkerInfo, error: grpc.RpcError, num_sent: int) -> str:
+    return (f"; decode pod {failed.address} failed after {num_sent} tokens "
+            f"({error.code().name}): moved to {decode.address}")
 
 
 def _describe(error: Exception) -> str:

@@ -41,6 +41,7 @@ class InFlight:
 class RouteDecision:
     decode: WorkerInfo
     chain: WorkerInfo | None = None  # rank 0 of the chain; None = prefill on the decode pod
+    reason: str = ""  # why the prompt is prefilled where it is, for the client and the logs
 
 
 class RoutingPolicy(abc.ABC):
@@ -50,8 +51,10 @@ class RoutingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
-              in_flight: Mapping[str, InFlight]) -> RouteDecision:
-        """Pick the decode pod, and a chain for a long prompt; ``in_flight`` is keyed by address."""
+              in_flight: Mapping[str, InFlight], prefill_route: str = "auto") -> RouteDecision:
+        """Pick the decode pod, and a chain for a long prompt; ``in_flight`` is keyed by
+        address. ``prefill_route`` is the caller's pin (``baton.api.requests.PREFILL_ROUTES``):
+        "chain" raises NoLiveWorkers while no chain is live, "local" never takes one."""
 
     def decode_workers(self, snapshot: RoutingSnapshot) -> list[WorkerInfo]:
         """The live decode pods serving this gateway's model."""

@@ -160,8 +160,9 @@ class Engine:
         self.scheduler.update(plan)
         self.num_iterations += 1
         for seq in completing:
-            if seq.compressor is not None:
-                self._compress(seq)
+            full = len(seq.prompt_ids) * self.pool.num_layers
+            kept = self._compress(seq) if seq.compressor is not None else full
+            seq.kv_entries = (kept, full)
         greedy = logits.argmax(dim=-1).tolist()  # one call for every greedy row of the step
         for seq, row, best in zip(sampling, logits, greedy):
             token = best if seq.params.greedy else seq.sampler.sample(row, seq.num_generated)
@@ -262,7 +263,8 @@ class Engine:
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self._output_of(seq, outputs).finish_reason = reason
+        output = self._output_of(seq, outputs)
+        output.finish_reason, output.kv_entries = reason, seq.kv_entries
         self._sequences.pop(seq.request_id, None)
         with self._lock:
             self._live_ids.discard(seq.request_id)
@@ -280,11 +282,13 @@ class Engine:
             return None
         return self.compressor_factory(seq.token_ids, seq.params)
 
-    def _compress(self, seq: Sequence) -> None:
+    def _compress(self, seq: Sequence) -> int:
+        """Compress a freshly prefilled prompt in the pool; the KV entries kept (all layers)."""
         layers = [self.pool.gather(seq.request_id, layer) for layer in range(self.pool.num_layers)]
         kept = seq.compressor.compress(layers)
         self.pool.free(seq.request_id)
         self.pool.store(seq.request_id, kept)
+        return sum(layer.num_tokens for layer in kept)
 
     # --- validation (caller's thread) ------------------------------------------------------
 

@@ -45,6 +45,9 @@ class Sequence:
     # KV computed elsewhere (a prefill chain), stored into the pool on admission.
     arrived_kv: list[LayerKV] | None = None
     generated_before: int = 0  # the prompt ends with this many tokens generated on another pod
+    # KV entries over all layers once this pod prefilled the prompt: (kept, full) — kept is
+    # what compression left, full what the whole prompt takes. None: not prefilled here.
+    kv_entries: tuple[int, int] | None = None
 
     @property
     def num_generated(self) -> int:
@@ -78,6 +81,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finish_reason: str | None = None  # set on the request's last output
+    kv_entries: tuple[int, int] | None = None  # on the last output: Sequence.kv_entries
 
     @property
     def finished(self) -> bool:

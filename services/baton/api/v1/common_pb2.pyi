@@ -77,14 +77,16 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_push_s: _Optional[float] = ..., mean_time_between_tokens_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("decode_address", "chain_id", "partition")
+    __slots__ = ("decode_address", "chain_id", "partition", "reason")
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     decode_address: str
     chain_id: str
     partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, decode_address: _Optional[str] = ..., chain_id: _Optional[str] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
+    reason: str
+    def __init__(self, decode_address: _Optional[str] = ..., chain_id: _Optional[str] = ..., partition: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "route")

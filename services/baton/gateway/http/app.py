@@ -235,7 +235,8 @@ class OpenAIServer:
         if not completion.chat:
             return GenerateRequest(request_id=request_id, model=completion.model,
                                    text=completion.text, token_ids=completion.token_ids,
-                                   sampling=completion.sampling, compression=completion.compression)
+                                   sampling=completion.sampling, compression=completion.compression,
+                                   prefill_route=completion.prefill_route)
         text = self.chat_template.render(completion.messages, completion.add_generation_prompt)
         token_ids = self.model.encode_text(text)
         max_tokens = completion.max_tokens
@@ -246,7 +247,8 @@ class OpenAIServer:
                                       f"whole context of {self.model.info.max_model_len}")
         return GenerateRequest(request_id=request_id, model=completion.model, token_ids=token_ids,
                                sampling=dataclasses.replace(completion.sampling, max_tokens=max_tokens),
-                               compression=completion.compression)
+                               compression=completion.compression,
+                               prefill_route=completion.prefill_route)
 
     async def _whole(self, answer: Answer, completion: Completion, first: GenerationStep,
                      steps) -> web.Response:

@@ -6,7 +6,8 @@ or, when set to something baton cannot do (``n`` > 1, ``logprobs``, ``echo``, pe
 refused with a 400 that names it; fields nobody documents are ignored, as vLLM ignores
 them. vLLM's extensions that benchmark tools send (``top_k``, ``ignore_eos``,
 ``min_tokens`` 0, ``stop_token_ids``, ``repetition_penalty`` 1) are read too, and baton's
-own ``compression`` ({"enabled", "keep_ratio"}). Values go through the same checks as the
+own ``compression`` ({"enabled", "keep_ratio"}) and ``prefill_route`` ("auto", "chain",
+"local"). Values go through the same checks as the
 gRPC API (``SamplingParams`` and the gateway's prompt checks).
 
 Responses: ``completion_body``/``chunk`` build the JSON OpenAI's clients parse, and
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from baton.api.requests import FinishReason, GenerationStep, Usage
+from baton.api.requests import PREFILL_ROUTES, FinishReason, GenerationStep, Usage
 from baton.errors import InvalidArgument
 from baton.model.sampling import CompressionParams, SamplingParams
 
@@ -52,6 +53,7 @@ class Completion:
     add_generation_prompt: bool = True
     max_tokens: int | None = None  # None (chat only): up to the model's context
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
+    prefill_route: str = "auto"  # baton's extension: pin the prefill to "chain" or "local"
 
 
 def completion_request(body: object) -> Completion:
@@ -68,7 +70,8 @@ def completion_request(body: object) -> Completion:
                       sampling=_sampling(body, max_tokens), compression=_compression(body),
                       stream=_boolean(body, "stream", False),
                       include_usage=_include_usage(body), max_tokens=max_tokens,
-                      return_token_ids=_boolean(body, "return_token_ids", False))
+                      return_token_ids=_boolean(body, "return_token_ids", False),
+                      prefill_route=_prefill_route(body))
 
 
 def chat_request(body: object) -> Completion:
@@ -88,7 +91,8 @@ def chat_request(body: object) -> Completion:
                       sampling=_sampling(body, max_tokens or 1), compression=_compression(body),
                       stream=_boolean(body, "stream", False),
                       include_usage=_include_usage(body), max_tokens=max_tokens,
-                      return_token_ids=_boolean(body, "return_token_ids", False))
+                      return_token_ids=_boolean(body, "return_token_ids", False),
+                      prefill_route=_prefill_route(body))
 
 
 # --- reading fields --------------------------------------------------------------------------
@@ -220,6 +224,13 @@ def _compression(body: dict) -> CompressionParams:
         raise BadParameter("compression", str(e)) from None
 
 
+def _prefill_route(body: dict) -> str:
+    route = body.get("prefill_route") or "auto"
+    if route not in PREFILL_ROUTES:
+        raise BadParameter("prefill_route", f"prefill_route {route!r} is not one of {PREFILL_ROUTES}")
+    return route
+
+
 def _include_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if options is None:
@@ -288,7 +299,7 @@ def baton_body(request_id: str, step: GenerationStep) -> dict:
             "kv_bytes_shipped": usage.kv_bytes_shipped}
     if route is not None:
         body["route"] = {"decode_address": route.decode_address, "chain_id": route.chain_id,
-                         "path": "chain" if route.chain_id else "local"}
+                         "path": "chain" if route.chain_id else "local", "reason": route.reason}
     if timings is not None:
         body["timings"] = {"ttft_s": timings.ttft_s, "prefill_s": timings.prefill_s,
                            "kv_push_s": timings.kv_push_s, "total_s": timings.total_s,

@@ -33,12 +33,24 @@ from baton.routing import RoutingSnapshot, WorkerInfo
 @register_policy("least-loaded")
 class LeastLoadedPolicy(RoutingPolicy):
     def route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
-              in_flight: Mapping[str, InFlight]) -> RouteDecision:
+              in_flight: Mapping[str, InFlight], prefill_route: str = "auto") -> RouteDecision:
         decode = self._pick_decode(snapshot, in_flight)
-        chain = None
-        if num_prompt_tokens >= self.config.prefill_threshold_tokens:
-            chain = self._pick_chain(num_prompt_tokens, snapshot, in_flight)
-        return RouteDecision(decode=decode, chain=chain)
+        threshold = self.config.prefill_threshold_tokens
+        if prefill_route == "local":
+            return RouteDecision(decode, None, "prefill_route local: prefilled on the decode pod")
+        if prefill_route == "chain":
+            chain, why = self._pick_chain(0, snapshot, in_flight)  # pinned: no queue limit
+            if chain is None:
+                raise NoLiveWorkers(f"prefill_route chain, but no chain of model {self.model_id!r} "
+                                    f"is live")
+            return RouteDecision(decode, chain, f"prefill_route chain: chain {chain.chain_id}")
+        if num_prompt_tokens < threshold:
+            return RouteDecision(decode, None, f"prompt of {num_prompt_tokens} tokens < "
+                                               f"prefill_threshold_tokens {threshold}: prefilled "
+                                               f"on the decode pod")
+        chain, why = self._pick_chain(num_prompt_tokens, snapshot, in_flight)
+        return RouteDecision(decode, chain, f"prompt of {num_prompt_tokens} tokens >= "
+                                            f"prefill_threshold_tokens {threshold}: {why}")
 
     def _pick_decode(self, snapshot: RoutingSnapshot, in_flight: Mapping[str, InFlight]) -> WorkerInfo:
         workers = self.decode_workers(snapshot)
@@ -58,10 +70,12 @@ class LeastLoadedPolicy(RoutingPolicy):
         return min(with_room, key=load)
 
     def _pick_chain(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
-                    in_flight: Mapping[str, InFlight]) -> WorkerInfo | None:
+                    in_flight: Mapping[str, InFlight]) -> tuple[WorkerInfo | None, str]:
+        """The chain for a prompt of ``num_prompt_tokens`` (0: no queue limit), or None, and
+        why, in words."""
         heads = self.chain_heads(snapshot)
         if not heads:
-            return None
+            return None, "no chain is live: prefilled on the decode pod"
 
         def queued(head: WorkerInfo) -> tuple:
             here = in_flight.get(head.address, InFlight())
@@ -71,6 +85,8 @@ class LeastLoadedPolicy(RoutingPolicy):
         head = min(heads, key=queued)
         queued_tokens = queued(head)[0]
         limit = self.config.chain_max_queued_tokens
-        if limit and queued_tokens > 0 and queued_tokens + num_prompt_tokens > limit:
-            return None  # every chain is backed up: the decode pod prefills it sooner
-        return head
+        if limit and num_prompt_tokens and queued_tokens > 0 and queued_tokens + num_prompt_tokens > limit:
+            # every chain is backed up: the decode pod prefills it sooner
+            return None, (f"the least busy chain holds {queued_tokens} queued tokens (+{num_prompt_tokens} "
+                          f"> chain_max_queued_tokens {limit}): prefilled on the decode pod")
+        return head, f"chain {head.chain_id}"
