@@ -37,6 +37,7 @@ from baton.config import (
     ServerConfig,
 )
 from baton.configtree import flag_names
+from baton.metrics import HEALTH_PATH, LIVE_PATH
 
 from baton_operator.spec import InvalidSpec, ServiceSpec
 
@@ -56,7 +57,6 @@ API_KEYS_DIR = "/etc/baton/api-keys"  # the whole Secret volume: the kubelet ref
 MTLS_DIR = "/etc/baton/mtls"  # the role's whole Secret volume, refreshed in place on rotation
 MTLS_FILES = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}  # the kubernetes.io/tls layout
 SECRET_FILE_MODE = 0o440  # owner root, group fsGroup (the baton user): nobody else reads keys
-HEALTH_PATH = "/healthz"  # served on the metrics port (baton.metrics.serve_metrics)
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
 
 
@@ -244,12 +244,14 @@ def _resources(spec: ServiceSpec, role: str, requested: dict) -> dict:
 
 def _probes() -> dict:
     """Readiness: /healthz says the server can take work (SERVING; a prefill rank other
-    than 0 is ready while alive). Startup: the same, within 10 minutes (large models load
-    for minutes). No liveness probe: /healthz turns 503 when a gateway has no live decode
-    pod or a server drains, which is no reason to restart it (a dead process restarts anyway)."""
+    than 0 is ready while alive). Liveness: /livez, the process still answers (/healthz
+    turns 503 when a gateway has no live decode pod or a server drains, which is no reason
+    to restart it). Startup: /livez within 10 minutes, before liveness counts."""
     health = {"httpGet": {"path": HEALTH_PATH, "port": "metrics"}}
+    live = {"httpGet": {"path": LIVE_PATH, "port": "metrics"}}
     return {"readinessProbe": {**health, "periodSeconds": 5},
-            "startupProbe": {**health, "periodSeconds": 5, "failureThreshold": 120}}
+            "livenessProbe": {**live, "periodSeconds": 10, "failureThreshold": 6},
+            "startupProbe": {**live, "periodSeconds": 5, "failureThreshold": 120}}
 
 
 def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port: int,

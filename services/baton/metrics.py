@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
@@ -156,10 +157,19 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6  # a pod IP on an IPv6 cluster
+
+
+HEALTH_PATH = "/healthz"  # 200 while the server can take work (readiness)
+LIVE_PATH = "/livez"  # 200 while the process answers at all (liveness, startup)
+
+
 def serve_metrics(host: str, port: int, registry: CollectorRegistry,
                   ready: Callable[[], bool] | None = None) -> Callable[[], None] | None:
-    """Expose ``registry`` on http://host:port/metrics, and ``/healthz``: 200 while ``ready()``
-    (the server's health is SERVING; None = alive is enough), else 503. Kubernetes probes
+    """Expose ``registry`` on http://host:port/metrics, ``/healthz``: 200 while ``ready()``
+    (the server's health is SERVING; None = alive is enough), else 503, and ``/livez``: 200
+    while the process answers. Kubernetes probes
     read ``/healthz`` here because the gRPC ports require client certificates (mTLS) that
     the kubelet does not have. Returns a function that stops it (None when ``port`` is 0)."""
     if port == 0:
@@ -167,17 +177,19 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry,
     metrics = make_wsgi_app(registry)
 
     def app(environ, start_response):
-        if environ.get("PATH_INFO") == "/healthz":
-            ok = ready is None or ready()
+        path = environ.get("PATH_INFO")
+        if path in (HEALTH_PATH, LIVE_PATH):
+            ok = path == LIVE_PATH or ready is None or ready()
             start_response("200 OK" if ok else "503 Service Unavailable",
                            [("Content-Type", "text/plain")])
             return [b"ok\n" if ok else b"not serving\n"]
         return metrics(environ, start_response)
 
-    server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    server_class = _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer
+    server = make_server(host.strip("[]"), port, app, server_class, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
     thread.start()
-    log.info("metrics on http://%s:%d/metrics (and /healthz)", host, port)
+    log.info("metrics on http://%s:%d/metrics (and %s, %s)", host, port, HEALTH_PATH, LIVE_PATH)
 
     def stop() -> None:
         server.shutdown()

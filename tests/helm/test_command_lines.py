@@ -234,22 +234,25 @@ def test_probes_reach_healthz_where_the_server_serves_it(monkeypatch):
     for role, _, container in _pods_by_role({}):
         config = load_with_baton_cli(container, monkeypatch)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        for probe in ("readinessProbe", "startupProbe"):
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             get = container[probe]["httpGet"]
             assert "host" not in get  # the kubelet calls the pod's IP, which metrics bind
             assert ports[get["port"]] == config.server.metrics_port, role
-    # The path answers as the probes need: 200 while serving, 503 otherwise.
+        readiness = container["readinessProbe"]["httpGet"]["path"]
+        liveness = container["livenessProbe"]["httpGet"]["path"]
+    # The paths answer as the probes need: readiness 200 only while serving, liveness always.
     serving = [False]
     with socket.socket() as probe_socket:  # a free port: serve_metrics takes 0 as "off"
         probe_socket.bind(("127.0.0.1", 0))
         port = probe_socket.getsockname()[1]
     stop = serve_metrics("127.0.0.1", port, CollectorRegistry(), lambda: serving[0])
     try:
-        url = f"http://127.0.0.1:{port}{get['path']}"
+        url = f"http://127.0.0.1:{port}"
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(url, timeout=5)
+            urllib.request.urlopen(url + readiness, timeout=5)
         assert refused.value.code == 503
+        assert urllib.request.urlopen(url + liveness, timeout=5).status == 200
         serving[0] = True
-        assert urllib.request.urlopen(url, timeout=5).status == 200
+        assert urllib.request.urlopen(url + readiness, timeout=5).status == 200
     finally:
         stop()

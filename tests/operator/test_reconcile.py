@@ -333,7 +333,7 @@ def test_no_pod_is_built_without_certificates_or_an_explicit_insecure(cluster, r
     assert _names(cluster, "Deployment") == [] and _names(cluster, "StatefulSet") == []
 
 
-def test_probes_read_healthz_on_the_metrics_port_the_pod_ip_binds(cluster, reconciler):
+def test_probes_read_health_on_the_metrics_port_the_pod_ip_binds(cluster, reconciler):
     from baton_operator import workloads
 
     create_service(cluster.kube, "demo", SPEC)
@@ -342,11 +342,14 @@ def test_probes_read_healthz_on_the_metrics_port_the_pod_ip_binds(cluster, recon
         container = pod["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["metrics"] == workloads.METRICS_PORT
-        for probe in ("readinessProbe", "startupProbe"):
-            # The gRPC ports want a client certificate the kubelet does not have.
-            assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, role
+        # The gRPC ports want a client certificate the kubelet does not have.
+        assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}, role
+        # Liveness and startup ask only that the process answers: /healthz is 503 while a
+        # server drains or a gateway has no live decode pod, no reason to restart it.
+        for probe in ("livenessProbe", "startupProbe"):
+            assert container[probe]["httpGet"] == {"path": "/livez", "port": "metrics"}, role
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             assert "grpc" not in container[probe]
-        assert "livenessProbe" not in container  # /healthz is 503 while draining: no restarts
         assert _flag(container["args"], "--server-metrics-port") == str(workloads.METRICS_PORT)
         assert _flag(container["args"], "--server-metrics-host") == "$(POD_IP)"
         env = {e["name"]: e for e in container["env"]}
