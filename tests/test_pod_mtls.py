@@ -132,3 +132,36 @@ def test_a_service_without_certificates_refuses_to_start_unless_told_plaintext()
     Mtls(MtlsConfig(insecure=True)).check_service("decode")
     with pytest.raises(ValueError, match="go together"):
         dataclasses.replace(MtlsConfig(), ca="ca.crt")
+
+
+def test_the_gateways_public_tls_takes_a_renewed_certificate_without_a_restart(checkpoint, tmp_path):
+    from baton.api.v1 import api_pb2, api_pb2_grpc
+    from baton.config import GatewayServiceConfig, HttpConfig, ModelSourceConfig, ServerConfig
+    from baton.gateway.server import create_server
+    from baton.routing import InMemoryStore
+
+    first = Authority.create("public CA 1").write(tmp_path / "one", "gateway")
+    config = GatewayServiceConfig(
+        server=ServerConfig(listen="127.0.0.1:0", tls_cert=first.cert, tls_key=first.key),
+        model=ModelSourceConfig(path=str(checkpoint)), http=HttpConfig(port=0))
+    gateway, port = create_server(config, store=InMemoryStore())
+
+    def models(ca_path: str) -> grpc.StatusCode:
+        credentials = grpc.ssl_channel_credentials(root_certificates=Path(ca_path).read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=[
+                ("grpc.ssl_target_name_override", "baton.internal")]) as channel:
+            try:
+                api_pb2_grpc.BatonStub(channel).ListModels(api_pb2.ListModelsRequest(), timeout=5)
+            except grpc.RpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    try:
+        assert models(first.ca) == grpc.StatusCode.OK  # no client certificate asked for
+        second = Authority.create("public CA 2").write(tmp_path / "two", "gateway")
+        Path(first.cert).write_bytes(Path(second.cert).read_bytes())
+        Path(first.key).write_bytes(Path(second.key).read_bytes())
+        assert models(second.ca) == grpc.StatusCode.OK
+        assert models(first.ca) == grpc.StatusCode.UNAVAILABLE  # the old certificate is gone
+    finally:
+        gateway.stop(0)

@@ -61,27 +61,7 @@ class Mtls:
     def server_credentials(self) -> grpc.ServerCredentials:
         """Credentials that require a client certificate from the CA and pick up rotated
         files at the next handshake."""
-        seen = [self.generation()]
-
-        def configuration():
-            ca, key, cert = self._read()
-            return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-
-        def fetch():
-            try:
-                current = self.generation()
-                if current == seen[0]:
-                    return None
-                fresh = configuration()
-            except OSError as e:  # a rotation half written: keep the last files
-                log.warning("mTLS files unreadable, keeping the last ones: %s", e)
-                return None
-            seen[0] = current
-            log.info("mTLS certificates reloaded from %s", self.config.cert)
-            return fresh
-
-        return grpc.dynamic_ssl_server_credentials(configuration(), fetch,
-                                                   require_client_authentication=True)
+        return reloading_server_credentials(self.config.key, self.config.cert, self.config.ca)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         ca, key, cert = self._read()
@@ -103,6 +83,39 @@ class Mtls:
                              f"--mtls-key) or, to talk plaintext, --mtls-insecure")
         if self.config.insecure:
             log.warning("mTLS OFF: internal calls are plaintext and unauthenticated (--mtls-insecure)")
+
+
+def reloading_server_credentials(key: str, cert: str, ca: str = "") -> grpc.ServerCredentials:
+    """TLS server credentials from files, re-read at the next handshake once any changed (a
+    renewed Secret applies without a restart); with ``ca``, clients must present a
+    certificate it signed (mTLS)."""
+    paths = [path for path in (ca, cert, key) if path]
+
+    def generation() -> tuple:
+        return tuple((stat.st_mtime_ns, stat.st_size) for stat in map(os.stat, paths))
+
+    def configuration():
+        return grpc.ssl_server_certificate_configuration(
+            [(Path(key).read_bytes(), Path(cert).read_bytes())],
+            root_certificates=Path(ca).read_bytes() if ca else None)
+
+    seen = [generation()]
+
+    def fetch():
+        try:
+            current = generation()
+            if current == seen[0]:
+                return None
+            fresh = configuration()
+        except OSError as e:  # a rotation half written: keep the last files
+            log.warning("TLS files unreadable, keeping the last ones: %s", e)
+            return None
+        seen[0] = current
+        log.info("TLS certificate reloaded from %s", cert)
+        return fresh
+
+    return grpc.dynamic_ssl_server_credentials(configuration(), fetch,
+                                               require_client_authentication=bool(ca))
 
 
 def peer_role(context) -> str | None:

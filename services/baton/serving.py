@@ -21,12 +21,12 @@ import signal
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.config import ServerConfig
+from baton.mtls import reloading_server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class _Binding:
             elif not self.config.tls_cert:
                 port = server.add_insecure_port(self.config.listen)
             else:
-                credentials = grpc.ssl_server_credentials([
-                    (Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
+                credentials = reloading_server_credentials(self.config.tls_key, self.config.tls_cert)
                 port = server.add_secure_port(self.config.listen, credentials)
         except RuntimeError as e:  # grpc's "Failed to bind": the address is taken or not ours
             port = 0
