@@ -77,8 +77,8 @@ build() {
     else
         command -v buildah >/dev/null || die "no Docker daemon, no buildah: apt-get install buildah"
         say "no Docker daemon: buildah build -t $IMAGE ($STORAGE storage, chroot isolation)"
-        build_with_buildah || die "buildah build failed; if no registry answers, \`make image-check\`
-  makes a Debian base with debootstrap: then BASE_IMAGE=$DEBOOTSTRAP_BASE"
+        build_with_buildah || die "buildah build failed; if no registry answers,
+  \`make image-check\` makes a Debian base with debootstrap: then BASE_IMAGE=$DEBOOTSTRAP_BASE"
     fi
 }
 
@@ -151,25 +151,26 @@ run_inside() {  # run_inside NAME SHOW COMMAND... : buildah run as the image's u
 }
 
 # `buildah run` has no read-only root, so this mounts the image's root filesystem itself: in
-# a private mount, PID and network namespace, a read-only bind of it with proc, /dev and a
-# tmpfs /tmp ($HOME) on top, then chroot as the image's user with the image's environment.
+# a private mount, PID and network namespace, binds it onto itself read-only, puts proc, /dev
+# and a tmpfs /tmp ($HOME) on top, then chroots as the image's user with the image's
+# environment. The mounts live and die with the namespace; outside it the rootfs is unchanged.
 # The network namespace has only loopback, like a pod that reaches nothing; `baton up` binds
 # its fixed ports there without clashing with anything on this machine.
 # shellcheck disable=SC2016  # expanded by the inner shell
 READ_ONLY_VIEW='
     rootfs=$1 user=$2 workdir=$3 command=$4; shift 4
     ip link set lo up
-    view=$(mktemp -d)
-    mount --bind "$rootfs" "$view"
-    mount -o remount,bind,ro "$view"
-    mount -t proc proc "$view/proc"
-    mount --rbind /dev "$view/dev"
-    mount -t tmpfs -o mode=1777,size=2g tmpfs "$view/tmp"
-    # First prove the root is read-only (a write fails) and say who runs, then the command.
-    exec chroot --userspec="$user" "$view" /usr/bin/env -i "$@" /bin/sh -c "
-        cd $workdir
-        if touch .written 2>/dev/null; then echo root is WRITABLE; exit 1; fi
-        echo \"root read-only as \$(id -un) (\$(id -u):\$(id -g)); /tmp writable\"
+    mount --bind "$rootfs" "$rootfs"
+    mount -o remount,bind,ro "$rootfs"
+    mount -t proc proc "$rootfs/proc"
+    mount --rbind /dev "$rootfs/dev"
+    mount -t tmpfs -o mode=1777,size=2g tmpfs "$rootfs/tmp"
+    # Prove the view read-only while still root (whom only a read-only mount stops), then,
+    # as the image user, that /tmp takes writes; say who runs, then run the command.
+    if touch "$rootfs$workdir/.written" 2>/dev/null; then echo "root is WRITABLE"; exit 1; fi
+    exec chroot --userspec="$user" "$rootfs" /usr/bin/env -i "$@" /bin/sh -c "
+        cd $workdir && touch /tmp/.written || exit 1
+        echo \"root read-only (to uid 0 too), /tmp writable; as \$(id -un) (\$(id -u):\$(id -g))\"
         exec $command"
 '
 
