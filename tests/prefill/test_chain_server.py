@@ -1,6 +1,8 @@
 """A 2-rank prefill chain as real `baton prefill` processes (gloo) whose tail pushes to a real
 decode server in this process (both registered in a real redis-server): the streamed tokens
-equal the monolithic engine, and the chain pushes only to registered decode pods."""
+equal the monolithic engine, and the chain pushes only to registered decode pods. Every hop
+is mTLS with certificates made here; the prefill port refuses callers without a gateway
+certificate of the CA."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import time
 
 import grpc
 import pytest
-from baton.api.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from baton.certificates import Authority
+from baton.config import MtlsConfig
+from baton.mtls import Mtls
 from baton.routing.redis_store import RedisStore
 from baton.runahead.local import free_port
 from decode.decode_servers import (
     collect,
-    decode_stub,
     make_checkpoint,
     reference_tokens,
     start_decode_server,
@@ -49,14 +53,32 @@ def redis(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def decode_server(checkpoint, redis):
-    server, _ = start_decode_server(checkpoint, store=RedisStore(redis.url))
+def authority():
+    return Authority.create("chain test CA")
+
+
+@pytest.fixture(scope="module")
+def pki(authority, tmp_path_factory):
+    """Certificates of one CA for every role (the chain and the decode pod speak mTLS)."""
+    directory = tmp_path_factory.mktemp("chain-pki")
+    return {role: authority.write(directory / role, role) for role in ("decode", "prefill", "gateway")}
+
+
+def decode_stub(server, pki):
+    """A gateway's channel to the decode pod."""
+    channel = Mtls(pki["gateway"]).channel(server.address, [])
+    return channel, decode_pb2_grpc.DecodeStub(channel)
+
+
+@pytest.fixture(scope="module")
+def decode_server(checkpoint, redis, pki):
+    server, _ = start_decode_server(checkpoint, store=RedisStore(redis.url), mtls=pki["decode"])
     yield server
     server.stop(0)
 
 
 @pytest.fixture(scope="module")
-def chain(checkpoint, redis, tmp_path_factory):
+def chain(checkpoint, redis, pki, tmp_path_factory):
     """Rank 0 and rank 1 of chain-test, as `baton prefill` processes; yields rank 0's port."""
     grpc_port, master_port = free_port(), free_port()
     logs = tmp_path_factory.mktemp("chain-logs")
@@ -69,15 +91,16 @@ def chain(checkpoint, redis, tmp_path_factory):
                        "--chain-chain-id", "chain-test", "--chain-master-port", str(master_port),
                        "--chain-backend", "gloo", "--chain-timeout-s", "30",
                        "--pyramid-enabled", "false", "--server-listen", f"127.0.0.1:{grpc_port}",
-                       "--server-grace-s", "1", "--mtls-insecure", "true",
+                       "--server-grace-s", "1", "--mtls-ca", pki["prefill"].ca,
+                       "--mtls-cert", pki["prefill"].cert, "--mtls-key", pki["prefill"].key,
                        "--routing-redis-url", redis.url]
             log = files.enter_context(open(logs / f"rank{rank}.log", "w"))
             processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                               env=environment))
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        channel = Mtls(pki["gateway"]).channel(f"127.0.0.1:{grpc_port}", [])
         try:
             wait_serving(channel, processes, logs)
-            yield Chain(channel, master_port)
+            yield Chain(channel, master_port, grpc_port)
         finally:
             channel.close()
             stop_all(processes)
@@ -87,6 +110,7 @@ def chain(checkpoint, redis, tmp_path_factory):
 class Chain:
     channel: grpc.Channel  # to rank 0's Prefill service
     master_port: int  # rank 0's rendezvous store
+    grpc_port: int  # rank 0's Prefill service
 
 
 def stop_all(processes) -> None:
@@ -125,10 +149,10 @@ def prefill_request(request_id, decode_address, prompt=PROMPT, **sampling):
                                       decode_address=decode_address)
 
 
-def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_server, checkpoint):
+def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_server, checkpoint, pki):
     reference = reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
     stub = prefill_pb2_grpc.PrefillStub(chain.channel)
-    decode_channel, decode = decode_stub(decode_server.port)
+    decode_channel, decode = decode_stub(decode_server, pki)
     attach = decode.Attach(decode_pb2.AttachRequest(request_id="chain-1", wait_s=60), timeout=120)
     events = list(stub.Prefill(prefill_request("chain-1", decode_server.address), timeout=120))
     first, shipped = events[0].first_token, events[1].shipped
@@ -143,7 +167,7 @@ def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_se
     assert shipped.kv_bytes == messages[-1].usage.kv_bytes_shipped > 0
 
 
-def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_server, checkpoint):
+def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_server, checkpoint, pki):
     stub = prefill_pb2_grpc.PrefillStub(chain.channel)
     address = decode_server.address
     cases = [
@@ -170,7 +194,7 @@ def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_
         stub.Abort(common_pb2.AbortRequest(request_id="nobody"), timeout=10)
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
     # Still serving.
-    decode_channel, decode = decode_stub(decode_server.port)
+    decode_channel, decode = decode_stub(decode_server, pki)
     events = list(stub.Prefill(prefill_request("after-bad", address), timeout=120))
     assert events[-1].WhichOneof("event") == "shipped"
     tokens, _ = collect(decode.Attach(decode_pb2.AttachRequest(request_id="after-bad"), timeout=60))
@@ -195,3 +219,27 @@ def listening_addresses(port: int) -> list[str]:
 def test_the_chains_rendezvous_listens_on_rank_0s_address_only(chain):
     # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex); not 0.0.0.0 or ::
     assert listening_addresses(chain.master_port) == ["0100007F"]
+
+
+def test_the_prefill_port_takes_only_a_gateway_certificate_of_the_ca(chain, pki, authority, tmp_path):
+    address = f"127.0.0.1:{chain.grpc_port}"
+    stranger = Authority.create("another CA").write(tmp_path / "stranger", "gateway")
+    expired = authority.write(tmp_path / "expired", "gateway", expired=True)
+
+    def stats(mtls: MtlsConfig) -> grpc.StatusCode:
+        with Mtls(mtls).channel(address, []) as channel:
+            stub = prefill_pb2_grpc.PrefillStub(channel)
+            try:
+                stub.Stats(common_pb2.StatsRequest(), timeout=5)
+            except grpc.RpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    assert stats(pki["gateway"]) == grpc.StatusCode.OK
+    for refused in (MtlsConfig(insecure=True), stranger, expired):
+        assert stats(refused) == grpc.StatusCode.UNAVAILABLE
+    # of the CA, but not a gateway's
+    with Mtls(pki["decode"]).channel(address, []) as channel, pytest.raises(grpc.RpcError) as error:
+        list(prefill_pb2_grpc.PrefillStub(channel).Prefill(
+            prefill_request("as-decode", "127.0.0.1:1"), timeout=10))
+    assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
