@@ -23,12 +23,13 @@ without that flag refuses to start (``check_service``).
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
+import math
+import time
 from pathlib import Path
 
 import grpc
 
+from baton import files
 from baton.config import MtlsConfig
 from baton.errors import PermissionDenied
 
@@ -39,9 +40,14 @@ ROLE_PREFIX = "baton-"
 SHARED_ROLE = "internal"  # a certificate every pod shares: any internal role
 
 
-@dataclass(frozen=True)
+ROTATION_CHECK_S = 1.0  # how often callers look at the files for a rotation
+
+
 class Mtls:
-    config: MtlsConfig
+    def __init__(self, config: MtlsConfig) -> None:
+        self.config = config
+        self._generation: tuple = ()
+        self._checked_at = -math.inf
 
     @property
     def enabled(self) -> bool:
@@ -52,11 +58,15 @@ class Mtls:
                 Path(self.config.cert).read_bytes())
 
     def generation(self) -> tuple:
-        """Changes when any of the files changes (modification time and size)."""
+        """Changes when any of the files changes; read at most every ``ROTATION_CHECK_S``
+        (callers ask on every call they open)."""
         if not self.enabled:
             return ()
-        stats = [os.stat(path) for path in (self.config.ca, self.config.cert, self.config.key)]
-        return tuple((stat.st_mtime_ns, stat.st_size) for stat in stats)
+        now = time.monotonic()
+        if now - self._checked_at >= ROTATION_CHECK_S:
+            self._generation, self._checked_at = files.generation(
+                self.config.ca, self.config.cert, self.config.key), now
+        return self._generation
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Credentials that require a client certificate from the CA and pick up rotated
@@ -91,19 +101,16 @@ def reloading_server_credentials(key: str, cert: str, ca: str = "") -> grpc.Serv
     certificate it signed (mTLS)."""
     paths = [path for path in (ca, cert, key) if path]
 
-    def generation() -> tuple:
-        return tuple((stat.st_mtime_ns, stat.st_size) for stat in map(os.stat, paths))
-
     def configuration():
         return grpc.ssl_server_certificate_configuration(
             [(Path(key).read_bytes(), Path(cert).read_bytes())],
             root_certificates=Path(ca).read_bytes() if ca else None)
 
-    seen = [generation()]
+    seen = [files.generation(*paths)]
 
     def fetch():
         try:
-            current = generation()
+            current = files.generation(*paths)
             if current == seen[0]:
                 return None
             fresh = configuration()

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import threading
 from pathlib import Path
 
+from baton import files
 from baton.errors import Unauthenticated
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class ApiKeys:
         self.path = Path(path) if path else None
         self._lock = threading.Lock()
         self._keys: dict[bytes, str] = {}  # key -> name
-        self._seen: tuple[float, int] | None = None
+        self._seen: tuple | None = None
         if self.path is None:
             log.warning("NO API KEYS: every client may call this gateway (set --auth-api-keys-file)")
         else:
@@ -61,8 +61,8 @@ class ApiKeys:
 
     def _reload(self) -> None:
         try:
-            stat = os.stat(self.path)
-            if self._seen == (stat.st_mtime, stat.st_size):
+            current = files.generation(str(self.path))
+            if self._seen == current:
                 return
             keys = _parse(self.path.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -70,7 +70,7 @@ class ApiKeys:
                       len(self._keys), e)
             return
         with self._lock:
-            self._keys, self._seen = keys, (stat.st_mtime, stat.st_size)
+            self._keys, self._seen = keys, current
 
 
 def _parse(text: str) -> dict[bytes, str]:
