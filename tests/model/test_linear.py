@@ -48,4 +48,16 @@ def test_a_packed_bf16_weight_gives_f_linear_exactly_and_follows_weight_changes(
         layer.weight.mul_(2)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert not packs(layer.weight.float())  # fp32 keeps the plain kernels
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_a_packed_fp32_weight_agrees_with_f_linear_to_rounding():
+    # fp32 packs too (1.2-1.5x on the development CPUs); oneDNN sums in another order than
+    # BLAS, so the results agree to fp32 rounding, not bit for bit.
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True)
+    assert packs(layer.weight)
+    for rows in (1, 3, 64, 300):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert not packs(layer.weight.double())  # other dtypes keep the plain kernels
