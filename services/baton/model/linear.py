@@ -32,7 +32,8 @@ development machines made a 64-row projection 1.7x slower and a 512-row one 1.1x
 (the packed copy gives bit-identical results there). In fp32 oneDNN's packed kernels
 beat MKL's outright on an AMD EPYC (Zen 4): 1.2-1.5x from 64 to 4096 rows, 2-4x at
 1-8 rows, ahead of the weight-major form too; the engine's fp32 throughput on the
-peer workload rose 15% (interleaved, same tokens). fp32 results agree with
+peer workload rose 15% once warm (interleaved, same tokens; oneDNN builds a kernel
+per new row count, so a fresh process's first pass gains little). fp32 results agree with
 ``F.linear`` to rounding (another summation order), and every equivalence test holds.
 The packed copy costs one more copy of the weights. So the weight-major rule above
 now serves only where oneDNN is missing.
