@@ -37,6 +37,7 @@ def test_linear_module_keeps_nn_linear_parameters_and_takes_any_shape():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@torch.no_grad()  # as served; a forward that trains takes the plain kernels
 def test_a_packed_bf16_weight_gives_f_linear_exactly_and_follows_weight_changes():
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=True).to(torch.bfloat16)
@@ -51,6 +52,7 @@ def test_a_packed_bf16_weight_gives_f_linear_exactly_and_follows_weight_changes(
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@torch.no_grad()
 def test_a_packed_fp32_weight_agrees_with_f_linear_to_rounding():
     # fp32 packs too (1.2-1.5x on the development CPUs); oneDNN sums in another order than
     # BLAS, so the results agree to fp32 rounding, not bit for bit.
@@ -61,3 +63,9 @@ def test_a_packed_fp32_weight_agrees_with_f_linear_to_rounding():
         x = torch.randn(rows, 64)
         assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert not packs(layer.weight.double())  # other dtypes keep the plain kernels
+
+
+def test_a_forward_that_trains_takes_the_plain_kernels_and_has_gradients():
+    layer = Linear(64, 96, bias=True)
+    layer(torch.randn(3, 64)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
