@@ -27,16 +27,13 @@ CUDA tensors always take ``F.linear``: cuBLAS picks its own kernels.
 
 bf16, fp16 and fp32 weights on a CPU are packed once into oneDNN's blocked layout
 (``WeightPack``), as vLLM's CPU backend and inductor's freezing do: ``F.linear``
-reorders a bf16 weight for the AMX/AVX512 kernels on every call, which on the
-development machines made a 64-row projection 1.7x slower and a 512-row one 1.1x
-(the packed copy gives bit-identical results there). In fp32 oneDNN's packed kernels
-beat MKL's outright on an AMD EPYC (Zen 4): 1.2-1.5x from 64 to 4096 rows, 2-4x at
-1-8 rows, ahead of the weight-major form too; the engine's fp32 throughput on the
-peer workload rose 15% once warm (interleaved, same tokens; oneDNN builds a kernel
-per new row count, so a fresh process's first pass gains little). fp32 results agree with
-``F.linear`` to rounding (another summation order), and every equivalence test holds.
-The packed copy costs one more copy of the weights. So the weight-major rule above
-now serves only where oneDNN is missing.
+reorders a bf16 weight for the AMX/AVX512 kernels on every call (the packed copy
+gives bit-identical results there), and in fp32 oneDNN's packed kernels beat MKL's,
+the weight-major form included (fp32 results then agree with ``F.linear`` to
+rounding, another summation order). The figures are in docs/runtime.md, "Memory and
+kernels on the CPU". The packed copy costs one more copy of the weights, and its op
+has no backward, so a forward that trains takes the plain kernels; the weight-major
+rule above serves those and CPUs without oneDNN.
 """
 
 from __future__ import annotations
@@ -97,9 +94,11 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def packs(weight: torch.Tensor) -> bool:
-    """Does this weight run through a oneDNN-packed copy (CPU, bf16/fp16/fp32, oneDNN built in)?"""
+    """Does this weight run through a oneDNN-packed copy (CPU, bf16/fp16/fp32, oneDNN built
+    in, and no gradient wanted: the packed op has no backward)?"""
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and torch.backends.mkldnn.is_available())
+            and torch.backends.mkldnn.is_available()
+            and not (weight.requires_grad and torch.is_grad_enabled()))
 
 
 class WeightPack:
@@ -124,8 +123,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             pack: WeightPack) -> torch.Tensor:
     """x @ weight.T + bias by the fastest route for the weight: its packed copy where
     ``packs`` says so, else ``linear()``."""
-    # oneDNN's packed op has no backward: a forward that trains takes the plain kernels.
-    if packs(weight) and not (weight.requires_grad and torch.is_grad_enabled()):
+    if packs(weight):
         return pack.linear(x, weight, bias)
     return linear(x, weight, bias)
 
