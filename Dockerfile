@@ -27,10 +27,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp
 
 # CUDA and bare Debian bases come without Python; python:* bases have it. None has
-# redis-server, which `baton up` starts for its routing state.
+# redis-server, which `baton up` starts for its routing state, or the C++ compiler that
+# builds baton's CPU kernels (below).
 RUN packages=""; \
     python3 -c "import venv, ensurepip" 2>/dev/null || packages="python3 python3-venv"; \
+    python3 -c "import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()['include'] + '/Python.h'))" \
+        || packages="$packages python3-dev"; \
     command -v redis-server >/dev/null || packages="$packages redis-server"; \
+    command -v g++ >/dev/null || packages="$packages g++"; \
     if [ -n "$packages" ]; then \
         apt-get update && apt-get install -y --no-install-recommends $packages \
         && rm -rf /var/lib/apt/lists/*; \
@@ -57,6 +61,11 @@ COPY models/ models/
 RUN pip install -e . \
     && useradd --uid ${UID} --user-group --no-create-home --shell /usr/sbin/nologin baton \
     && python -m compileall -q services operator
+
+# baton's CPU kernels, compiled once here: the pods' root filesystem is read-only, and a
+# build at start would cost each pod ~30 s (services/baton/model/cpu_kernels.py).
+ENV BATON_KERNEL_DIR=/opt/baton/kernels
+RUN python -c "from baton.model.cpu_kernels import build; build('${BATON_KERNEL_DIR}')"
 
 # Non-root, and nothing here needs a writable root filesystem: caches go to $HOME=/tmp,
 # an emptyDir in the pods the operator and the chart make.

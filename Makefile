@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test proto lint bench bench-peer gpu-check helm-lint image image-check clean
+.PHONY: help setup kernels redis run test proto lint bench bench-peer gpu-check helm-lint image image-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -22,10 +22,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q $(FIND_LINKS) -e '.[test,dev]'
 	@touch $(STAMP)
 
+kernels: $(STAMP) # baton's CPU kernels, built for this machine (cached; a C++ compiler when missing)
+	@command -v g++ >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++ >/dev/null; }
+	@$(PY) -c "from baton.model.cpu_kernels import attention; attention()"
+
 redis: # the redis-server binary, from the system's package manager when missing
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
-setup: $(STAMP) redis ## create the virtualenv, install packages and redis-server
+setup: $(STAMP) redis kernels ## create the virtualenv, install packages and redis-server, build the CPU kernels
 
 run: setup ## run the whole service locally (gateway, prefill chain, decode) and stream a generation
 	$(PY) -m baton.cli up --demo

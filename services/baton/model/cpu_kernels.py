@@ -1,0 +1,75 @@
+"""baton's own CPU kernels (``kernels/*.cpp``), built on first use for this machine.
+
+Where torch's CPU kernels leave much of the hardware idle on the shapes our models
+have (small heads), a kernel of ours runs instead; see docs/runtime.md for the
+figures. They are compiled with torch's extension builder the first time a process
+needs them (~20-30 s; the build is cached under ``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions`` and shared by later processes) and only run on CPUs
+with AVX-512 and AVX512_BF16. An image builds them once instead
+(``build(DIR)``) and points ``BATON_KERNEL_DIR`` at DIR: its
+pods load them from there, read-only. Without those instructions, without a compiler,
+or with ``BATON_CPU_KERNELS=0``, ``attention()`` is None and callers use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
+ATTENTION = "baton_cpu_attention"
+# The instruction sets the kernels are written for, named rather than -march=native, so a
+# build is valid on every CPU that passes ``_cpu_supports`` (a shared cache, an image).
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+         "-fno-math-errno", "-fopenmp"]
+HEAD_DIMS = (32, 64, 128)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_supports() -> bool:
+    return bool(torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+
+
+@functools.cache
+def attention() -> ModuleType | None:
+    """The compiled attention module (``causal_attention(q, k, v)``), or None where it can't run."""
+    if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or not _cpu_supports():
+        return None
+    prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{ATTENTION}.so"
+    try:
+        if prebuilt.exists():
+            spec = importlib.util.spec_from_file_location(ATTENTION, prebuilt)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        return build()
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
+        # no compiler or ninja, or a failed build: torch's kernels serve instead
+        log.warning("baton's CPU attention kernel could not be built (%s); using torch's", error)
+        return None
+
+
+def build(directory: str | None = None) -> ModuleType:
+    """Compile the kernels (into ``directory``, or torch's extension cache) and load them."""
+    from torch.utils import cpp_extension
+
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=ATTENTION, sources=[str(SOURCE_DIR / "cpu_attention.cpp")],
+                              extra_cflags=FLAGS, build_directory=directory, verbose=False)
+
+
+def causal_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Can the kernel take these inputs (device, dtype, head size, GQA shape)?"""
+    return (q.device.type == "cpu" and q.dtype in DTYPES and k.dtype == q.dtype
+            and q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0
+            and attention() is not None)

@@ -1,0 +1,123 @@
+"""baton's CPU attention kernel equals softmax attention under the causal mask: fp32 to an
+fp64 reference as closely as torch's own kernel, bf16 within torch's own bf16 error; and
+attend() takes it wherever it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from baton.model import attention as attention_module
+from baton.model import cpu_kernels
+from baton.model.attention import attend, expand_kv_heads
+
+kernel = cpu_kernels.attention()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX-512 BF16 CPU or no compiler here")
+
+
+def reference(q, k, v, prefix_sees_all=True):
+    """fp64 attention, query t over keys 0 .. S - T + t: [T, H, D]."""
+    num_queries, num_keys = q.shape[0], k.shape[0]
+    keys = expand_kv_heads(k, q.shape[1]).double().transpose(0, 1)
+    values = expand_kv_heads(v, q.shape[1]).double().transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ keys.transpose(1, 2) / q.shape[-1] ** 0.5
+    visible = torch.arange(num_keys)[None, :] <= (num_keys - num_queries + torch.arange(num_queries))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (F.softmax(scores, dim=-1) @ values).transpose(0, 1)
+
+
+def torch_kernel(q, k, v):
+    """torch's fused kernel on the same inputs, for its error as the bar."""
+    num_queries, num_keys = q.shape[0], k.shape[0]
+    visible = torch.arange(num_keys)[None, :] <= (num_keys - num_queries + torch.arange(num_queries))[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], expand_kv_heads(k, q.shape[1]).transpose(0, 1)[None],
+        expand_kv_heads(v, q.shape[1]).transpose(0, 1)[None], attn_mask=visible)
+    return out[0].transpose(0, 1)
+
+
+def random_qkv(num_queries, num_keys, heads, kv_heads, head_dim, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    shape_q, shape_kv = (num_queries, heads, head_dim), (num_keys, kv_heads, head_dim)
+    return (torch.randn(shape_q, generator=generator).to(dtype),
+            torch.randn(shape_kv, generator=generator).to(dtype),
+            torch.randn(shape_kv, generator=generator).to(dtype))
+
+
+SHAPES = [  # (queries, keys): whole prompts of every tile remainder, slices over a prefix, one token
+    (1, 1), (5, 5), (16, 16), (17, 17), (64, 64), (130, 130), (900, 900),
+    (1, 77), (3, 1000), (64, 300), (200, 265),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", cpu_kernels.HEAD_DIMS)
+@pytest.mark.parametrize(("num_queries", "num_keys"), SHAPES)
+def test_fp32_is_as_exact_as_torchs_kernel(head_dim, num_queries, num_keys):
+    q, k, v = random_qkv(num_queries, num_keys, 8, 2, head_dim, torch.float32, seed=num_keys)
+    truth = reference(q, k, v)
+    ours = (kernel.causal_attention(q, k, v).double() - truth).abs().max().item()
+    theirs = (torch_kernel(q, k, v).double() - truth).abs().max().item()
+    assert ours < 2e-6, (ours, theirs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", cpu_kernels.HEAD_DIMS)
+@pytest.mark.parametrize(("num_queries", "num_keys"), SHAPES)
+def test_bf16_is_within_torchs_own_bf16_error(head_dim, num_queries, num_keys):
+    q, k, v = random_qkv(num_queries, num_keys, 8, 2, head_dim, torch.bfloat16, seed=num_keys)
+    truth = reference(q, k, v)
+    out = kernel.causal_attention(q, k, v)
+    assert out.dtype == torch.bfloat16
+    ours = (out.double() - truth).abs().max().item()
+    theirs = (torch_kernel(q, k, v).double() - truth).abs().max().item()
+    # Both round the output (and the probabilities) to bf16: the same error, to a rounding step.
+    assert ours <= 1.25 * theirs + 1e-3, (ours, theirs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1), (12, 4)])  # MHA, GQA, MQA, 3 per group
+def test_every_head_layout(heads):
+    q, k, v = random_qkv(70, 150, heads[0], heads[1], 64, torch.float32, seed=sum(heads))
+    assert (kernel.causal_attention(q, k, v).double() - reference(q, k, v)).abs().max() < 2e-6
+
+
+@needs_kernel
+def test_attend_takes_the_kernel_for_prompts_and_prefix_slices(monkeypatch):
+    calls = []
+    real = kernel.causal_attention
+
+    class Spy:
+        def causal_attention(self, q, k, v):
+            calls.append((q.shape[0], k.shape[0]))
+            return real(q, k, v)
+
+    monkeypatch.setattr(attention_module.cpu_kernels, "attention", lambda: Spy())
+    q, k, v = random_qkv(40, 100, 8, 2, 32, torch.float32, seed=1)
+    positions = torch.arange(100)
+    # a slice over its prefix; the last 40 queries of a whole prompt; a pruned prefix
+    attend(q, k, v, positions[60:], positions)
+    attend(q, k[60:], v[60:], positions[60:], positions[60:])
+    pruned = torch.cat([torch.arange(0, 120, 2), torch.arange(130, 170)])
+    out = attend(q, k, v, pruned[60:], pruned)
+    assert calls == [(40, 100), (40, 40), (40, 100)]
+    assert (out.double() - reference(q, k, v)).abs().max() < 2e-6
+    # a key after its query is not a prefix: the masked path, not the kernel
+    attend(q, k, v, positions[60:], positions.flip(0))
+    assert len(calls) == 3
+
+
+@needs_kernel
+def test_bad_inputs_are_refused_with_the_value():
+    q, k, v = random_qkv(4, 8, 8, 2, 32, torch.float32, seed=2)
+    with pytest.raises(RuntimeError, match="fewer keys"):
+        kernel.causal_attention(q, k[:2], v[:2])
+    with pytest.raises(RuntimeError, match="head_dim 16"):
+        kernel.causal_attention(q[..., :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous())
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel.causal_attention(q, k.double(), v)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("BATON_CPU_KERNELS", "0")
+    assert cpu_kernels.attention.__wrapped__() is None
