@@ -63,9 +63,9 @@ RUN pip install -e . \
     && python -m compileall -q services operator
 
 # baton's CPU kernels, compiled once here: the pods' root filesystem is read-only, and a
-# build at start would cost each pod ~30 s (services/baton/model/cpu_kernels.py).
+# build at start would cost each pod ~30 s (services/baton/kernels/cpu.py).
 ENV BATON_KERNEL_DIR=/opt/baton/kernels
-RUN python -c "from baton.model.cpu_kernels import build; build('${BATON_KERNEL_DIR}')"
+RUN python -c "from baton.kernels.cpu import build; build('${BATON_KERNEL_DIR}')"
 
 # Non-root, and nothing here needs a writable root filesystem: caches go to $HOME=/tmp,
 # an emptyDir in the pods the operator and the chart make.

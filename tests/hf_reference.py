@@ -52,9 +52,11 @@ def save_random_hf_model(config: ModelConfig, directory: Path, seed: int = 0):
     return model
 
 
-# (variant, query heads, kv heads): GQA ratios 1, 2, 4 and MQA over every family.
+# (variant, query heads, kv heads): GQA ratios 1, 2, 4 and MQA over every family; head_dim
+# 16 and 8 (torch's kernels), 32 and 64 (hidden 64 over 2 and 1 heads: baton's CPU kernels).
 EQUIVALENCE_CASES = [
-    ("llama2", 4, 4), ("llama2", 4, 1),
+    ("llama2", 4, 4), ("llama2", 4, 1), ("llama2", 1, 1),
+    ("llama3", 2, 1),
     ("llama3", 8, 4), ("llama3", 8, 2),
     ("qwen2", 4, 2), ("qwen2", 4, 1),
     ("mistral", 8, 2), ("mistral", 8, 8),

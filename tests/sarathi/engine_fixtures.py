@@ -11,7 +11,9 @@ from hf_reference import tiny_config
 
 def build_model(seed: int = 0) -> CausalLM:
     torch.manual_seed(seed)
-    config = tiny_config("llama3", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    # head_dim 32: the size baton's CPU attention kernels take, so the exactness tests cover them
+    config = tiny_config("llama3", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                         head_dim=32)
     return CausalLM(config).eval()
 
 

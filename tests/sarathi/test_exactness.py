@@ -107,7 +107,7 @@ def test_completion_and_abort_return_every_block(model):
 
 
 def test_greedy_equals_transformers_generate(tmp_path):
-    config = tiny_config("llama3", num_attention_heads=4, num_key_value_heads=2)
+    config = tiny_config("llama3", num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     hf_model = save_random_hf_model(config, tmp_path)
     ours = load_checkpoint(tmp_path, dtype="float32", device="cpu", with_tokenizer=False)
     prompts = prompts_of_lengths(7, 23, 61)

@@ -192,7 +192,7 @@ class KVPool:
         table.length = 0
         self.append(seq_id, layer, current.k[keep], current.v[keep], current.positions[keep])
 
-    def begin_decode(self, seq_ids: list[str]) -> DecodeStep:
+    def begin_decode(self, seq_ids: list[str], grouped: bool = True) -> DecodeStep:
         """Claim room for one new token per sequence in every layer; return the step's metadata.
 
         The batched form of ``append`` for decode steps: the block tables are walked once
@@ -200,7 +200,9 @@ class KVPool:
         (on a GPU each separate copy costs a launch, and Python time per layer and sequence
         adds up at batch 32). Lengths count the new token from here on; the model then
         writes each layer's token with ``DecodeStep.write`` and reads with ``DecodeStep.read``.
-        Sequences are attended in groups of similar width (see ``baton.kv.decode_step``).
+        Sequences are attended in groups of similar width (see ``baton.kv.decode_step``);
+        ``grouped=False`` makes them one group, for a reader that takes the blocks where they
+        lie and so pays nothing for padding (the CPU decode kernel).
         A sequence that needs a block and cannot get one raises ``KVPoolExhausted`` before
         any of its layers changed.
         """
@@ -219,7 +221,8 @@ class KVPool:
                 table.length += 1
                 lengths.append(table.length)
         widths = [max(len(table.blocks) for table in tables) for tables in per_sequence]
-        rows = group_by_width(widths, max(1, GROUP_OVERHEAD_BYTES // self.bytes_per_block))
+        rows = (group_by_width(widths, max(1, GROUP_OVERHEAD_BYTES // self.bytes_per_block))
+                if grouped or not seq_ids else [slice(0, len(seq_ids))])
         batch, per_layer = len(seq_ids), self.num_layers * len(seq_ids)
         blocks: list[int] = []
         shapes: list[tuple[int, int]] = []  # (sequences, width) of each group's layer table

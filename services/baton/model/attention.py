@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton.model import cpu_kernels
+from baton.kernels import cpu as cpu_kernels
 
 
 def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.host_to_device import to_device
+from baton.kernels import cpu as cpu_kernels
 from baton.kv.decode_step import DecodeGroup, DecodeStep
 from baton.kv.pool import PagedSequenceKV
 from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
@@ -222,6 +223,18 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    def reads_decode_cache_in_place(self, observed: bool = False) -> bool:
+        """Does decode attention read the paged cache where it lies (baton's CPU kernel),
+        rather than gathering each group of sequences into padded tensors? Then the pool
+        need not cut a decode batch into groups of similar width. Not for a batch whose
+        attention is observed (the observers take the gathered keys) nor under a sliding
+        window."""
+        config = self.config
+        return (not observed and config.sliding_window is None
+                and cpu_kernels.paged_decode_fits(self.dtype, self.device, config.head_dim,
+                                                  config.num_attention_heads,
+                                                  config.num_key_value_heads))
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
@@ -243,6 +256,8 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         plan = _AttentionPlan(segments, decode, token_ids.shape[0])
+        if decode is not None:
+            plan.in_place = self.reads_decode_cache_in_place(plan.observed)
         with _attention_kernels(hidden.device):
             for layer_index, layer in enumerate(self.model.layers):
                 attn = layer.self_attn
@@ -290,6 +305,7 @@ class _AttentionPlan:
         if decode is not None:
             self.decode_rows = slice(row, num_rows)
             self.observed = any(observer is not None for observer in decode.observers)
+            self.in_place = False  # read the cache where it lies (set by the model)
             self._biases: dict[int, torch.Tensor] = {}  # per group, shared by same-shape layers
 
     def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
@@ -315,9 +331,14 @@ class _AttentionPlan:
 
     def _attend_group(self, index: int, group: DecodeGroup, layer: int, q, positions,
                       sliding_window, out) -> None:
+        rows, step = group.rows, self.decode.step
+        if self.in_place:
+            out[rows] = cpu_kernels.attention().paged_decode_attention(
+                q[rows].contiguous(), step.k_cache, step.v_cache, group.blocks[layer],
+                group.lengths[layer])
+            return
         k_pad, v_pad, key_positions, lengths = self.decode.step.read(
             group, layer, with_positions=self.observed or sliding_window is not None)
-        rows = group.rows
         bias = self._biases.get(index)
         if bias is None or not group.uniform or sliding_window is not None:
             bias = decode_attention_bias(positions[rows], key_positions, lengths, k_pad.shape[1],

@@ -51,8 +51,10 @@ class ModelRunner:
             token_ids += [seq.token_ids[seq.num_computed] for seq in decodes]
             positions += [seq.num_computed for seq in decodes]
             sampling += decodes
-            step = self.pool.begin_decode([seq.request_id for seq in decodes])
-            decode = DecodeBatch(step, [seq.compressor for seq in decodes])
+            observers = [seq.compressor for seq in decodes]
+            in_place = self.model.reads_decode_cache_in_place(any(observers))
+            step = self.pool.begin_decode([seq.request_id for seq in decodes], grouped=not in_place)
+            decode = DecodeBatch(step, observers)
         device = self.model.device
         hidden = self.model(to_device(token_ids, device), to_device(positions, device), segments,
                             to_device(output_rows, device), decode)

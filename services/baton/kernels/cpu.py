@@ -1,4 +1,4 @@
-"""baton's own CPU kernels (``kernels/*.cpp``), built on first use for this machine.
+"""baton's own CPU kernels (``*.cpp`` beside this module), built on first use for this machine.
 
 Where torch's CPU kernels leave much of the hardware idle on the shapes our models
 have (small heads), a kernel of ours runs instead; see docs/runtime.md for the
@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
+SOURCE_DIR = Path(__file__).resolve().parent
 ATTENTION = "baton_cpu_attention"
 # The instruction sets the kernels are written for, named rather than -march=native, so a
 # build is valid on every CPU that passes ``_cpu_supports`` (a shared cache, an image).
@@ -33,6 +33,7 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512
          "-fno-math-errno", "-fopenmp"]
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
+MAX_DECODE_GROUP = 16  # query heads per KV head the decode kernel takes
 
 
 def _cpu_supports() -> bool:
@@ -41,7 +42,8 @@ def _cpu_supports() -> bool:
 
 @functools.cache
 def attention() -> ModuleType | None:
-    """The compiled attention module (``causal_attention(q, k, v)``), or None where it can't run."""
+    """The compiled attention module (``causal_attention`` for prompts and prefix slices,
+    ``paged_decode_attention`` for decode batches), or None where it can't run."""
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or not _cpu_supports():
         return None
     prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{ATTENTION}.so"
@@ -72,4 +74,12 @@ def causal_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Can the kernel take these inputs (device, dtype, head size, GQA shape)?"""
     return (q.device.type == "cpu" and q.dtype in DTYPES and k.dtype == q.dtype
             and q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0
+            and attention() is not None)
+
+
+def paged_decode_fits(dtype: torch.dtype, device: torch.device, head_dim: int, num_heads: int,
+                      num_kv_heads: int) -> bool:
+    """Can the decode kernel read a paged cache of this model shape where it lies?"""
+    return (torch.device(device).type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_DECODE_GROUP
             and attention() is not None)

@@ -73,9 +73,11 @@ struct Bf16 {
     return w;
   }
   static inline uint32_t zero_word() { return 0; }
+  static inline __m512 madd(__m512 acc, uint32_t a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
+  }
   static inline __m512 madd(__m512 acc, uint32_t a, const uint32_t* b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)),
-                            (__m512bh)_mm512_loadu_si512(b));
+    return madd(acc, a, _mm512_loadu_si512(b));
   }
   static inline void store_probabilities(const float* p, uint32_t* words) {
     // kKeyBlock probabilities -> kKeyBlock/2 bf16 pairs (cvtne2ps: round to nearest even)
@@ -97,10 +99,13 @@ struct Fp32 {
     return w;
   }
   static inline uint32_t zero_word() { return 0; }
-  static inline __m512 madd(__m512 acc, uint32_t a, const uint32_t* b) {
+  static inline __m512 madd(__m512 acc, uint32_t a, __m512i b) {
     float scalar;
     std::memcpy(&scalar, &a, sizeof(scalar));
-    return _mm512_fmadd_ps(_mm512_set1_ps(scalar), _mm512_loadu_ps(reinterpret_cast<const float*>(b)), acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps(scalar), _mm512_castsi512_ps(b), acc);
+  }
+  static inline __m512 madd(__m512 acc, uint32_t a, const uint32_t* b) {
+    return madd(acc, a, _mm512_loadu_si512(b));
   }
   static inline void store_probabilities(const float* p, uint32_t* words) {
     std::memcpy(words, p, kKeyBlock * sizeof(float));
@@ -318,9 +323,227 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+
+// --- Decode: one new token per sequence over its paged cache, read in place --------------
+//
+// q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, W] (int64);
+// lengths [B] (int64): sequence b's keys are its first lengths[b] slots, in table order,
+// and its new token sees them all (its own included, already written). One work item per
+// (sequence, KV head): its G query heads' scores for every key (16 keys at a time: their
+// rows loaded and transposed in registers, so the products are broadcasts again), then
+// the softmax, then the value sum in fp32. Probabilities stay fp32.
+
+// 16x16 32-bit transpose: r[i] holds row i on entry, column i on return.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+inline __m512 load_as_float(const at::BFloat16* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+inline __m512 load_as_float(const float* x) { return _mm512_loadu_ps(x); }
+
+constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
+
+template <typename Type, int D>
+struct PagedDecode {
+  using Scalar = typename Type::Scalar;
+  static constexpr int kDepth = Type::kDepth;
+  static constexpr int kWords = D / kDepth;   // 32-bit words of a key row
+  static constexpr int kDimTiles = D / kTile;
+  static constexpr int kRows = D <= 64 ? 4 : 2;  // query rows per register tile of the value sum
+
+  const Scalar* q;
+  const Scalar* k_cache;
+  const Scalar* v_cache;
+  const int64_t* tables;
+  const int64_t* lengths;
+  Scalar* out;
+  int64_t B, H, Hkv, G, W, block_size;
+  float scale;
+
+  inline int64_t slot_offset(int64_t b, int64_t key, int64_t head) const {  // in elements
+    const int64_t block = tables[b * W + key / block_size];
+    return ((block * block_size + key % block_size) * Hkv + head) * D;
+  }
+
+  void run_item(int64_t b, int64_t head, std::vector<float>& scores) {
+    const int64_t length = lengths[b];
+    const int64_t rows = (G + kRows - 1) / kRows * kRows;
+    const int64_t padded = (length + kTile - 1) / kTile * kTile;
+    scores.resize(rows * padded);
+    uint32_t query[kMaxGroup][kWords];
+    for (int64_t g = 0; g < rows; ++g)
+      for (int w = 0; w < kWords; ++w)
+        query[g][w] = g < G ? Type::word(q + (b * H + head * G + g) * D + w * kDepth) : 0;
+    // scores[g][key] = scale * q_g . k_key, 16 keys at a time
+    for (int64_t start = 0; start < length; start += kTile) {
+      const Scalar* key_rows[kTile];
+      for (int j = 0; j < kTile; ++j)
+        key_rows[j] = k_cache + slot_offset(b, std::min(start + j, length - 1), head);
+      __m512 acc[kMaxGroup];
+      for (int64_t g = 0; g < rows; ++g) acc[g] = _mm512_setzero_ps();
+      for (int chunk = 0; chunk < kWords / kTile; ++chunk) {
+        __m512i columns[kTile];  // after the transpose: word `chunk * 16 + i` of the 16 keys
+        for (int j = 0; j < kTile; ++j)
+          columns[j] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(key_rows[j]) + chunk * kTile);
+        transpose16(columns);
+        for (int64_t g = 0; g < rows; ++g) {
+          __m512 a = acc[g];
+          for (int i = 0; i < kTile; ++i)
+            a = Type::madd(a, query[g][chunk * kTile + i], columns[i]);
+          acc[g] = a;
+        }
+      }
+      for (int64_t g = 0; g < rows; ++g)
+        _mm512_storeu_ps(scores.data() + g * padded + start, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+    }
+    // softmax per query row over [0, length)
+    const int64_t full = length / kTile * kTile;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (length - full)) - 1);
+    float inverse_sum[kMaxGroup];
+    for (int64_t g = 0; g < rows; ++g) {
+      float* sg = scores.data() + g * padded;
+      __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < full; j += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + j));
+      if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, sg + full));
+      const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < full; j += kTile) {
+        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + j), row_max));
+        _mm512_storeu_ps(sg + j, p);
+        total = _mm512_add_ps(total, p);
+      }
+      if (tail) {
+        __m512 p = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + full), row_max)));
+        _mm512_mask_storeu_ps(sg + full, tail, p);
+        total = _mm512_add_ps(total, p);
+      }
+      inverse_sum[g] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    // out[g] = sum_key p[g][key] v_key, kRows query rows at a time
+    for (int64_t g0 = 0; g0 < rows; g0 += kRows) {
+      __m512 o[kRows][kDimTiles];
+      for (int i = 0; i < kRows; ++i)
+        for (int d = 0; d < kDimTiles; ++d) o[i][d] = _mm512_setzero_ps();
+      for (int64_t key = 0; key < length; ++key) {
+        const Scalar* value = v_cache + slot_offset(b, key, head);
+        __m512 v[kDimTiles];
+        for (int d = 0; d < kDimTiles; ++d) v[d] = load_as_float(value + d * kTile);
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 p = _mm512_set1_ps(scores[(g0 + i) * padded + key]);
+          for (int d = 0; d < kDimTiles; ++d) o[i][d] = _mm512_fmadd_ps(p, v[d], o[i][d]);
+        }
+      }
+      for (int i = 0; i < kRows && g0 + i < G; ++i) {
+        Scalar* dst = out + (b * H + head * G + g0 + i) * D;
+        float row[D];
+        for (int d = 0; d < kDimTiles; ++d)
+          _mm512_storeu_ps(row + d * kTile, _mm512_mul_ps(o[i][d], _mm512_set1_ps(inverse_sum[g0 + i])));
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<Scalar>(row[d]);
+      }
+    }
+  }
+
+  void run() {
+    // Items longest first, handed out one at a time (lengths differ up to ~20x in a batch).
+    std::vector<int64_t> order(B);
+    for (int64_t b = 0; b < B; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+    const int64_t items = B * Hkv;
+    const int threads = std::max(1, at::get_num_threads());
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scores;
+      for (int64_t i; (i = next.fetch_add(1)) < items;) run_item(order[i / Hkv], i % Hkv, scores);
+    });
+  }
+};
+
+template <typename Type, int D>
+void run_paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& tables, const at::Tensor& lengths, at::Tensor& out) {
+  using Scalar = typename Type::Scalar;
+  PagedDecode<Type, D> job;
+  job.q = q.data_ptr<Scalar>();
+  job.k_cache = k_cache.data_ptr<Scalar>();
+  job.v_cache = v_cache.data_ptr<Scalar>();
+  job.tables = tables.data_ptr<int64_t>();
+  job.lengths = lengths.data_ptr<int64_t>();
+  job.out = out.data_ptr<Scalar>();
+  job.B = q.size(0);
+  job.H = q.size(1);
+  job.Hkv = k_cache.size(2);
+  job.G = job.H / job.Hkv;
+  job.W = tables.size(1);
+  job.block_size = k_cache.size(1);
+  job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  job.run();
+}
+
+template <typename Type>
+void paged_decode_for_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& tables, const at::Tensor& lengths, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: return run_paged_decode<Type, 32>(q, k_cache, v_cache, tables, lengths, out);
+    case 64: return run_paged_decode<Type, 64>(q, k_cache, v_cache, tables, lengths, out);
+    case 128: return run_paged_decode<Type, 128>(q, k_cache, v_cache, tables, lengths, out);
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not one of 32, 64, 128");
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& tables, const at::Tensor& lengths) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [batch, heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
+              && k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0
+              && q.size(1) / k_cache.size(2) <= kMaxGroup, "head counts or dims disagree");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kLong
+              && tables.is_contiguous(), "block tables must be contiguous int64 [batch, width]");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == at::kLong
+              && lengths.is_contiguous(), "lengths must be contiguous int64 [batch]");
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(length[b] >= 1 && length[b] <= tables.size(1) * k_cache.size(1),
+                "length ", length[b], " of sequence ", b, " is not within its table's ",
+                tables.size(1) * k_cache.size(1), " slots");
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  if (q.scalar_type() == at::kBFloat16) paged_decode_for_head_dim<Bf16>(q, k_cache, v_cache, tables, lengths, out);
+  else if (q.scalar_type() == at::kFloat) paged_decode_for_head_dim<Fp32>(q, k_cache, v_cache, tables, lengths, out);
+  else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("causal_attention", &causal_attention,
              "Bottom-right causal attention of q [T, H, D] over k, v [S, Hkv, D]");
+  module.def("paged_decode_attention", &paged_decode_attention,
+             "One token per sequence, q [B, H, D], over its blocks of the paged caches");
 }
