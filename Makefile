@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 
 kernels: $(STAMP) # baton's CPU kernels, built for this machine (cached; a C++ compiler when missing)
 	@command -v g++ >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++ >/dev/null; }
-	@$(PY) -c "from baton.kernels.cpu import attention; attention()"
+	@$(PY) -c "from baton.kernels.cpu import kernels; kernels()"
 
 redis: # the redis-server binary, from the system's package manager when missing
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }

@@ -11,7 +11,7 @@ from baton.kernels import cpu as cpu_kernels
 from baton.model import attention as attention_module
 from baton.model.attention import attend, expand_kv_heads
 
-kernel = cpu_kernels.attention()
+kernel = cpu_kernels.kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX-512 BF16 CPU or no compiler here")
 
 
@@ -92,7 +92,7 @@ def test_attend_takes_the_kernel_for_prompts_and_prefix_slices(monkeypatch):
             calls.append((q.shape[0], k.shape[0]))
             return real(q, k, v)
 
-    monkeypatch.setattr(attention_module.cpu_kernels, "attention", lambda: Spy())
+    monkeypatch.setattr(attention_module.cpu_kernels, "kernels", lambda: Spy())
     q, k, v = random_qkv(40, 100, 8, 2, 32, torch.float32, seed=1)
     positions = torch.arange(100)
     # a slice over its prefix; the last 40 queries of a whole prompt; a pruned prefix
@@ -120,7 +120,7 @@ def test_bad_inputs_are_refused_with_the_value():
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("BATON_CPU_KERNELS", "0")
-    assert cpu_kernels.attention.__wrapped__() is None
+    assert cpu_kernels.kernels.__wrapped__() is None
 
 
 # --- decode over the paged cache, read in place ---------------------------------------------

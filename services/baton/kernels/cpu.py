@@ -8,12 +8,13 @@ needs them (~20-30 s; the build is cached under ``$TORCH_EXTENSIONS_DIR`` or
 with AVX-512 and AVX512_BF16. An image builds them once instead
 (``build(DIR)``) and points ``BATON_KERNEL_DIR`` at DIR: its
 pods load them from there, read-only. Without those instructions, without a compiler,
-or with ``BATON_CPU_KERNELS=0``, ``attention()`` is None and callers use torch's kernels.
+or with ``BATON_CPU_KERNELS=0``, ``kernels()`` is None and callers use torch's kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -26,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-ATTENTION = "baton_cpu_attention"
+NAME = "baton_cpu"
+SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_bindings.cpp")
 # The instruction sets the kernels are written for, named rather than -march=native, so a
 # build is valid on every CPU that passes ``_cpu_supports`` (a shared cache, an image).
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
@@ -41,15 +43,16 @@ def _cpu_supports() -> bool:
 
 
 @functools.cache
-def attention() -> ModuleType | None:
-    """The compiled attention module (``causal_attention`` for prompts and prefix slices,
-    ``paged_decode_attention`` for decode batches), or None where it can't run."""
+def kernels() -> ModuleType | None:
+    """The compiled module, or None where it can't run: ``causal_attention`` (prompts and
+    prefix slices), ``paged_decode_attention`` (decode batches), and a Llama layer's
+    element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``)."""
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or not _cpu_supports():
         return None
-    prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{ATTENTION}.so"
+    prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{NAME}.so"
     try:
         if prebuilt.exists():
-            spec = importlib.util.spec_from_file_location(ATTENTION, prebuilt)
+            spec = importlib.util.spec_from_file_location(NAME, prebuilt)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module
@@ -66,15 +69,18 @@ def build(directory: str | None = None) -> ModuleType:
 
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=ATTENTION, sources=[str(SOURCE_DIR / "cpu_attention.cpp")],
-                              extra_cflags=FLAGS, build_directory=directory, verbose=False)
+    # The header's hash as a flag: torch rebuilds when sources or flags change, not headers.
+    header = hashlib.sha256((SOURCE_DIR / "cpu.h").read_bytes()).hexdigest()[:16]
+    return cpp_extension.load(name=NAME, sources=[str(SOURCE_DIR / source) for source in SOURCES],
+                              extra_cflags=[*FLAGS, f"-DBATON_HEADER={header}"],
+                              build_directory=directory, verbose=False)
 
 
 def causal_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Can the kernel take these inputs (device, dtype, head size, GQA shape)?"""
     return (q.device.type == "cpu" and q.dtype in DTYPES and k.dtype == q.dtype
             and q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0
-            and attention() is not None)
+            and not wants_gradient(q, k) and kernels() is not None)
 
 
 def paged_decode_fits(dtype: torch.dtype, device: torch.device, head_dim: int, num_heads: int,
@@ -82,4 +88,18 @@ def paged_decode_fits(dtype: torch.dtype, device: torch.device, head_dim: int, n
     """Can the decode kernel read a paged cache of this model shape where it lies?"""
     return (torch.device(device).type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_DECODE_GROUP
-            and attention() is not None)
+            and kernels() is not None)
+
+
+def elementwise_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Can the element-wise kernels take rows of x (a CPU tensor of bf16 or fp32, every
+    row's width a multiple of 16; rotary_ and silu_and_mul check their own widths), with
+    ``others`` (a weight) beside it?"""
+    return (x.device.type == "cpu" and x.dtype in DTYPES and x.dim() == 2
+            and x.shape[1] % 16 == 0 and not wants_gradient(x, *others) and kernels() is not None)
+
+
+def wants_gradient(*tensors: torch.Tensor) -> bool:
+    """Would autograd need a backward through a kernel on these? (The kernels have none: a
+    forward that trains takes torch's ops.)"""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

@@ -13,9 +13,7 @@
 // rounded to bf16 before the value product, as torch's CPU flash kernel does. Returns
 // [T, H, D] in q's dtype.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "cpu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -27,34 +25,12 @@
 
 namespace {
 
+using namespace baton_cpu;
+
 constexpr int kKeyBlock = 64;     // keys per softmax block (4 tiles of 16)
 constexpr int kTile = 16;         // keys (or value dims) per 512-bit register of fp32
 constexpr int kRowBlock = 4;      // query rows per register tile
 constexpr int kTargetRows = 64;   // query rows (query tokens x grouped heads) per work item
-
-// exp(x) for x <= 0 (softmax after subtracting the row maximum): Cody-Waite reduction to
-// r in [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), and
-// the power of two applied with scalef. Inputs below -104 give 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  // Keeps -inf (a masked key) out of the reduction; exp(-110) scales by 2^-159, exactly 0.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // --- Element types ---------------------------------------------------------------------
 //
@@ -307,6 +283,8 @@ void run_for_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   }
 }
 
+}  // namespace
+
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [len, heads, dim]");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
@@ -323,6 +301,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+namespace {
 
 // --- Decode: one new token per sequence over its paged cache, read in place --------------
 //
@@ -358,12 +337,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-inline __m512 load_as_float(const at::BFloat16* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-inline __m512 load_as_float(const float* x) { return _mm512_loadu_ps(x); }
-
 constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
 
 template <typename Type, int D>
@@ -383,16 +356,24 @@ struct PagedDecode {
   int64_t B, H, Hkv, G, W, block_size;
   float scale;
 
-  inline int64_t slot_offset(int64_t b, int64_t key, int64_t head) const {  // in elements
-    const int64_t block = tables[b * W + key / block_size];
-    return ((block * block_size + key % block_size) * Hkv + head) * D;
+  // Where each key's row of this KV head starts (in elements), walking the block table once:
+  // no division per key.
+  void key_offsets(int64_t b, int64_t head, int64_t length, std::vector<int64_t>& offsets) const {
+    offsets.resize(length);
+    const int64_t* table = tables + b * W;
+    for (int64_t key = 0, block = 0; key < length; ++block) {
+      const int64_t base = table[block] * block_size;
+      for (int64_t slot = 0; slot < block_size && key < length; ++slot, ++key)
+        offsets[key] = ((base + slot) * Hkv + head) * D;
+    }
   }
 
-  void run_item(int64_t b, int64_t head, std::vector<float>& scores) {
+  void run_item(int64_t b, int64_t head, std::vector<float>& scores, std::vector<int64_t>& offsets) {
     const int64_t length = lengths[b];
     const int64_t rows = (G + kRows - 1) / kRows * kRows;
     const int64_t padded = (length + kTile - 1) / kTile * kTile;
     scores.resize(rows * padded);
+    key_offsets(b, head, length, offsets);
     uint32_t query[kMaxGroup][kWords];
     for (int64_t g = 0; g < rows; ++g)
       for (int w = 0; w < kWords; ++w)
@@ -401,7 +382,7 @@ struct PagedDecode {
     for (int64_t start = 0; start < length; start += kTile) {
       const Scalar* key_rows[kTile];
       for (int j = 0; j < kTile; ++j)
-        key_rows[j] = k_cache + slot_offset(b, std::min(start + j, length - 1), head);
+        key_rows[j] = k_cache + offsets[std::min(start + j, length - 1)];
       __m512 acc[kMaxGroup];
       for (int64_t g = 0; g < rows; ++g) acc[g] = _mm512_setzero_ps();
       for (int chunk = 0; chunk < kWords / kTile; ++chunk) {
@@ -448,7 +429,7 @@ struct PagedDecode {
       for (int i = 0; i < kRows; ++i)
         for (int d = 0; d < kDimTiles; ++d) o[i][d] = _mm512_setzero_ps();
       for (int64_t key = 0; key < length; ++key) {
-        const Scalar* value = v_cache + slot_offset(b, key, head);
+        const Scalar* value = v_cache + offsets[key];
         __m512 v[kDimTiles];
         for (int d = 0; d < kDimTiles; ++d) v[d] = load_as_float(value + d * kTile);
         for (int i = 0; i < kRows; ++i) {
@@ -476,7 +457,8 @@ struct PagedDecode {
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> scores;
-      for (int64_t i; (i = next.fetch_add(1)) < items;) run_item(order[i / Hkv], i % Hkv, scores);
+      std::vector<int64_t> offsets;
+      for (int64_t i; (i = next.fetch_add(1)) < items;) run_item(order[i / Hkv], i % Hkv, scores, offsets);
     });
   }
 };
@@ -513,6 +495,8 @@ void paged_decode_for_head_dim(const at::Tensor& q, const at::Tensor& k_cache, c
   }
 }
 
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lengths) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [batch, heads, dim]");
@@ -537,13 +521,4 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   else if (q.scalar_type() == at::kFloat) paged_decode_for_head_dim<Fp32>(q, k_cache, v_cache, tables, lengths, out);
   else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
   return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("causal_attention", &causal_attention,
-             "Bottom-right causal attention of q [T, H, D] over k, v [S, Hkv, D]");
-  module.def("paged_decode_attention", &paged_decode_attention,
-             "One token per sequence, q [B, H, D], over its blocks of the paged caches");
 }

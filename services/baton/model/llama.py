@@ -83,6 +83,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.elementwise_fits(x, self.weight) and x.is_contiguous():
+            return cpu_kernels.kernels().rms_norm(x, self.weight, self.eps)  # one pass
         dtype = x.dtype
         # One fused kernel for x / rms(x) in fp32, then Llama's cast back before the weight.
         x32 = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
@@ -110,7 +112,16 @@ class SelfAttention(nn.Module):
         """x: [N, hidden] -> q [N, H, D], k, v [N, Hkv, D], RoPE applied to q and k."""
         n = x.shape[0]
         if self.qkv is not None:
-            q, k, v = self.qkv(x)
+            fused = self.qkv.output(x)
+            if cpu_kernels.elementwise_fits(fused) and self.head_dim % 32 == 0:
+                # RoPE in place on the q and k heads of the fused output, one pass
+                cpu_kernels.kernels().rotary_(fused, cos.view(n, -1), sin.view(n, -1),
+                                              self.num_heads + self.num_kv_heads, self.head_dim)
+                q, k, v = fused.split(self.qkv.sizes, dim=-1)
+                return (q.view(n, self.num_heads, self.head_dim),
+                        k.view(n, self.num_kv_heads, self.head_dim),
+                        v.view(n, self.num_kv_heads, self.head_dim))
+            q, k, v = fused.split(self.qkv.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -133,7 +144,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x)
+            fused = self.gate_up.output(x)
+            if cpu_kernels.elementwise_fits(fused) and fused.shape[1] % 32 == 0:
+                return self.down_proj(cpu_kernels.kernels().silu_and_mul(fused))  # one pass
+            gate, up = fused.split(self.gate_up.sizes, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate).mul_(up))
@@ -171,10 +185,14 @@ class _FusedLinear:
                 layer.bias.data = self.bias[start:start + size]
             start += size
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers' outputs side by side: [N, sum of out_features]."""
         if self.layers[0].weight.data_ptr() != self.weight.data_ptr():  # moved since fused
             self._fuse()
-        return project(x, self.weight, self.bias, self.pack).split(self.sizes, dim=-1)
+        return project(x, self.weight, self.bias, self.pack)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.output(x).split(self.sizes, dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -333,7 +351,7 @@ class _AttentionPlan:
                       sliding_window, out) -> None:
         rows, step = group.rows, self.decode.step
         if self.in_place:
-            out[rows] = cpu_kernels.attention().paged_decode_attention(
+            out[rows] = cpu_kernels.kernels().paged_decode_attention(
                 q[rows].contiguous(), step.k_cache, step.v_cache, group.blocks[layer],
                 group.lengths[layer])
             return
