@@ -338,6 +338,7 @@ inline void transpose16(__m512i r[16]) {
 }
 
 constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
+constexpr int64_t kPrefetch = 32;  // keys ahead that the decode kernel asks the memory for
 
 template <typename Type, int D>
 struct PagedDecode {
@@ -355,6 +356,11 @@ struct PagedDecode {
   Scalar* out;
   int64_t B, H, Hkv, G, W, block_size;
   float scale;
+
+  static inline void prefetch_row(const Scalar* row) {
+    for (size_t byte = 0; byte < D * sizeof(Scalar); byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+  }
 
   // Where each key's row of this KV head starts (in elements), walking the block table once:
   // no division per key.
@@ -381,8 +387,12 @@ struct PagedDecode {
     // scores[g][key] = scale * q_g . k_key, 16 keys at a time
     for (int64_t start = 0; start < length; start += kTile) {
       const Scalar* key_rows[kTile];
-      for (int j = 0; j < kTile; ++j)
+      for (int j = 0; j < kTile; ++j) {
         key_rows[j] = k_cache + offsets[std::min(start + j, length - 1)];
+        // The blocks lie anywhere in the pool, so no hardware prefetcher sees the next one
+        // coming: ask for the rows two tiles ahead.
+        prefetch_row(k_cache + offsets[std::min(start + kPrefetch + j, length - 1)]);
+      }
       __m512 acc[kMaxGroup];
       for (int64_t g = 0; g < rows; ++g) acc[g] = _mm512_setzero_ps();
       for (int chunk = 0; chunk < kWords / kTile; ++chunk) {
@@ -430,6 +440,7 @@ struct PagedDecode {
         for (int d = 0; d < kDimTiles; ++d) o[i][d] = _mm512_setzero_ps();
       for (int64_t key = 0; key < length; ++key) {
         const Scalar* value = v_cache + offsets[key];
+        prefetch_row(v_cache + offsets[std::min(key + kPrefetch, length - 1)]);
         __m512 v[kDimTiles];
         for (int d = 0; d < kDimTiles; ++d) v[d] = load_as_float(value + d * kTile);
         for (int i = 0; i < kRows; ++i) {
@@ -448,17 +459,19 @@ struct PagedDecode {
   }
 
   void run() {
-    // Items longest first, handed out one at a time (lengths differ up to ~20x in a batch).
+    // One item per sequence, longest first, handed out one at a time (lengths differ up to
+    // ~20x in a batch). Its KV heads run back to back: a cache line holds every head of a
+    // token when heads are small, and the next head finds it in L2 instead of memory.
     std::vector<int64_t> order(B);
     for (int64_t b = 0; b < B; ++b) order[b] = b;
     std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
-    const int64_t items = B * Hkv;
     const int threads = std::max(1, at::get_num_threads());
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> scores;
       std::vector<int64_t> offsets;
-      for (int64_t i; (i = next.fetch_add(1)) < items;) run_item(order[i / Hkv], i % Hkv, scores, offsets);
+      for (int64_t i; (i = next.fetch_add(1)) < B;)
+        for (int64_t head = 0; head < Hkv; ++head) run_item(order[i], head, scores, offsets);
     });
   }
 };
