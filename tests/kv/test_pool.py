@@ -162,3 +162,40 @@ def test_a_ragged_decode_batch_is_read_group_by_group_with_every_token_in_place(
                 assert n == lengths[row] + 1
                 assert torch.equal(k_pad[b, :n], stored.k) and torch.equal(v_pad[b, :n], stored.v)
                 assert torch.equal(pos_pad[b, :n], stored.positions)
+
+
+def table_rows(step, layer: int, count: int) -> list[list[int]]:
+    (group,) = step.groups
+    return [row[:count].tolist() for row in group.blocks[layer]]
+
+
+def test_ungrouped_steps_keep_their_block_tables_up_to_date_as_sequences_grow():
+    # One group for a reader of blocks in place; the tables are kept between steps and
+    # patched as sequences gain blocks, and built anew when the batch changes or loses blocks.
+    pool = make_pool(num_blocks=64)
+    for seq_id, n in (("a", 3), ("b", 6)):
+        pool.store(seq_id, [LayerKV(*random_kv(n)) for _ in range(LAYERS)])
+    for _ in range(2 * BLOCK + 1):  # crosses block boundaries: rows gain blocks
+        step = pool.begin_decode(["a", "b"], grouped=False)
+        (group,) = step.groups
+        assert group.rows == slice(0, 2)
+        for layer in range(LAYERS):
+            tables = [pool._tables[seq_id][layer].blocks for seq_id in ("a", "b")]
+            assert [row[:len(t)] for row, t in zip(table_rows(step, layer, 99), tables)] == tables
+            assert group.lengths[layer].tolist() == pool.lengths("a")[layer:layer + 1] + \
+                pool.lengths("b")[layer:layer + 1]
+    pool.free("a")
+    pool.store("c", [LayerKV(*random_kv(1)) for _ in range(LAYERS)])  # may reuse a's blocks
+    step = pool.begin_decode(["c", "b"], grouped=False)
+    assert table_rows(step, 0, 1)[0] == pool._tables["c"][0].blocks[:1]
+
+
+def test_an_ungrouped_step_after_pruning_reads_the_new_blocks():
+    pool = make_pool(num_blocks=64)
+    pool.store("a", [LayerKV(*random_kv(9)) for _ in range(LAYERS)])
+    pool.begin_decode(["a"], grouped=False)
+    pool.retain("a", 1, torch.tensor([0, 4, 8]))  # PyramidInfer drops tokens of layer 1
+    step = pool.begin_decode(["a"], grouped=False)
+    blocks = pool._tables["a"][1].blocks
+    assert table_rows(step, 1, len(blocks))[0] == blocks
+    assert step.groups[0].lengths[1].tolist() == [4]

@@ -87,3 +87,45 @@ def group_by_width(widths: list[int], max_padding_blocks: int) -> list[slice]:
     if widths:
         groups.append(slice(start, len(widths)))
     return groups
+
+
+# Rows of a batch's block table get this many spare columns, so that a sequence's next
+# blocks fit without building the table anew.
+SPARE_BLOCKS = 4
+
+
+class BatchTables:
+    """The block tables of one ungrouped decode batch, kept between steps and patched in
+    place: while the batch holds the same sequences, a step only writes the blocks that
+    sequences gained (a few per step at batch 64, where rebuilding meant ~10k ints). For
+    CPU tensors only (a GPU may still be reading the last step's table)."""
+
+    def __init__(self, seq_ids: list[str], per_sequence: list[list], num_layers: int) -> None:
+        self.seq_ids = list(seq_ids)
+        self.counts = [[len(tables[layer].blocks) for tables in per_sequence]
+                       for layer in range(num_layers)]
+        self.tensors = []
+        for layer, counts in enumerate(self.counts):
+            width = max(counts, default=0) + SPARE_BLOCKS
+            table = torch.zeros((len(seq_ids), width), dtype=torch.long)
+            for row, tables in enumerate(per_sequence):
+                blocks = tables[layer].blocks
+                if blocks:
+                    table[row, :len(blocks)] = torch.tensor(blocks)
+            self.tensors.append(table)
+
+    def patch(self, seq_ids: list[str], per_sequence: list[list]) -> bool:
+        """Bring the tables up to date with the sequences' blocks; False when they no longer
+        describe this batch (other sequences, or a row that outgrew its spare columns)."""
+        if seq_ids != self.seq_ids:
+            return False
+        for layer, (counts, table) in enumerate(zip(self.counts, self.tensors, strict=True)):
+            for row, tables in enumerate(per_sequence):
+                blocks = tables[layer].blocks
+                known = counts[row]
+                if len(blocks) != known:
+                    if len(blocks) < known or len(blocks) > table.shape[1]:
+                        return False
+                    table[row, known:len(blocks)] = torch.tensor(blocks[known:])
+                    counts[row] = len(blocks)
+        return True

@@ -26,7 +26,13 @@ import torch
 
 from baton.errors import ResourceExhausted
 from baton.host_to_device import to_device
-from baton.kv.decode_step import GROUP_OVERHEAD_BYTES, DecodeGroup, DecodeStep, group_by_width
+from baton.kv.decode_step import (
+    GROUP_OVERHEAD_BYTES,
+    BatchTables,
+    DecodeGroup,
+    DecodeStep,
+    group_by_width,
+)
 from baton.kv.dense import LayerKV
 
 
@@ -61,6 +67,9 @@ class KVPool:
         self.positions = torch.zeros((num_blocks, block_size), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[str, list[_LayerTable]] = {}
+        # The last ungrouped decode batch's block tables (see BatchTables); dropped whenever
+        # blocks are taken from a sequence, which appending alone never does.
+        self._batch: BatchTables | None = None
 
     # --- accounting ------------------------------------------------------------------------
 
@@ -137,6 +146,7 @@ class KVPool:
     def free(self, seq_id: str) -> int:
         """Return every block of a sequence to the pool; returns how many."""
         tables = self._tables.pop(seq_id, [])
+        self._batch = None
         count = 0
         for table in tables:
             self._free.extend(reversed(table.blocks))
@@ -186,6 +196,7 @@ class KVPool:
         """Keep only the tokens at sorted indices ``keep`` of one layer; frees emptied blocks."""
         current = self.gather(seq_id, layer)
         table = self._tables[seq_id][layer]
+        self._batch = None
         surplus = table.blocks[self.blocks_for(keep.numel()):]
         del table.blocks[self.blocks_for(keep.numel()):]
         self._free.extend(reversed(surplus))
@@ -220,10 +231,13 @@ class KVPool:
                 slots.append(table.blocks[table.length // size] * size + table.length % size)
                 table.length += 1
                 lengths.append(table.length)
-        widths = [max(len(table.blocks) for table in tables) for tables in per_sequence]
-        rows = (group_by_width(widths, max(1, GROUP_OVERHEAD_BYTES // self.bytes_per_block))
-                if grouped or not seq_ids else [slice(0, len(seq_ids))])
         batch, per_layer = len(seq_ids), self.num_layers * len(seq_ids)
+        if not grouped and seq_ids and self.k_cache.device.type == "cpu":
+            return self._ungrouped_step(seq_ids, per_sequence, slots, lengths)
+        widths = [max(len(table.blocks) for table in tables) for tables in per_sequence]
+        rows = group_by_width(widths, max(1, GROUP_OVERHEAD_BYTES // self.bytes_per_block))
+        if not grouped and seq_ids:
+            rows = [slice(0, batch)]
         blocks: list[int] = []
         shapes: list[tuple[int, int]] = []  # (sequences, width) of each group's layer table
         for group in rows:
@@ -247,6 +261,18 @@ class KVPool:
                        and all(row == group_lengths[0] for row in group_lengths))
             groups.append(DecodeGroup(group, layer_blocks, all_lengths[:, group], uniform))
         return DecodeStep(flat[:per_layer].view(self.num_layers, batch), groups,
+                          self.k_cache, self.v_cache, self.positions)
+
+    def _ungrouped_step(self, seq_ids: list[str], per_sequence: list, slots: list[int],
+                        lengths: list[int]) -> DecodeStep:
+        """A CPU decode step as one group, its block tables kept from the last step."""
+        if self._batch is None or not self._batch.patch(seq_ids, per_sequence):
+            self._batch = BatchTables(seq_ids, per_sequence, self.num_layers)
+        batch = len(seq_ids)
+        flat = to_device(slots + lengths, "cpu")
+        all_lengths = flat[len(slots):].view(self.num_layers, batch)
+        group = DecodeGroup(slice(0, batch), list(self._batch.tensors), all_lengths, uniform=False)
+        return DecodeStep(flat[:len(slots)].view(self.num_layers, batch), [group],
                           self.k_cache, self.v_cache, self.positions)
 
     def _slots(self, table: _LayerTable, count: int) -> list[int]:
