@@ -42,12 +42,21 @@ class IncrementalDecoder:
 
     Byte-level BPE can split one UTF-8 character over several tokens; a delta
     is released only once it no longer ends in a replacement character.
+
+    Each push decodes a window, not the whole output (which made a long generation
+    quadratic): the tokens not yet released, after the tokens of the last release as
+    context (how a tokenizer renders a token can depend on what precedes it, e.g. a
+    leading space), as vLLM's detokenizer does. The delta is what the window's text adds
+    to its context's text; should a tokenizer ever render the context differently inside
+    the window, the whole output is decoded instead.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._token_ids: list[int] = []
         self._emitted = ""
+        self._context = 0  # the window starts here: the tokens of the last release
+        self._released = 0  # tokens whose text has been emitted
 
     @property
     def text(self) -> str:
@@ -61,9 +70,24 @@ class IncrementalDecoder:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
+        ids = self._token_ids
+        context = self._tokenizer.decode(ids[self._context:self._released])
+        window = self._tokenizer.decode(ids[self._context:])
+        if not window.startswith(context):
+            return self._release_whole(final)
+        if not final and window.endswith("\ufffd"):
+            return ""
+        delta = window[len(context):]
+        if delta or final:
+            self._context, self._released = self._released, len(ids)
+        self._emitted += delta
+        return delta
+
+    def _release_whole(self, final: bool) -> str:
         text = self._tokenizer.decode(self._token_ids)
         if not final and text.endswith("\ufffd"):
             return ""
         delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
         self._emitted = text if text.startswith(self._emitted) else self._emitted
+        self._context, self._released = self._released, len(self._token_ids)
         return delta
