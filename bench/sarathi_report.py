@@ -18,10 +18,18 @@ POLICIES = ("sarathi", "separate", "orca")
 def iteration_table(costs: list[IterationCosts]) -> str:
     rows = [[c.batch, c.budget, c.budget - (c.batch - 1), f"{c.prefill_only_s * 1e3:.1f}",
              f"{c.mixed_s * 1e3:.1f}", f"{c.marginal_s * 1e3:.1f}", f"{c.decode_only_s * 1e3:.1f}",
-             f"{c.decode_gain:.2f}x", f"{c.end_to_end_ceiling:.2f}x"] for c in costs]
+             _decode_gain(c), f"{c.end_to_end_ceiling:.2f}x"] for c in costs]
     return markdown_table(["B", "C", "chunk", "chunk alone (ms)", "chunk + B-1 decodes (ms)",
                            "decodes' share (ms)", "B-1 decodes alone (ms)",
                            "decode throughput, piggybacked vs alone", "end-to-end ceiling"], rows)
+
+
+def _decode_gain(costs: IterationCosts) -> str:
+    """The piggybacked gain, or why there is none to print: a mixed iteration no slower than
+    its chunk alone leaves the decodes' share at the noise, and the ratio unbounded."""
+    if costs.marginal_s <= 0:
+        return "unbounded (share within noise)"
+    return f"{costs.decode_gain:.2f}x"
 
 
 def table(results: list[RunStats]) -> str:
