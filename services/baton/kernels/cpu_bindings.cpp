@@ -1,12 +1,21 @@
 // The Python module of baton's CPU kernels (see cpu.py, which builds and loads it).
+//
+// Every kernel lets go of the GIL while it runs, as torch's own ops do: a decode pod's
+// event loop (streaming tokens to the gateway) then runs beside the engine's forward
+// instead of waiting for each kernel to end.
 #include "cpu.h"
 
+namespace {
+using released = pybind11::call_guard<pybind11::gil_scoped_release>;
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("causal_attention", &causal_attention,
+  module.def("causal_attention", &causal_attention, released(),
              "Bottom-right causal attention of q [T, H, D] over k, v [S, Hkv, D]");
-  module.def("paged_decode_attention", &paged_decode_attention,
+  module.def("paged_decode_attention", &paged_decode_attention, released(),
              "One token per sequence, q [B, H, D], over its blocks of the paged caches");
-  module.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:] for x [rows, 2n]");
-  module.def("rms_norm", &rms_norm, "Llama's RMSNorm of x [rows, width]");
-  module.def("rotary_", &rotary_, "Rotary embedding in place on the first `heads` heads of each row");
+  module.def("silu_and_mul", &silu_and_mul, released(), "silu(x[:, :n]) * x[:, n:] for x [rows, 2n]");
+  module.def("rms_norm", &rms_norm, released(), "Llama's RMSNorm of x [rows, width]");
+  module.def("rotary_", &rotary_, released(),
+             "Rotary embedding in place on the first `heads` heads of each row");
 }
