@@ -88,6 +88,23 @@ struct Fp32 {
   }
 };
 
+// Runs job.template operator()<Type, D>() for q's dtype and head dim, the kernels' only
+// template parameters.
+template <typename Job>
+void for_dtype_and_head_dim(const at::Tensor& q, Job&& job) {
+  auto for_head_dim = [&]<typename Type>() {
+    switch (q.size(2)) {
+      case 32: return job.template operator()<Type, 32>();
+      case 64: return job.template operator()<Type, 64>();
+      case 128: return job.template operator()<Type, 128>();
+      default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not one of 32, 64, 128");
+    }
+  };
+  if (q.scalar_type() == at::kBFloat16) for_head_dim.template operator()<Bf16>();
+  else if (q.scalar_type() == at::kFloat) for_head_dim.template operator()<Fp32>();
+  else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
+}
+
 // --- One sequence's attention -----------------------------------------------------------
 
 template <typename Type, int D>
@@ -256,33 +273,6 @@ struct Causal {
   }
 };
 
-template <typename Type, int D>
-void run_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
-  using Scalar = typename Type::Scalar;
-  Causal<Type, D> job;
-  job.q = q.data_ptr<Scalar>();
-  job.k = k.data_ptr<Scalar>();
-  job.v = v.data_ptr<Scalar>();
-  job.out = out.data_ptr<Scalar>();
-  job.T = q.size(0);
-  job.H = q.size(1);
-  job.S = k.size(0);
-  job.Hkv = k.size(1);
-  job.G = job.H / job.Hkv;
-  job.scale = 1.0f / std::sqrt(static_cast<float>(D));
-  job.run();
-}
-
-template <typename Type>
-void run_for_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
-  switch (q.size(2)) {
-    case 32: return run_causal<Type, 32>(q, k, v, out);
-    case 64: return run_causal<Type, 64>(q, k, v, out);
-    case 128: return run_causal<Type, 128>(q, k, v, out);
-    default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not one of 32, 64, 128");
-  }
-}
-
 }  // namespace
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -295,9 +285,21 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "head counts or dims disagree");
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  if (q.scalar_type() == at::kBFloat16) run_for_head_dim<Bf16>(q, k, v, out);
-  else if (q.scalar_type() == at::kFloat) run_for_head_dim<Fp32>(q, k, v, out);
-  else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
+  for_dtype_and_head_dim(q, [&]<typename Type, int D>() {
+    using Scalar = typename Type::Scalar;
+    Causal<Type, D> job;
+    job.q = q.data_ptr<Scalar>();
+    job.k = k.data_ptr<Scalar>();
+    job.v = v.data_ptr<Scalar>();
+    job.out = out.data_ptr<Scalar>();
+    job.T = q.size(0);
+    job.H = q.size(1);
+    job.S = k.size(0);
+    job.Hkv = k.size(1);
+    job.G = job.H / job.Hkv;
+    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.run();
+  });
   return out;
 }
 
@@ -476,38 +478,6 @@ struct PagedDecode {
   }
 };
 
-template <typename Type, int D>
-void run_paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& tables, const at::Tensor& lengths, at::Tensor& out) {
-  using Scalar = typename Type::Scalar;
-  PagedDecode<Type, D> job;
-  job.q = q.data_ptr<Scalar>();
-  job.k_cache = k_cache.data_ptr<Scalar>();
-  job.v_cache = v_cache.data_ptr<Scalar>();
-  job.tables = tables.data_ptr<int64_t>();
-  job.lengths = lengths.data_ptr<int64_t>();
-  job.out = out.data_ptr<Scalar>();
-  job.B = q.size(0);
-  job.H = q.size(1);
-  job.Hkv = k_cache.size(2);
-  job.G = job.H / job.Hkv;
-  job.W = tables.size(1);
-  job.block_size = k_cache.size(1);
-  job.scale = 1.0f / std::sqrt(static_cast<float>(D));
-  job.run();
-}
-
-template <typename Type>
-void paged_decode_for_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const at::Tensor& tables, const at::Tensor& lengths, at::Tensor& out) {
-  switch (q.size(2)) {
-    case 32: return run_paged_decode<Type, 32>(q, k_cache, v_cache, tables, lengths, out);
-    case 64: return run_paged_decode<Type, 64>(q, k_cache, v_cache, tables, lengths, out);
-    case 128: return run_paged_decode<Type, 128>(q, k_cache, v_cache, tables, lengths, out);
-    default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not one of 32, 64, 128");
-  }
-}
-
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -530,8 +500,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                 tables.size(1) * k_cache.size(1), " slots");
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
-  if (q.scalar_type() == at::kBFloat16) paged_decode_for_head_dim<Bf16>(q, k_cache, v_cache, tables, lengths, out);
-  else if (q.scalar_type() == at::kFloat) paged_decode_for_head_dim<Fp32>(q, k_cache, v_cache, tables, lengths, out);
-  else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
+  for_dtype_and_head_dim(q, [&]<typename Type, int D>() {
+    using Scalar = typename Type::Scalar;
+    PagedDecode<Type, D> job;
+    job.q = q.data_ptr<Scalar>();
+    job.k_cache = k_cache.data_ptr<Scalar>();
+    job.v_cache = v_cache.data_ptr<Scalar>();
+    job.tables = tables.data_ptr<int64_t>();
+    job.lengths = lengths.data_ptr<int64_t>();
+    job.out = out.data_ptr<Scalar>();
+    job.B = q.size(0);
+    job.H = q.size(1);
+    job.Hkv = k_cache.size(2);
+    job.G = job.H / job.Hkv;
+    job.W = tables.size(1);
+    job.block_size = k_cache.size(1);
+    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.run();
+  });
   return out;
 }
