@@ -65,7 +65,10 @@ RUN pip install -e . \
 # baton's CPU kernels, compiled once here: the pods' root filesystem is read-only, and a
 # build at start would cost each pod ~30 s (services/baton/kernels/cpu.py).
 ENV BATON_KERNEL_DIR=/opt/baton/kernels
-RUN python -c "from baton.kernels.cpu import build; build('${BATON_KERNEL_DIR}')"
+# (x86 only: elsewhere the pods run torch's kernels, as on any CPU without AVX512-BF16.)
+RUN if [ "$(uname -m)" = x86_64 ]; then \
+        python -c "from baton.kernels.cpu import build; build('${BATON_KERNEL_DIR}')"; \
+    fi
 
 # Non-root, and nothing here needs a writable root filesystem: caches go to $HOME=/tmp,
 # an emptyDir in the pods the operator and the chart make.
