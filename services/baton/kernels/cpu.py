@@ -27,12 +27,23 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-NAME = "baton_cpu"
 SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_bindings.cpp")
 # The instruction sets the kernels are written for, named rather than -march=native, so a
 # build is valid on every CPU that passes ``_cpu_supports`` (a shared cache, an image).
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
          "-fno-math-errno", "-fopenmp"]
+
+
+def _build_name() -> str:
+    """The module's name, unique to these sources, flags and this checkout: torch keeps one
+    build directory per name, so two checkouts (or two versions) never rebuild each other's."""
+    digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(FLAGS).encode())
+    for source in (*SOURCES, "cpu.h"):
+        digest.update((SOURCE_DIR / source).read_bytes())
+    return f"baton_cpu_{digest.hexdigest()[:16]}"
+
+
+NAME = _build_name()
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_DECODE_GROUP = 16  # query heads per KV head the decode kernel takes
@@ -69,11 +80,8 @@ def build(directory: str | None = None) -> ModuleType:
 
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-    # The header's hash as a flag: torch rebuilds when sources or flags change, not headers.
-    header = hashlib.sha256((SOURCE_DIR / "cpu.h").read_bytes()).hexdigest()[:16]
     return cpp_extension.load(name=NAME, sources=[str(SOURCE_DIR / source) for source in SOURCES],
-                              extra_cflags=[*FLAGS, f"-DBATON_HEADER={header}"],
-                              build_directory=directory, verbose=False)
+                              extra_cflags=FLAGS, build_directory=directory, verbose=False)
 
 
 def causal_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
