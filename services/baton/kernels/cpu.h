@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace baton_cpu {
 
@@ -44,9 +45,85 @@ inline void store_from_float(at::BFloat16* x, __m512 v) {
 }
 inline void store_from_float(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
 
+constexpr int kTile = 16;  // fp32 lanes of a 512-bit register: keys, dims or values per tile
+constexpr int kKeyBlock = 64;  // keys per softmax block of the prompt kernel (4 tiles)
+
+// --- Element types ---------------------------------------------------------------------
+//
+// A type says how keys and values are laid out for its products and how a register tile
+// of products is accumulated. "Lanes" are 32-bit words: a bf16 pair or one fp32 value.
+//   keys:   [tiles][D / kDepth][16 keys] words: a tile's 16 keys side by side per depth step
+//   values: [S_pad / kDepth][D] words: kDepth consecutive keys' values of one dim side by side
+//   probabilities of a row: [kKeyBlock / kDepth] words
+
+struct Bf16 {
+  using Scalar = at::BFloat16;
+  static constexpr int kDepth = 2;  // vdpbf16ps: pairs of bf16 per 32-bit lane
+  static inline uint32_t word(const Scalar* x) {  // x[0], x[1] as one lane
+    uint32_t w;
+    std::memcpy(&w, x, sizeof(w));
+    return w;
+  }
+  static inline uint32_t zero_word() { return 0; }
+  static inline __m512 madd(__m512 acc, uint32_t a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
+  }
+  static inline __m512 madd(__m512 acc, uint32_t a, const uint32_t* b) {
+    return madd(acc, a, _mm512_loadu_si512(b));
+  }
+  static inline void store_probabilities(const float* p, uint32_t* words) {
+    // kKeyBlock probabilities -> kKeyBlock/2 bf16 pairs (cvtne2ps: round to nearest even)
+    for (int i = 0; i < kKeyBlock; i += 32) {
+      // cvtne2ps_pbh(a, b): bf16 elements 0-15 from b, 16-31 from a, so the 32 probabilities
+      // stay in order and word j holds keys (i + 2j, i + 2j + 1), the low half first.
+      __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + i + 16), _mm512_loadu_ps(p + i));
+      _mm512_storeu_si512(words + i / 2, (__m512i)packed);
+    }
+  }
+};
+
+struct Fp32 {
+  using Scalar = float;
+  static constexpr int kDepth = 1;
+  static inline uint32_t word(const Scalar* x) {
+    uint32_t w;
+    std::memcpy(&w, x, sizeof(w));
+    return w;
+  }
+  static inline uint32_t zero_word() { return 0; }
+  static inline __m512 madd(__m512 acc, uint32_t a, __m512i b) {
+    float scalar;
+    std::memcpy(&scalar, &a, sizeof(scalar));
+    return _mm512_fmadd_ps(_mm512_set1_ps(scalar), _mm512_castsi512_ps(b), acc);
+  }
+  static inline __m512 madd(__m512 acc, uint32_t a, const uint32_t* b) {
+    return madd(acc, a, _mm512_loadu_si512(b));
+  }
+  static inline void store_probabilities(const float* p, uint32_t* words) {
+    std::memcpy(words, p, kKeyBlock * sizeof(float));
+  }
+};
+
+// Runs job.template operator()<Type, D>() for q's dtype and head dim, the kernels' only
+// template parameters.
+template <typename Job>
+void for_dtype_and_head_dim(const at::Tensor& q, Job&& job) {
+  auto for_head_dim = [&]<typename Type>() {
+    switch (q.size(2)) {
+      case 32: return job.template operator()<Type, 32>();
+      case 64: return job.template operator()<Type, 64>();
+      case 128: return job.template operator()<Type, 128>();
+      default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not one of 32, 64, 128");
+    }
+  };
+  if (q.scalar_type() == at::kBFloat16) for_head_dim.template operator()<Bf16>();
+  else if (q.scalar_type() == at::kFloat) for_head_dim.template operator()<Fp32>();
+  else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
+}
+
 }  // namespace baton_cpu
 
-// attention (cpu_attention.cpp)
+// attention (cpu_causal_attention.cpp, cpu_decode_attention.cpp)
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lengths);

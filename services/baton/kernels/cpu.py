@@ -27,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_bindings.cpp")
+SOURCES = ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp", "cpu_elementwise.cpp",
+           "cpu_bindings.cpp")
 # The instruction sets the kernels are written for, named rather than -march=native, so a
 # build is valid on every CPU that passes ``_cpu_supports`` (a shared cache, an image).
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",

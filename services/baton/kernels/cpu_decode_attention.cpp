@@ -1,0 +1,230 @@
+// Decode attention on x86 CPUs with AVX-512: one new token per sequence over its paged cache,
+// read where it lies.
+//
+// q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, W] (int64);
+// lengths [B] (int64): sequence b's keys are its first lengths[b] slots, in table order,
+// and its new token sees them all (its own included, already written). One work item per
+// sequence, its KV heads in turn: its G query heads' scores for every key (16 keys at a
+// time: their rows loaded and transposed in registers, so the products are broadcasts
+// again), then the softmax, then the value sum in fp32. Probabilities stay fp32.
+
+#include "cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace baton_cpu;
+
+// 16x16 32-bit transpose: r[i] holds row i on entry, column i on return.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
+constexpr int64_t kPrefetch = 32;  // keys ahead that the decode kernel asks the memory for
+
+template <typename Type, int D>
+struct PagedDecode {
+  using Scalar = typename Type::Scalar;
+  static constexpr int kDepth = Type::kDepth;
+  static constexpr int kWords = D / kDepth;   // 32-bit words of a key row
+  static constexpr int kDimTiles = D / kTile;
+  static constexpr int kRows = D <= 64 ? 4 : 2;  // query rows per register tile of the value sum
+
+  const Scalar* q;
+  const Scalar* k_cache;
+  const Scalar* v_cache;
+  const int64_t* tables;
+  const int64_t* lengths;
+  Scalar* out;
+  int64_t B, H, Hkv, G, W, block_size;
+  float scale;
+
+  static inline void prefetch_row(const Scalar* row) {
+    for (size_t byte = 0; byte < D * sizeof(Scalar); byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+  }
+
+  // Where each key's row of this KV head starts (in elements), walking the block table once:
+  // no division per key.
+  void key_offsets(int64_t b, int64_t head, int64_t length, std::vector<int64_t>& offsets) const {
+    offsets.resize(length);
+    const int64_t* table = tables + b * W;
+    for (int64_t key = 0, block = 0; key < length; ++block) {
+      const int64_t base = table[block] * block_size;
+      for (int64_t slot = 0; slot < block_size && key < length; ++slot, ++key)
+        offsets[key] = ((base + slot) * Hkv + head) * D;
+    }
+  }
+
+  void run_item(int64_t b, int64_t head, std::vector<float>& scores, std::vector<int64_t>& offsets) {
+    const int64_t length = lengths[b];
+    const int64_t rows = (G + kRows - 1) / kRows * kRows;
+    const int64_t padded = (length + kTile - 1) / kTile * kTile;
+    scores.resize(rows * padded);
+    key_offsets(b, head, length, offsets);
+    uint32_t query[kMaxGroup][kWords];
+    for (int64_t g = 0; g < rows; ++g)
+      for (int w = 0; w < kWords; ++w)
+        query[g][w] = g < G ? Type::word(q + (b * H + head * G + g) * D + w * kDepth) : 0;
+    // scores[g][key] = scale * q_g . k_key, 16 keys at a time
+    for (int64_t start = 0; start < length; start += kTile) {
+      const Scalar* key_rows[kTile];
+      for (int j = 0; j < kTile; ++j) {
+        key_rows[j] = k_cache + offsets[std::min(start + j, length - 1)];
+        // The blocks lie anywhere in the pool, so no hardware prefetcher sees the next one
+        // coming: ask for the rows two tiles ahead.
+        prefetch_row(k_cache + offsets[std::min(start + kPrefetch + j, length - 1)]);
+      }
+      __m512 acc[kMaxGroup];
+      for (int64_t g = 0; g < rows; ++g) acc[g] = _mm512_setzero_ps();
+      for (int chunk = 0; chunk < kWords / kTile; ++chunk) {
+        __m512i columns[kTile];  // after the transpose: word `chunk * 16 + i` of the 16 keys
+        for (int j = 0; j < kTile; ++j)
+          columns[j] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(key_rows[j]) + chunk * kTile);
+        transpose16(columns);
+        for (int64_t g = 0; g < rows; ++g) {
+          __m512 a = acc[g];
+          for (int i = 0; i < kTile; ++i)
+            a = Type::madd(a, query[g][chunk * kTile + i], columns[i]);
+          acc[g] = a;
+        }
+      }
+      for (int64_t g = 0; g < rows; ++g)
+        _mm512_storeu_ps(scores.data() + g * padded + start, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+    }
+    // softmax per query row over [0, length)
+    const int64_t full = length / kTile * kTile;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (length - full)) - 1);
+    float inverse_sum[kMaxGroup];
+    for (int64_t g = 0; g < rows; ++g) {
+      float* sg = scores.data() + g * padded;
+      __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < full; j += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + j));
+      if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, sg + full));
+      const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < full; j += kTile) {
+        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + j), row_max));
+        _mm512_storeu_ps(sg + j, p);
+        total = _mm512_add_ps(total, p);
+      }
+      if (tail) {
+        __m512 p = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + full), row_max)));
+        _mm512_mask_storeu_ps(sg + full, tail, p);
+        total = _mm512_add_ps(total, p);
+      }
+      inverse_sum[g] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    // out[g] = sum_key p[g][key] v_key, kRows query rows at a time
+    for (int64_t g0 = 0; g0 < rows; g0 += kRows) {
+      __m512 o[kRows][kDimTiles];
+      for (int i = 0; i < kRows; ++i)
+        for (int d = 0; d < kDimTiles; ++d) o[i][d] = _mm512_setzero_ps();
+      for (int64_t key = 0; key < length; ++key) {
+        const Scalar* value = v_cache + offsets[key];
+        prefetch_row(v_cache + offsets[std::min(key + kPrefetch, length - 1)]);
+        __m512 v[kDimTiles];
+        for (int d = 0; d < kDimTiles; ++d) v[d] = load_as_float(value + d * kTile);
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 p = _mm512_set1_ps(scores[(g0 + i) * padded + key]);
+          for (int d = 0; d < kDimTiles; ++d) o[i][d] = _mm512_fmadd_ps(p, v[d], o[i][d]);
+        }
+      }
+      for (int i = 0; i < kRows && g0 + i < G; ++i) {
+        Scalar* dst = out + (b * H + head * G + g0 + i) * D;
+        float row[D];
+        for (int d = 0; d < kDimTiles; ++d)
+          _mm512_storeu_ps(row + d * kTile, _mm512_mul_ps(o[i][d], _mm512_set1_ps(inverse_sum[g0 + i])));
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<Scalar>(row[d]);
+      }
+    }
+  }
+
+  void run() {
+    // One item per sequence, longest first, handed out one at a time (lengths differ up to
+    // ~20x in a batch). Its KV heads run back to back: a cache line holds every head of a
+    // token when heads are small, and the next head finds it in L2 instead of memory.
+    std::vector<int64_t> order(B);
+    for (int64_t b = 0; b < B; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+    const int threads = std::max(1, at::get_num_threads());
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scores;
+      std::vector<int64_t> offsets;
+      for (int64_t i; (i = next.fetch_add(1)) < B;)
+        for (int64_t head = 0; head < Hkv; ++head) run_item(order[i], head, scores, offsets);
+    });
+  }
+};
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& tables, const at::Tensor& lengths) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [batch, heads, dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
+              && k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0
+              && q.size(1) / k_cache.size(2) <= kMaxGroup, "head counts or dims disagree");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kLong
+              && tables.is_contiguous(), "block tables must be contiguous int64 [batch, width]");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == at::kLong
+              && lengths.is_contiguous(), "lengths must be contiguous int64 [batch]");
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(length[b] >= 1 && length[b] <= tables.size(1) * k_cache.size(1),
+                "length ", length[b], " of sequence ", b, " is not within its table's ",
+                tables.size(1) * k_cache.size(1), " slots");
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  for_dtype_and_head_dim(q, [&]<typename Type, int D>() {
+    using Scalar = typename Type::Scalar;
+    PagedDecode<Type, D> job;
+    job.q = q.data_ptr<Scalar>();
+    job.k_cache = k_cache.data_ptr<Scalar>();
+    job.v_cache = v_cache.data_ptr<Scalar>();
+    job.tables = tables.data_ptr<int64_t>();
+    job.lengths = lengths.data_ptr<int64_t>();
+    job.out = out.data_ptr<Scalar>();
+    job.B = q.size(0);
+    job.H = q.size(1);
+    job.Hkv = k_cache.size(2);
+    job.G = job.H / job.Hkv;
+    job.W = tables.size(1);
+    job.block_size = k_cache.size(1);
+    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.run();
+  });
+  return out;
+}
