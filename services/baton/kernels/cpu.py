@@ -71,7 +71,7 @@ def kernels() -> ModuleType | None:
         return build()
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         # no compiler or ninja, or a failed build: torch's kernels serve instead
-        log.warning("baton's CPU attention kernel could not be built (%s); using torch's", error)
+        log.warning("baton's CPU kernels could not be built or loaded (%s); using torch's", error)
         return None
 
 

@@ -355,7 +355,7 @@ class _AttentionPlan:
                 q[rows].contiguous(), step.k_cache, step.v_cache, group.blocks[layer],
                 group.lengths[layer])
             return
-        k_pad, v_pad, key_positions, lengths = self.decode.step.read(
+        k_pad, v_pad, key_positions, lengths = step.read(
             group, layer, with_positions=self.observed or sliding_window is not None)
         bias = self._biases.get(index)
         if bias is None or not group.uniform or sliding_window is not None:
