@@ -15,6 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
+from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
 from baton.decode.receiver import Incarnation, kv_spec
 from baton.decode.servicer import DecodeServicer
@@ -58,12 +59,17 @@ class DecodeServer:
         model = self.config.model
         if model.threads:
             torch.set_num_threads(model.threads)
-        self.loaded = load_checkpoint(model.path, dtype=model.dtype, device=model.device,
-                                      revision=model.revision)
-        engine = Engine(self.loaded.model, self.loaded.tokenizer, scheduler=self.config.scheduler,
-                        kv=self.config.kv,
-                        compressor_factory=engine_compressor_factory(self.config.pyramid,
-                                                                     self.loaded.config))
+
+        def build() -> Engine:
+            self.loaded = load_checkpoint(model.path, dtype=model.dtype, device=model.device,
+                                          revision=model.revision)
+            return Engine(self.loaded.model, self.loaded.tokenizer, scheduler=self.config.scheduler,
+                          kv=self.config.kv,
+                          compressor_factory=engine_compressor_factory(self.config.pyramid,
+                                                                       self.loaded.config))
+
+        # Only the engine thread may keep an OpenMP pool (see baton.compute_thread).
+        engine = build_on_short_lived_thread(build, "decode-load")
         self.worker = DecodeWorker(engine, self.address, self.metrics,
                                    lease_s=self.config.kv.unclaimed_lease_s,
                                    max_queued_requests=self.config.server.max_queued_requests)

@@ -21,6 +21,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
+from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
 from baton.errors import PermissionDenied
 from baton.metrics import PrefillMetrics, serve_metrics
@@ -116,10 +117,16 @@ class PrefillServer:
                                  self.config.chain.timeout_s, on_ready, on_fail, self.mtls)
         else:
             self.sink = RankSink(on_ready, on_fail)
-        self.rank = ChainRank(self.config.chain, self.model_source, self.sink,
-                              source=self.frontend if self.is_head else None,
-                              make_observer=self.sink.make_observer if self.is_tail else None,
-                              cpu_threads=self.config.model.threads or 1)
+        def build() -> ChainRank:
+            return ChainRank(self.config.chain, self.model_source, self.sink,
+                             source=self.frontend if self.is_head else None,
+                             make_observer=self.sink.make_observer if self.is_tail else None,
+                             cpu_threads=self.config.model.threads or 1)
+
+        # Rank 0 serves its chain on a thread of its own (the main thread waits for signals):
+        # it loads on a short-lived one, so only the serving thread keeps an OpenMP pool
+        # (see baton.compute_thread). The other ranks load and serve on the main thread.
+        self.rank = build_on_short_lived_thread(build, "prefill-load") if self.is_head else build()
         self.exchange.seal_with(self.rank.secret)  # before any request: the chain is not ready yet
 
     def _on_ready(self) -> None:

@@ -157,6 +157,8 @@ class ChainRank:
 
     def serve(self) -> None:
         """Loop until rank 0's source stops; a failure is reported to the sink and re-raised."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: serve may run off the building one
         if self.config.rank == 0:
             self.sink.ready()
         try:
