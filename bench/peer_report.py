@@ -172,14 +172,16 @@ def plot_throughput(results: dict, path: Path) -> None:
     left.set_ylabel("generated tokens/s (2 threads, log scale)")
     left.set_title("offline batch, same workload")
     left.legend()
+    highest_ratio = 0.0
     for i, rounds in enumerate(results.values()):
         ratios = [throughput(r["baton"]) / throughput(r["vllm"]) for r in rounds]
+        highest_ratio = max(highest_ratio, *ratios)
         right.scatter([i] * len(ratios), ratios, color="tab:orange", s=18, zorder=3)
         right.plot([i - 0.2, i + 0.2], [statistics.median(ratios)] * 2, color="tab:orange")
     right.axhline(1.0, color="gray", linewidth=1, label="parity")
     right.axhline(1.3, color="tab:green", linestyle="--", linewidth=1, label="goal 1.3x")
     right.set_xticks(range(len(labels)), labels)
-    right.set_ylim(0, 1.5)
+    right.set_ylim(0, max(1.5, highest_ratio * 1.1))  # every round's dot in view
     right.set_ylabel("baton / vLLM tokens/s, per round")
     right.set_title("ratio (line: median of rounds)")
     right.legend(loc="lower right")
