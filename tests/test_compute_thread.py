@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from baton.compute_thread import build_on_short_lived_thread
 
 
