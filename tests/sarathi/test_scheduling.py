@@ -191,3 +191,10 @@ def test_policies_are_registered_and_bad_config_is_named():
         SchedulerConfig(token_budget=1)
     with pytest.raises(ValueError, match="tile_size 512 exceeds token_budget 256"):
         SchedulerConfig(token_budget=256, tile_size=512)
+
+
+def test_token_at_reads_the_prompt_then_the_output():
+    seq = new_sequence(0, 3)
+    seq.prompt_ids = [5, 6, 7]
+    seq.output_ids += [8, 9]
+    assert [seq.token_at(i) for i in range(seq.num_tokens)] == seq.token_ids == [5, 6, 7, 8, 9]

@@ -59,6 +59,12 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, index: int) -> int:
+        """``token_ids[index]`` without building the whole list (each decode reads one token
+        a step; joining a long prompt and its output for it cost ~3 µs a sequence)."""
+        num_prompt = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < num_prompt else self.output_ids[index - num_prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

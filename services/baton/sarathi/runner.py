@@ -48,7 +48,7 @@ class ModelRunner:
         if plan.decodes:
             decodes = sorted(plan.decodes, key=lambda seq: seq.num_computed)
             output_rows += range(len(token_ids), len(token_ids) + len(decodes))
-            token_ids += [seq.token_ids[seq.num_computed] for seq in decodes]
+            token_ids += [seq.token_at(seq.num_computed) for seq in decodes]
             positions += [seq.num_computed for seq in decodes]
             sampling += decodes
             observers = [seq.compressor for seq in decodes]
