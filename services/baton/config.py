@@ -255,10 +255,23 @@ class GatewayRoutingConfig:
 
 
 @dataclass
+class StreamConfig:
+    interval_ms: float = setting(0.0, "hold each stream's messages at least this far apart; the tokens "
+                                 "generated meanwhile go as one message (fewer messages per token: "
+                                 "less CPU at the decode pod, the gateway and the client). The first "
+                                 "token and a stream's end never wait. 0 = a message every engine step")
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.interval_ms) and 0 <= self.interval_ms <= 1000,
+                f"stream interval_ms must be in 0..1000, got {self.interval_ms}")
+
+
+@dataclass
 class DecodeServiceConfig:
     """`baton decode`: a SARATHI decode worker."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2
+from baton.config import StreamConfig
 from baton.routing import InMemoryStore
 from baton.runahead.local import free_port
 from decode_servers import (
@@ -92,6 +93,30 @@ def test_generate_streams_the_monolithic_engines_tokens(stub, reference):
     assert last.usage.prompt_tokens == len(PROMPT)
     assert last.usage.completion_tokens == len(reference)
     assert last.timings.ttft_s > 0 and last.timings.total_s >= last.timings.ttft_s
+
+
+def test_a_stream_interval_sends_fewer_messages_and_the_end_does_not_wait(checkpoint, reference):
+    # 1 s between messages, far longer than the whole generation: the first token goes at
+    # once, every later one rides with the end, which cuts the hold short
+    server, port = start_decode_server(checkpoint, InMemoryStore(), stream_interval_ms=1000)
+    channel, stub = decode_stub(port)
+    try:
+        started = time.monotonic()
+        tokens, messages = collect(stub.Generate(generate_request("held"), timeout=30))
+        elapsed_s = time.monotonic() - started
+    finally:
+        channel.close()
+        server.stop(0)
+    assert tokens == reference
+    assert [len(m.token_ids) for m in messages] == [1, len(reference) - 1]
+    assert messages[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    assert elapsed_s < 0.9
+
+
+@pytest.mark.parametrize("interval_ms", [-1.0, float("nan"), 1001.0])
+def test_a_bad_stream_interval_is_refused_naming_it(interval_ms):
+    with pytest.raises(ValueError, match=f"stream interval_ms must be in 0..1000, got {interval_ms}"):
+        StreamConfig(interval_ms=interval_ms)
 
 
 def test_pushed_cache_then_attach_continues_like_the_monolithic_engine(stub, checkpoint, reference):

@@ -61,3 +61,40 @@ def test_merge_of_one_step_is_the_step():
     stream.publish(output([1], "a"), now_s=0.0)
     (step,) = list(stream._steps)
     assert merge_steps([step]) is step
+
+
+def test_a_holding_reader_takes_the_steps_of_its_hold_as_one_message():
+    async def run():
+        stream = RequestStream("r", 4, Route("here"))
+        loop = asyncio.get_running_loop()
+        stream.publish(output([1], "a"), now_s=0.0)
+        stream.wake()
+        reader = asyncio.ensure_future(stream.next_steps(hold_until=loop.time() + 0.3))
+        await asyncio.sleep(0.05)
+        stream.publish(output([2], "b"), now_s=0.1)
+        stream.wake()  # a step in the hold does not end it
+        await asyncio.sleep(0.05)
+        assert not reader.done()
+        return await asyncio.wait_for(reader, 5)
+
+    step = asyncio.run(run())
+    assert step.token_ids == (1, 2) and step.text == "ab" and step.finish_reason is None
+
+
+def test_the_streams_end_cuts_a_hold_short():
+    async def run():
+        stream = RequestStream("r", 4, Route("here"))
+        loop = asyncio.get_running_loop()
+        stream.publish(output([1], "a"), now_s=0.0)
+        stream.wake()
+        started = loop.time()
+        reader = asyncio.ensure_future(stream.next_steps(hold_until=started + 30.0))
+        await asyncio.sleep(0.05)
+        stream.publish(output([2], "b", finished=True), now_s=0.1)
+        stream.wake()
+        step = await asyncio.wait_for(reader, 5)
+        return step, loop.time() - started
+
+    step, waited_s = asyncio.run(run())
+    assert step.token_ids == (1, 2) and step.finish_reason is FinishReason.LENGTH
+    assert waited_s < 5

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts at least this long go through the chain")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per process")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="the decode pods' --stream-interval-ms: hold each stream's messages "
+                             "this far apart, the tokens meanwhile going as one (0 = every step)")
     parser.add_argument("--demo", action="store_true",
                         help="once up, stream a short and a long prompt and show their routes")
     parser.add_argument("--exit-after-demo", action="store_true",
@@ -48,15 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from baton.config import StreamConfig
     from baton.gateway.local_cluster import ClusterSpec, LocalCluster
 
     if args.exit_after_demo and not args.demo:
         raise ValueError("--exit-after-demo needs --demo")
+    StreamConfig(interval_ms=args.stream_interval_ms)  # a bad value fails here, before any process
     spec = ClusterSpec(model_path=args.model, decode_workers=args.decode_workers,
                        chain_ranks=args.chain_ranks, redis_url=args.redis,
                        gateway_listen=args.listen, gateway_http_port=args.http_port,
                        prefill_threshold_tokens=args.prefill_threshold_tokens,
-                       threads_per_process=args.threads)
+                       threads_per_process=args.threads,
+                       extra_args={"decode": ["--stream-interval-ms", str(args.stream_interval_ms)]})
     stopping = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:

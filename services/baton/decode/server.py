@@ -40,7 +40,8 @@ class DecodeServer:
         self.registry = CollectorRegistry()
         self.metrics = DecodeMetrics(self.registry)
         self.mtls = Mtls(config.mtls)
-        self.servicer = DecodeServicer(config.kv.max_pending_pushes, self.mtls)
+        self.servicer = DecodeServicer(config.kv.max_pending_pushes, self.mtls,
+                                       config.stream.interval_ms / 1000)
         self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME],
                                     self.mtls.server_credentials() if self.mtls.enabled else None)
         self.port, self.address = self.grpc.port, self.grpc.address

@@ -79,8 +79,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Serves one ``DecodeWorker``; UNAVAILABLE until ``ready(worker, spec, loop)`` and after
     ``drain()``."""
 
-    def __init__(self, max_pending_pushes: int = 64, mtls: Mtls | None = None) -> None:
+    def __init__(self, max_pending_pushes: int = 64, mtls: Mtls | None = None,
+                 stream_interval_s: float = 0.0) -> None:
         self.mtls = mtls or Mtls(MtlsConfig())
+        self.stream_interval_s = stream_interval_s  # see StreamConfig.interval_ms
         self.worker: DecodeWorker | None = None
         self.spec: KVSpec | None = None
         self.changes: Changes | None = None
@@ -195,20 +197,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await self.changes.wait(remaining_s)
         return stream
 
-    @staticmethod
-    async def _relay(worker: DecodeWorker, stream: RequestStream,
+    async def _relay(self, worker: DecodeWorker, stream: RequestStream,
                      context) -> AsyncIterator[common_pb2.GenerateResponse]:
         """Yield the request's steps until its last (what arrived together goes as one
         message); a caller who leaves (the handler is cancelled) aborts it."""
         finished, first = False, True
+        loop = asyncio.get_running_loop()
+        sent_at = 0.0
         try:
             while not finished:
                 try:
-                    step = await stream.next_steps()
+                    # the first message goes at once; the next ones stream_interval_s apart
+                    step = await stream.next_steps(0.0 if first else sent_at + self.stream_interval_s)
                 except StreamFailed as e:
                     finished = True
                     await abort_with(context, e)
                 finished = step.finish_reason is not None
+                sent_at = loop.time()
                 yield convert.step_to_proto(step, first)
                 first = False
         finally:

@@ -60,6 +60,7 @@ class RequestStream:
     queued: bool = False  # a local prompt counted in the worker's queue until its first token
     _steps: collections.deque = field(default_factory=collections.deque)  # appended by the loop thread
     _ready: asyncio.Event | None = None  # made by the reader, on the server's event loop
+    _holding: asyncio.Event | None = None  # set while a reader holds for more steps
 
     # --- the loop thread -----------------------------------------------------------------
 
@@ -114,21 +115,41 @@ class RequestStream:
         """Steps were appended (called on the event loop, after the appends)."""
         if self._ready is not None:
             self._ready.set()
+        if self.finished and self._holding is not None:
+            self._holding.set()  # the end is there: a holding reader sends it now
 
-    async def next_steps(self) -> GenerationStep:
+    async def next_steps(self, hold_until: float = 0.0) -> GenerationStep:
         """Everything published since the last call, merged into one step; waits for at least
-        one. Raises StreamFailed (after the steps that came before the failure were taken)."""
+        one, then until ``hold_until`` (event-loop time) for more to join it unless the stream
+        ends first. Raises StreamFailed (after the steps that came before the failure were
+        taken)."""
         if self._ready is None:
             self._ready = asyncio.Event()
         while not self._steps:  # a step appended after this check comes with a wake after it
             self._ready.clear()
             await self._ready.wait()
+        await self._hold(hold_until)
         steps = []
         while self._steps and not isinstance(self._steps[0], StreamFailed):
             steps.append(self._steps.popleft())
         if not steps:
             raise self._steps.popleft()
         return merge_steps(steps)
+
+    async def _hold(self, until: float) -> None:
+        """Sleep until ``until`` or the stream's end, whichever comes first. Only the end wakes
+        a holder early: the steps in between would cost a wake-up each."""
+        loop = asyncio.get_running_loop()
+        remaining_s = until - loop.time()
+        if remaining_s <= 0 or self.finished:  # no await since the check: wake() comes after
+            return
+        self._holding = asyncio.Event()
+        timer = loop.call_later(remaining_s, self._holding.set)
+        try:
+            await self._holding.wait()
+        finally:
+            timer.cancel()
+            self._holding = None
 
 
 def merge_steps(steps: list[GenerationStep]) -> GenerationStep:
