@@ -63,38 +63,32 @@ def test_merge_of_one_step_is_the_step():
     assert merge_steps([step]) is step
 
 
-def test_a_holding_reader_takes_the_steps_of_its_hold_as_one_message():
-    async def run():
-        stream = RequestStream("r", 4, Route("here"))
-        loop = asyncio.get_running_loop()
-        stream.publish(output([1], "a"), now_s=0.0)
-        stream.wake()
-        reader = asyncio.ensure_future(stream.next_steps(hold_until=loop.time() + 0.3))
-        await asyncio.sleep(0.05)
-        stream.publish(output([2], "b"), now_s=0.1)
-        stream.wake()  # a step in the hold does not end it
-        await asyncio.sleep(0.05)
-        assert not reader.done()
-        return await asyncio.wait_for(reader, 5)
+async def hold_after_a_second_step(hold_s: float, second_finishes: bool):
+    """A reader holding for ``hold_s`` after the first step, and a second step published
+    50 ms into the hold; returns what the reader got, whether it was still holding 100 ms
+    in, and how long it waited."""
+    stream = RequestStream("r", 4, Route("here"))
+    loop = asyncio.get_running_loop()
+    stream.publish(output([1], "a"), now_s=0.0)
+    stream.wake()
+    started = loop.time()
+    reader = asyncio.ensure_future(stream.next_steps(hold_until=started + hold_s))
+    await asyncio.sleep(0.05)
+    stream.publish(output([2], "b", finished=second_finishes), now_s=0.1)
+    stream.wake()
+    await asyncio.sleep(0.05)
+    holding = not reader.done()
+    step = await asyncio.wait_for(reader, 5)
+    return step, holding, loop.time() - started
 
-    step = asyncio.run(run())
+
+def test_a_holding_reader_takes_the_steps_of_its_hold_as_one_message():
+    step, holding, _ = asyncio.run(hold_after_a_second_step(0.3, second_finishes=False))
+    assert holding  # a step in the hold does not end it
     assert step.token_ids == (1, 2) and step.text == "ab" and step.finish_reason is None
 
 
 def test_the_streams_end_cuts_a_hold_short():
-    async def run():
-        stream = RequestStream("r", 4, Route("here"))
-        loop = asyncio.get_running_loop()
-        stream.publish(output([1], "a"), now_s=0.0)
-        stream.wake()
-        started = loop.time()
-        reader = asyncio.ensure_future(stream.next_steps(hold_until=started + 30.0))
-        await asyncio.sleep(0.05)
-        stream.publish(output([2], "b", finished=True), now_s=0.1)
-        stream.wake()
-        step = await asyncio.wait_for(reader, 5)
-        return step, loop.time() - started
-
-    step, waited_s = asyncio.run(run())
+    step, holding, waited_s = asyncio.run(hold_after_a_second_step(30.0, second_finishes=True))
+    assert not holding and waited_s < 5
     assert step.token_ids == (1, 2) and step.finish_reason is FinishReason.LENGTH
-    assert waited_s < 5
