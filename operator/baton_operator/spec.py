@@ -23,6 +23,7 @@ from baton.config import (
     ModelSourceConfig,
     PyramidConfig,
     SchedulerConfig,
+    StreamConfig,
 )
 
 REDIS_MODES = ("managed", "external")
@@ -89,6 +90,7 @@ class DecodeSpec:
     replicas: int = 1
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     resources: dict = field(default_factory=dict)
 
 
@@ -185,6 +187,7 @@ def _read_decode(spec: dict) -> DecodeSpec:
                   block_size=decode.get("kvBlockSize")),
         scheduler=_build("decode", SchedulerConfig, token_budget=decode.get("tokenBudget"),
                          max_running=decode.get("maxRunning"), policy=decode.get("policy")),
+        stream=_build("decode", StreamConfig, interval_ms=decode.get("streamIntervalMs")),
         resources=decode.get("resources") or {})
 
 

@@ -147,7 +147,7 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
 def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
     return DecodeServiceConfig(
         server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec), kv=spec.decode.kv,
-        scheduler=spec.decode.scheduler, pyramid=spec.pyramid,
+        scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
         routing=_routing(name, namespace, spec), mtls=_mtls(spec))
 
 

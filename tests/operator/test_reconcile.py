@@ -105,7 +105,7 @@ def test_spec_change_updates_children(cluster, reconciler):
     create_service(cluster.kube, "demo", SPEC)
     _reconcile(cluster, reconciler)
     cluster.kube.patch("BatonService", NS, "demo", {"metadata": {"generation": 2}, "spec": {
-        "decode": {"replicas": 4, "tokenBudget": 512},
+        "decode": {"replicas": 4, "tokenBudget": 512, "streamIntervalMs": 20},
         "redis": {"mode": "external", "external": {"urlSecretRef": {"name": "redis-url"}}},
         "prefill": {"partitionTable": '{"entries": []}'}}})
     status = _reconcile(cluster, reconciler)
@@ -113,6 +113,7 @@ def test_spec_change_updates_children(cluster, reconciler):
     decode = cluster.kube.get("Deployment", NS, "demo-decode")
     assert decode["spec"]["replicas"] == 4  # the service's own value changed: it wins
     assert _flag(_args(decode), "--scheduler-token-budget") == "512"
+    assert float(_flag(_args(decode), "--stream-interval-ms")) == 20
     assert "--routing-redis-url" not in _args(decode)
     env = {e["name"]: e for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["BATON_ROUTING_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
@@ -142,6 +143,7 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
     ({"compression": {"keepRatio": 1.5}}, "keep_ratio"),
     ({"redis": {"mode": "external"}}, "urlSecretRef"),
     ({"decode": {"tokenBudget": 64, "replicas": -1}}, "decode.replicas"),
+    ({"decode": {"streamIntervalMs": -5}}, "stream interval_ms must be in 0..1000, got -5"),
     ({"prefill": {"ranksPerChain": 0}}, "chain ranks"),
     ({"routing": {"chainFailure": "retry"}}, "chain_failure"),
     ({"gateway": {"http": {"port": 9090}}}, "the gateway pod's metrics port"),
