@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import random
 import shutil
 import sys
@@ -134,6 +135,8 @@ def run_engine(directory: Path, requests: list[Request]) -> list[Trace]:
 
 
 def run_cluster(directory: Path, requests: list[Request]) -> list[Trace]:
+    # the same dtype as the other two (the pods' default, auto, may pick bf16)
+    os.environ["BATON_MODEL_DTYPE"] = "float32"
     spec = ClusterSpec(model_path=str(directory), decode_workers=1, chain_ranks=2,
                        prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS, threads_per_process=1)
     traces = [Trace() for _ in requests]
@@ -294,7 +297,7 @@ def main() -> int:
                      f"({LONG_PROMPT_TOKENS[0]}-{LONG_PROMPT_TOKENS[1]} tokens, through the chain in "
                      f"the cluster), the rest {SHORT_PROMPT_TOKENS[0]}-{SHORT_PROMPT_TOKENS[1]} "
                      f"tokens; {OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} output tokens each (greedy, "
-                     f"EOS stops); compression off; seed {args.seed}.")
+                     f"EOS stops); compression off; float32 in all three; seed {args.seed}.")
     all_results = {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.models.split(","):
