@@ -267,7 +267,7 @@ def main() -> None:
 
         spec = ClusterSpec(model_path=args.model, chain_ranks=args.chain_ranks,
                            threads_per_process=args.threads, gateway_http_port=port,
-                           extra_args={"decode": ["--stream-interval-ms", str(args.stream_interval_ms)]})
+                           stream_interval_ms=args.stream_interval_ms)
         with LocalCluster(spec) as cluster:
             wait_http(port, None)
             load_s = time.perf_counter() - started

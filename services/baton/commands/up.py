@@ -51,18 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from baton.config import StreamConfig
     from baton.gateway.local_cluster import ClusterSpec, LocalCluster
 
     if args.exit_after_demo and not args.demo:
         raise ValueError("--exit-after-demo needs --demo")
-    StreamConfig(interval_ms=args.stream_interval_ms)  # a bad value fails here, before any process
     spec = ClusterSpec(model_path=args.model, decode_workers=args.decode_workers,
                        chain_ranks=args.chain_ranks, redis_url=args.redis,
                        gateway_listen=args.listen, gateway_http_port=args.http_port,
                        prefill_threshold_tokens=args.prefill_threshold_tokens,
-                       threads_per_process=args.threads,
-                       extra_args={"decode": ["--stream-interval-ms", str(args.stream_interval_ms)]})
+                       threads_per_process=args.threads, stream_interval_ms=args.stream_interval_ms)
     stopping = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:

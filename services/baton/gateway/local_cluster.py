@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from baton.config import MtlsConfig
+from baton.config import MtlsConfig, StreamConfig
 
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 STOP_TIMEOUT_S = 10.0
@@ -101,6 +101,7 @@ class ClusterSpec:
     gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
     prefill_threshold_tokens: int = 512
     threads_per_process: int = 1
+    stream_interval_ms: float = 0.0  # the decode pods' --stream-interval-ms (0 = every step)
     mtls: bool = True  # a private CA and a certificate per role; False: --mtls-insecure
     heartbeat_s: float = 0.5
     worker_ttl_s: float = 2.0
@@ -112,6 +113,7 @@ class ClusterSpec:
             raise ValueError(f"decode_workers must be in 1..8, got {self.decode_workers}")
         if self.chain_ranks < 0:
             raise ValueError(f"chain_ranks must be >= 0, got {self.chain_ranks}")
+        StreamConfig(interval_ms=self.stream_interval_ms)  # a bad value fails before any process
 
 
 @dataclass
@@ -282,6 +284,8 @@ class LocalCluster:
         if role != "gateway":
             args += ["--server-listen", "127.0.0.1:0",
                      "--model-threads", str(self.spec.threads_per_process)]
+        if role == "decode":
+            args += ["--stream-interval-ms", str(self.spec.stream_interval_ms)]
         if self.spec.model_path:
             args += ["--model-path", self.spec.model_path]
         mtls = self.mtls_for(role)
