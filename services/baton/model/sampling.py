@@ -122,6 +122,8 @@ class StopStringMatcher:
     def push(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was found). After a stop, the
         emitted text ends just before the stop string."""
+        if not self.stops:  # nothing to look for (most requests): every delta goes out as is
+            return delta, False
         text = self._pending + delta
         hits = [index for index in (text.find(s) for s in self.stops) if index >= 0]
         if hits:

@@ -219,7 +219,8 @@ class Engine:
         seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals),
                        generated_before=generated_before, sampler=Sampler(params),
                        decoder=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
-                       stop_matcher=StopStringMatcher(params.stop))
+                       stop_matcher=StopStringMatcher(params.stop),
+                       stop_ids=self._stop_ids(params))
         self._sequences[request_id] = seq
         if kv is not None:
             seq.arrived_kv = kv
@@ -237,10 +238,7 @@ class Engine:
         seq.output_ids.append(token)
         output = self._output_of(seq, outputs)
         output.new_token_ids.append(token)
-        params = seq.params
-        stop_ids = params.stop_token_ids if params.ignore_eos else (
-            params.stop_token_ids + self.model.config.eos_token_ids)
-        if token in stop_ids:
+        if token in seq.stop_ids:
             output.text_delta += self._flush_text(seq)
             self._finish(seq, FINISH_STOP, outputs)
             return
@@ -249,10 +247,14 @@ class Engine:
         output.text_delta += emitted
         if stopped:
             self._finish(seq, FINISH_STOP, outputs)
-        elif (len(seq.output_ids) >= params.max_tokens
+        elif (len(seq.output_ids) >= seq.params.max_tokens
               or seq.num_tokens >= self.model.config.max_position_embeddings):
             output.text_delta += self._flush_text(seq)
             self._finish(seq, FINISH_LENGTH, outputs)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = () if params.ignore_eos else self.model.config.eos_token_ids
+        return frozenset(params.stop_token_ids).union(eos)
 
     def _flush_text(self, seq: Sequence) -> str:
         tail = seq.decoder.flush() if seq.decoder else ""

@@ -36,6 +36,7 @@ class Sequence:
     sampler: Sampler
     decoder: IncrementalDecoder | None
     stop_matcher: StopStringMatcher
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it (its own, plus EOS unless ignored)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: Status = Status.WAITING
