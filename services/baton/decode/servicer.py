@@ -22,9 +22,10 @@ from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.receiver import Incarnation, receive_cache
+from baton.decode.session import PodSession
 from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestNotFound
-from baton.errors import PermissionDenied, check_incarnation
+from baton.errors import PermissionDenied, Unavailable, check_incarnation
 from baton.kv.wire import KVSpec
 from baton.mtls import Mtls, require_role
 
@@ -89,6 +90,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.draining = False
         self.max_pending_pushes = max_pending_pushes
         self.pushes_in_progress = 0  # only the event loop changes it
+        self.sessions: set[PodSession] = set()  # open Session calls (the event loop's)
 
     def ready(self, worker: DecodeWorker, spec: KVSpec, loop: asyncio.AbstractEventLoop,
               incarnation: Incarnation) -> None:
@@ -107,7 +109,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker, self.spec = worker, spec
 
     def drain(self) -> None:
+        """Refuse new work; sessions end once their open requests have (any thread)."""
         self.draining = True
+        if self.changes is not None:
+            for session in list(self.sessions):
+                self.changes.loop.call_soon_threadsafe(session.wake)
 
     async def _worker(self, context: grpc.aio.ServicerContext, roles: tuple[str, ...],
                       what: str) -> DecodeWorker:
@@ -151,8 +157,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         worker = await self._worker(context, ("gateway",), "Generate")
         try:
-            self._check_incarnation(f"request {request.request_id!r}", request.incarnation)
-            stream = worker.submit_prompt(convert.decode_request_from_proto(request))
+            stream = await self.open_stream(worker, request)
         except Exception as e:  # noqa: BLE001
             await abort_with(context, e)
         async for message in self._relay(worker, stream, context):
@@ -161,12 +166,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Attach(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         worker = await self._worker(context, ("gateway",), "Attach")
         try:
-            self._check_incarnation(f"the Attach of {request.request_id!r}", request.incarnation)
-            stream = await self._attach(worker, request.request_id, attach_wait_s(request.wait_s))
+            stream = await self.open_stream(worker, request)
         except Exception as e:  # noqa: BLE001
             await abort_with(context, e)
         async for message in self._relay(worker, stream, context):
             yield message
+
+    async def Session(self, request_iterator, context) -> AsyncIterator[decode_pb2.SessionSteps]:
+        worker = await self._worker(context, ("gateway",), "Session")
+        session = PodSession(self, worker)
+        self.sessions.add(session)
+        try:
+            async for batch in session.run(request_iterator):
+                yield batch
+        finally:
+            self.sessions.discard(session)
 
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
         worker = await self._worker(context, ("gateway",), "Abort")
@@ -178,6 +192,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Stats(self, request, context) -> common_pb2.WorkerLoad:
         worker = await self._worker(context, ("gateway", "prefill", "decode"), "Stats")
         return convert.worker_load_to_proto(worker.load)
+
+    async def open_stream(self, worker: DecodeWorker, request) -> RequestStream:
+        """The stream of a ``DecodeGenerateRequest`` (submitted here) or an ``AttachRequest``
+        (its pushed KV awaited); raises what the request's call is to answer."""
+        if self.draining:
+            raise Unavailable("the decode pod is shutting down")
+        if isinstance(request, decode_pb2.DecodeGenerateRequest):
+            self._check_incarnation(f"request {request.request_id!r}", request.incarnation)
+            return worker.submit_prompt(convert.decode_request_from_proto(request))
+        self._check_incarnation(f"the Attach of {request.request_id!r}", request.incarnation)
+        return await self._attach(worker, request.request_id, attach_wait_s(request.wait_s))
 
     def _check_incarnation(self, what: str, theirs: str) -> None:
         check_incarnation(what, self.incarnation.address, self.incarnation.id, theirs)
@@ -199,23 +224,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _relay(self, worker: DecodeWorker, stream: RequestStream,
                      context) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Yield the request's steps until its last (what arrived together goes as one
-        message); a caller who leaves (the handler is cancelled) aborts it."""
+        """Yield the request's steps until its last; a failure ends the call with its status."""
+        try:
+            async for message in self.steps(worker, stream):
+                yield message
+        except StreamFailed as e:
+            await abort_with(context, e)
+
+    async def steps(self, worker: DecodeWorker,
+                    stream: RequestStream) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """The request's steps until its last (what arrived together goes as one message),
+        raising StreamFailed; a reader who leaves early (the handler is cancelled, or the
+        generator closed) aborts the request."""
         finished, first = False, True
         loop = asyncio.get_running_loop()
         sent_at = 0.0
         try:
             while not finished:
-                try:
-                    # the first message goes at once; the next ones stream_interval_s apart
-                    step = await stream.next_steps(0.0 if first else sent_at + self.stream_interval_s)
-                except StreamFailed as e:
-                    finished = True
-                    await abort_with(context, e)
+                # the first message goes at once; the next ones stream_interval_s apart
+                step = await stream.next_steps(0.0 if first else sent_at + self.stream_interval_s)
                 finished = step.finish_reason is not None
                 sent_at = loop.time()
                 yield convert.step_to_proto(step, first)
                 first = False
+        except StreamFailed:
+            finished = True  # the worker dropped it already
+            raise
         finally:
             if not finished:
                 worker.cancel(stream.request_id)

@@ -2,10 +2,13 @@
 
 Two paths (docs/architecture.md, "A request's path"):
 
-* local: ``Decode.Generate`` on the decode pod, relayed as it streams;
+* local: a Generate on the decode pod, relayed as it streams;
 * chain: ``Prefill.Prefill`` on the chain's rank 0 — its first event is the tail's first
   token, sent to the client at once (TTFT is the chain's), its second that the KV sits on
-  the decode pod — then ``Decode.Attach`` streams the tokens after the first.
+  the decode pod — then an Attach streams the tokens after the first.
+
+Generate and Attach go over the gateway's session with the pod (``Decode.Session``, one
+call per pod carrying every request, ``baton.gateway.decode_session``).
 
 When a pod fails the request (docs/architecture.md, "When a pod dies"), the client's stream
 goes on: a chain that fails it (a rank died, the KV never arrived) hands it to a decode pod
@@ -50,6 +53,7 @@ from baton.api.requests import (
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from baton.config import GatewayRoutingConfig, MtlsConfig
 from baton.errors import Unavailable
+from baton.gateway.decode_session import DecodeSession
 from baton.gateway.request_table import LiveRequest
 from baton.gateway.routing_policy import RouteDecision
 from baton.metrics import GatewayMetrics
@@ -98,6 +102,7 @@ class Channels:
     def __init__(self, mtls: Mtls | None = None) -> None:
         self.mtls = mtls or Mtls(MtlsConfig())
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sessions: dict[str, DecodeSession] = {}
         self._generation = self.mtls.generation()
         self._closing: set[asyncio.Task] = set()
 
@@ -108,7 +113,9 @@ class Channels:
                 task = asyncio.ensure_future(channel.close(grace=RETIRED_CHANNEL_GRACE_S))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            self._channels, self._generation = {}, generation
+            for session in self._sessions.values():
+                session.retire()
+            self._channels, self._sessions, self._generation = {}, {}, generation
         if address not in self._channels:
             self._channels[address] = self.mtls.channel(address, CHANNEL_OPTIONS, aio=True)
         return self._channels[address]
@@ -119,7 +126,19 @@ class Channels:
     def prefill(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         return prefill_pb2_grpc.PrefillStub(self._channel(address))
 
+    def session(self, address: str) -> DecodeSession:
+        """The decode pod's session, opened anew when the last one ended (the pod restarted,
+        or refused it while loading) or the certificates rotated."""
+        stub = self.decode(address)  # first: a rotation retires the sessions
+        session = self._sessions.get(address)
+        if session is None or session.ended:
+            session = self._sessions[address] = DecodeSession(stub)
+        return session
+
     async def close(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.close()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
@@ -248,7 +267,7 @@ class Relay:
                                        prompt_token_ids=prompt_ids + tuple(sent),
                                        sampling=sampling, compression=request.compression,
                                        generated_before=len(sent), incarnation=decode.incarnation)
-        call = self.channels.decode(decode.address).Generate(
+        call = self.channels.session(decode.address).generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)
         replayed = len(sent)
@@ -295,7 +314,7 @@ class Relay:
     async def _attach(self, live: LiveRequest, decision: RouteDecision, leg: ChainLeg
                       ) -> AsyncIterator[GenerationStep]:
         """The decode pod's part of a chain request: the tokens after the first."""
-        attach = self.channels.decode(decision.decode.address).Attach(
+        attach = self.channels.session(decision.decode.address).attach(
             decode_pb2.AttachRequest(request_id=live.request_id, wait_s=self.config.kv_wait_s,
                                      incarnation=decision.decode.incarnation))
         live.watch(attach)

@@ -65,3 +65,33 @@ class AttachRequest(_message.Message):
     wait_s: float
     incarnation: str
     def __init__(self, request_id: _Optional[str] = ..., wait_s: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class SessionCommand(_message.Message):
+    __slots__ = ("stream", "generate", "attach", "cancel")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    generate: DecodeGenerateRequest
+    attach: AttachRequest
+    cancel: bool
+    def __init__(self, stream: _Optional[int] = ..., generate: _Optional[_Union[DecodeGenerateRequest, _Mapping]] = ..., attach: _Optional[_Union[AttachRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class SessionStep(_message.Message):
+    __slots__ = ("stream", "step", "code", "message")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    step: _common_pb2.GenerateResponse
+    code: int
+    message: str
+    def __init__(self, stream: _Optional[int] = ..., step: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionSteps(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[SessionStep]
+    def __init__(self, steps: _Optional[_Iterable[_Union[SessionStep, _Mapping]]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class DecodeStub:
                 request_serializer=baton_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/baton.v1.Decode/Session',
+                request_serializer=baton_dot_v1_dot_decode__pb2.SessionCommand.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_decode__pb2.SessionSteps.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/baton.v1.Decode/Stats',
                 request_serializer=baton_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
@@ -93,6 +98,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many requests' streams over one call, as the gateway uses them: the caller opens
+        (Generate or Attach) and cancels requests by a number of its own; the pod answers with
+        the steps of every open request, those of one engine step in one message (a message per
+        token and request costs each side ~25 us of CPU). A request fails alone, with the status
+        its own call would have ended with; the call ending cancels every request still open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -121,6 +137,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=baton_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=baton_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=baton_dot_v1_dot_decode__pb2.SessionCommand.FromString,
+                    response_serializer=baton_dot_v1_dot_decode__pb2.SessionSteps.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -236,6 +257,33 @@ class Decode:
             '/baton.v1.Decode/Abort',
             baton_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             baton_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.Decode/Session',
+            baton_dot_v1_dot_decode__pb2.SessionCommand.SerializeToString,
+            baton_dot_v1_dot_decode__pb2.SessionSteps.FromString,
             options,
             channel_credentials,
             insecure,

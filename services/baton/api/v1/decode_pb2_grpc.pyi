@@ -41,6 +41,13 @@ class DecodeStub:
     Attach: _grpc.UnaryStreamMultiCallable[_decode_pb2.AttachRequest, _common_pb2.GenerateResponse]
     """Streams the tokens after the first of a request whose KV is (or will shortly be) pushed."""
     Abort: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]
+    Session: _grpc.StreamStreamMultiCallable[_decode_pb2.SessionCommand, _decode_pb2.SessionSteps]
+    """Many requests' streams over one call, as the gateway uses them: the caller opens
+    (Generate or Attach) and cancels requests by a number of its own; the pod answers with
+    the steps of every open request, those of one engine step in one message (a message per
+    token and request costs each side ~25 us of CPU). A request fails alone, with the status
+    its own call would have ended with; the call ending cancels every request still open.
+    """
     Stats: _grpc.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.WorkerLoad]
 
 @_typing.type_check_only
@@ -55,6 +62,13 @@ class DecodeAsyncStub(DecodeStub):
     Attach: _aio.UnaryStreamMultiCallable[_decode_pb2.AttachRequest, _common_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams the tokens after the first of a request whose KV is (or will shortly be) pushed."""
     Abort: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]  # type: ignore[assignment]
+    Session: _aio.StreamStreamMultiCallable[_decode_pb2.SessionCommand, _decode_pb2.SessionSteps]  # type: ignore[assignment]
+    """Many requests' streams over one call, as the gateway uses them: the caller opens
+    (Generate or Attach) and cancels requests by a number of its own; the pod answers with
+    the steps of every open request, those of one engine step in one message (a message per
+    token and request costs each side ~25 us of CPU). A request fails alone, with the status
+    its own call would have ended with; the call ending cancels every request still open.
+    """
     Stats: _aio.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.WorkerLoad]  # type: ignore[assignment]
 
 class DecodeServicer(metaclass=_abc_1.ABCMeta):
@@ -90,6 +104,19 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.AbortRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.AbortResponse, _abc.Awaitable[_common_pb2.AbortResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_decode_pb2.SessionCommand],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_decode_pb2.SessionSteps], _abc.AsyncIterator[_decode_pb2.SessionSteps]]:
+        """Many requests' streams over one call, as the gateway uses them: the caller opens
+        (Generate or Attach) and cancels requests by a number of its own; the pod answers with
+        the steps of every open request, those of one engine step in one message (a message per
+        token and request costs each side ~25 us of CPU). A request fails alone, with the status
+        its own call would have ended with; the call ending cancels every request still open.
+        """
 
     @_abc_1.abstractmethod
     def Stats(

@@ -1,0 +1,112 @@
+"""A gateway's ``Decode.Session`` call: many requests' streams over one call.
+
+The gateway opens requests on the session (Generate or Attach, each under a number of
+its own) and cancels them; every open request runs as a task that reads its
+``RequestStream`` exactly as its own Generate or Attach call would (same stream interval,
+same abort when it is cancelled) and drops each message into the session's outbox. The
+call sends the outbox whenever it has something: the tasks an engine step wakes all run
+before the call's writer does, so one step's tokens for every request leave as one
+message (per-token messages cost ~25 us of CPU on each side of the wire, which on a
+busy node is CPU the engine loses).
+
+A request that fails answers one ``SessionStep`` with the status its own call would
+have ended with; the others go on. The session ends when the caller's commands end and
+its requests have finished, when the pod drains and none is open, or when the call is
+cancelled (every open request is then cancelled, which frees its KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from baton.api import convert
+from baton.api.v1 import decode_pb2
+from baton.decode.streams import StreamFailed
+
+if TYPE_CHECKING:
+    from baton.decode.servicer import DecodeServicer
+    from baton.decode.worker import DecodeWorker
+
+log = logging.getLogger(__name__)
+
+
+class PodSession:
+    def __init__(self, servicer: DecodeServicer, worker: DecodeWorker) -> None:
+        self._servicer = servicer
+        self._worker = worker
+        self._outbox: list[decode_pb2.SessionStep] = []
+        self._ready = asyncio.Event()
+        self._tasks: dict[int, asyncio.Task] = {}
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    async def run(self, commands: AsyncIterator[decode_pb2.SessionCommand]
+                  ) -> AsyncIterator[decode_pb2.SessionSteps]:
+        """The call's messages: each holds every step taken since the last one."""
+        reader = asyncio.ensure_future(self._read(commands))
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._outbox:
+                    steps, self._outbox = self._outbox, []
+                    yield decode_pb2.SessionSteps(steps=steps)
+                elif not self._tasks and (reader.done() or self._servicer.draining):
+                    return
+        finally:
+            reader.cancel()
+            for task in list(self._tasks.values()):
+                task.cancel()
+
+    async def _read(self, commands: AsyncIterator[decode_pb2.SessionCommand]) -> None:
+        try:
+            async for command in commands:
+                self._take(command)
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass  # the call is over; run() ends with it
+        finally:
+            self._ready.set()
+
+    def _take(self, command: decode_pb2.SessionCommand) -> None:
+        number, kind = command.stream, command.WhichOneof("command")
+        if kind == "cancel":
+            task = self._tasks.get(number)
+            if task is not None:
+                task.cancel()
+        elif kind is None:
+            self._emit_failure(number, ValueError(
+                f"session command for stream {number} opens nothing (generate or attach) and "
+                f"cancels nothing"))
+        elif number in self._tasks:
+            self._emit_failure(number, ValueError(f"stream {number} is already open on this session"))
+        else:
+            request = command.generate if kind == "generate" else command.attach
+            self._tasks[number] = asyncio.ensure_future(self._serve(number, request))
+
+    async def _serve(self, number: int, request) -> None:
+        try:
+            stream = await self._servicer.open_stream(self._worker, request)
+            async for message in self._servicer.steps(self._worker, stream):
+                self._emit(decode_pb2.SessionStep(stream=number, step=message))
+        except Exception as e:  # noqa: BLE001 - it answers this request, the others go on
+            self._emit_failure(number, e)
+        finally:
+            self._tasks.pop(number, None)
+            self._ready.set()
+
+    def _emit(self, step: decode_pb2.SessionStep) -> None:
+        self._outbox.append(step)
+        self._ready.set()
+
+    def _emit_failure(self, number: int, error: BaseException) -> None:
+        code = convert.status_for(error)
+        if code is grpc.StatusCode.INTERNAL and not isinstance(error, StreamFailed):
+            log.error("internal error in a session's stream %d", number, exc_info=error)
+        self._emit(decode_pb2.SessionStep(stream=number, code=code.value[0],
+                                          message=str(error) or type(error).__name__))
