@@ -127,6 +127,15 @@ def test_requests_on_one_session_stream_the_engines_tokens_a_step_per_message(st
     assert len(session.messages) < carried / 2
 
 
+def test_a_session_whose_commands_end_first_ends_after_its_last_request(stub, reference):
+    session = Session(stub)
+    session.generate(1, "half-closed-1")
+    session.generate(2, "half-closed-2")
+    session.close()  # no more commands: the call ends once both requests have
+    assert not session.reader.is_alive() and session.error is None
+    assert session.tokens(1) == session.tokens(2) == reference
+
+
 def test_a_bad_request_fails_alone_with_the_status_of_its_own_call(stub, reference):
     session = Session(stub)
     session.generate(1, "bad-token", prompt=[1, 2, 300])

@@ -52,13 +52,14 @@ class PodSession:
         reader = asyncio.ensure_future(self._read(commands))
         try:
             while True:
-                await self._ready.wait()
-                self._ready.clear()
                 if self._outbox:
                     steps, self._outbox = self._outbox, []
                     yield decode_pb2.SessionSteps(steps=steps)
                 elif not self._tasks and (reader.done() or self._servicer.draining):
                     return
+                else:
+                    self._ready.clear()  # no await since the checks: a change sets it after
+                    await self._ready.wait()
         finally:
             reader.cancel()
             for task in list(self._tasks.values()):

@@ -66,16 +66,16 @@ class DecodeSession:
         self._commands.put_nowait(None)
         self._call.cancel()
 
-    # --- for SessionCall -------------------------------------------------------------------
+    # --- its requests (for SessionCall) ------------------------------------------------------
 
-    def _open(self, call: SessionCall) -> None:
+    def register(self, call: SessionCall) -> None:
         if self._error is not None:
             call.deliver(self._error)
             return
         self._calls[call.number] = call
         self._commands.put_nowait(call.command)
 
-    def _close(self, call: SessionCall, cancel: bool) -> None:
+    def unregister(self, call: SessionCall, cancel: bool) -> None:
         self._calls.pop(call.number, None)
         if cancel and self._error is None:
             self._commands.put_nowait(decode_pb2.SessionCommand(stream=call.number, cancel=True))
@@ -131,7 +131,7 @@ class SessionCall:
     async def _steps(self) -> AsyncIterator[common_pb2.GenerateResponse]:
         if self._cancelled:
             raise asyncio.CancelledError()
-        self.session._open(self)
+        self.session.register(self)
         over = False  # the pod holds nothing more for it
         try:
             while True:
@@ -149,4 +149,4 @@ class SessionCall:
                 if over:
                     return
         finally:
-            self.session._close(self, cancel=not over)
+            self.session.unregister(self, cancel=not over)
