@@ -26,6 +26,10 @@ from baton.routing import InMemoryStore
 from baton.sarathi.engine import Engine
 from commands.cli_checkpoint import save_cli_checkpoint
 
+# The prompt and length the decode tests' module-wide reference is generated for (conftest).
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 64, 128, 11, 200, 31]
+MAX_TOKENS = 12
+
 KV_BLOCK_SIZE = 4
 KV_NUM_BLOCKS = 384  # 3 layers x 128 blocks of 4 tokens: a 512-token sequence fits
 

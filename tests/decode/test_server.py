@@ -17,47 +17,15 @@ from baton.config import StreamConfig
 from baton.routing import InMemoryStore
 from baton.runahead.local import free_port
 from decode_servers import (
+    MAX_TOKENS,
+    PROMPT,
     collect,
     decode_stub,
-    make_checkpoint,
     prefilled_handoff,
     push,
-    reference_tokens,
     start_decode_server,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 64, 128, 11, 200, 31]
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("decode-model"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def store():
-    return InMemoryStore()
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, store):
-    server, _ = start_decode_server(checkpoint, store)
-    yield server
-    server.stop(0)
-
-
-@pytest.fixture
-def stub(server):
-    channel, stub = decode_stub(server.port)
-    yield stub
-    channel.close()
 
 
 def generate_request(request_id, prompt=PROMPT, **sampling):

@@ -13,43 +13,9 @@ import grpc
 import pytest
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.gateway.decode_session import DecodeSession
-from baton.routing import InMemoryStore
-from decode_servers import (
-    decode_stub,
-    make_checkpoint,
-    prefilled_handoff,
-    push,
-    reference_tokens,
-    start_decode_server,
-)
+from decode_servers import MAX_TOKENS, PROMPT, prefilled_handoff, push
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 64, 128, 11, 200, 31]
-MAX_TOKENS = 12
 UNSET = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("session-model"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    return reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    server, _ = start_decode_server(checkpoint, InMemoryStore())
-    yield server
-    server.stop(0)
-
-
-@pytest.fixture
-def stub(server):
-    channel, stub = decode_stub(server.port)
-    yield stub
-    channel.close()
 
 
 class Session:
