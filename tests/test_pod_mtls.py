@@ -101,6 +101,11 @@ def test_only_prefill_ranks_push_kv_and_only_gateways_attach(server, checkpoint,
         with pytest.raises(grpc.RpcError) as error:  # a prefill rank cannot read the tokens
             collect(as_prefill.Attach(decode_pb2.AttachRequest(request_id="injected"), timeout=10))
         assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as error:  # nor through a session
+            list(as_prefill.Session(iter([decode_pb2.SessionCommand(
+                stream=1, attach=decode_pb2.AttachRequest(request_id="injected"))]), timeout=10))
+        assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "Session" in error.value.details()
     channel, as_gateway = stub(server, roles["gateway"])
     with channel:
         tokens, _ = collect(as_gateway.Attach(decode_pb2.AttachRequest(request_id="injected"),
