@@ -113,6 +113,8 @@ class SessionCall:
         self.session = session
         self.command = command
         self.number = command.stream
+        # Unbounded, but a request's steps are at most its max_tokens: a client that reads
+        # slowly holds its own steps here, and one that stops is cut off by its door.
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancelled = False
 
