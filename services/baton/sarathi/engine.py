@@ -166,8 +166,9 @@ class Engine:
         # One call for every greedy row of the step, in numpy: ~17 µs for 64 x 4096 logits
         # against ~130 µs for torch's CPU argmax, with the same rule (the first maximum).
         greedy = logits.numpy().argmax(axis=1).tolist()
-        for seq, row, best in zip(sampling, logits, greedy):
-            token = best if seq.params.greedy else seq.sampler.sample(row, seq.num_generated)
+        for index, (seq, best) in enumerate(zip(sampling, greedy)):
+            # a row's tensor only for a sampler (a view per row costs ~1.5 µs at batch 64)
+            token = best if seq.params.greedy else seq.sampler.sample(logits[index], seq.num_generated)
             self._accept_token(seq, token, outputs)
         for seq in plan.decodes:
             if seq.compressor is not None and seq.status is Status.RUNNING:
