@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -192,3 +195,36 @@ async def _gateway_end(port: int, server, reference) -> None:
 
 def test_the_gateways_session_calls_read_like_per_request_calls(server, reference):
     asyncio.run(_gateway_end(server.port, server, reference))
+
+
+# A gateway that holds a session open and then stops answering (its node gone, the process
+# stopped): the pod's pings go unanswered, and the call and what it holds end within seconds.
+_FROZEN_GATEWAY = """
+import sys, time, grpc
+from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+channel = grpc.insecure_channel(sys.argv[1])
+command = decode_pb2.SessionCommand(stream=1, generate=decode_pb2.DecodeGenerateRequest(
+    request_id="frozen", prompt_token_ids=[5, 17, 99], sampling=common_pb2.SamplingParams(
+        temperature=0.0, max_tokens=8)))
+def commands():
+    yield command
+    time.sleep(3600)
+call = decode_pb2_grpc.DecodeStub(channel).Session(commands())
+next(call)
+print("streaming", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_session_whose_gateway_stops_answering_is_ended_by_the_pods_pings(server):
+    wait_until(lambda: not server.servicer.sessions)
+    gateway = subprocess.Popen([sys.executable, "-c", _FROZEN_GATEWAY, f"127.0.0.1:{server.port}"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert gateway.stdout.readline().strip() == "streaming"
+        assert len(server.servicer.sessions) == 1
+        gateway.send_signal(signal.SIGSTOP)  # alive to TCP, deaf to pings
+        wait_until(lambda: not server.servicer.sessions, timeout_s=15)
+    finally:
+        gateway.kill()
+        gateway.wait()

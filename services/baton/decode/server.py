@@ -43,7 +43,8 @@ class DecodeServer:
         self.servicer = DecodeServicer(config.kv.max_pending_pushes, self.mtls,
                                        config.stream.interval_ms / 1000)
         self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME],
-                                    self.mtls.server_credentials() if self.mtls.enabled else None)
+                                    self.mtls.server_credentials() if self.mtls.enabled else None,
+                                    ping_callers=True)
         self.port, self.address = self.grpc.port, self.grpc.address
         self.incarnation = new_incarnation()
         self._stop_metrics = serve_metrics(config.server.metrics_host, config.server.metrics_port,

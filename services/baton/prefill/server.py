@@ -97,7 +97,8 @@ class PrefillServer:
                                         self.metrics, self.config.chain.timeout_s,
                                         self.config.server.max_queued_requests, self.mtls)
         self.grpc = AsyncGrpcServer(self.config.server, self._register, [SERVICE_NAME],
-                                    self.mtls.server_credentials() if self.mtls.enabled else None)
+                                    self.mtls.server_credentials() if self.mtls.enabled else None,
+                                    ping_callers=True)
         self.port, self.address = self.grpc.port, self.grpc.address
 
     def _ready(self) -> bool:
