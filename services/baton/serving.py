@@ -47,19 +47,15 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 # wedged, a half-open connection) fails its calls with UNAVAILABLE within ~KEEPALIVE_S * 2
 # instead of holding them forever, so the gateway can move them elsewhere.
 KEEPALIVE_S = 2
-CHANNEL_OPTIONS = [*GRPC_OPTIONS,
-                   ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
-                   ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
-                   ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),  # else 60 s, whatever the above
-                   ("grpc.http2.max_pings_without_data", 0)]
-# Servers whose callers are other pods ping them the same way: a caller that vanished
-# without closing its connection (its node lost, its process stopped) has its calls
-# cancelled within ~KEEPALIVE_S * 2, and what they held is freed (a gateway's session on a
-# decode pod carries every request it streams there).
-PINGING_SERVER_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
-                          ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
-                          ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),
-                          ("grpc.http2.max_pings_without_data", 0)]
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+                     ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
+                     ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),  # else 60 s, whatever the above
+                     ("grpc.http2.max_pings_without_data", 0)]
+CHANNEL_OPTIONS = [*GRPC_OPTIONS, *KEEPALIVE_OPTIONS]
+# Servers whose callers are other pods ping them the same way (``ping_callers``): a caller
+# that vanished without closing its connection (its node lost, its process stopped) has its
+# calls cancelled within ~KEEPALIVE_S * 2, and what they held is freed (a gateway's session
+# on a decode pod carries every request it streams there).
 
 
 def new_incarnation() -> str:
@@ -126,8 +122,8 @@ class AsyncGrpcServer(_Binding):
     def __init__(self, config: ServerConfig, register: Callable[[grpc.aio.Server], None],
                  service_names: list[str], credentials: grpc.ServerCredentials | None = None,
                  ping_callers: bool = False) -> None:
-        """``ping_callers``: keepalive pings to callers (``PINGING_SERVER_OPTIONS``), for a
-        server whose callers are pods, not clients on networks of their own."""
+        """``ping_callers``: keepalive pings to callers (``KEEPALIVE_OPTIONS``), for a server
+        whose callers are pods, not clients on networks of their own."""
         self.config = config
         self.ping_callers = ping_callers
         self.service_names = service_names
@@ -156,9 +152,8 @@ class AsyncGrpcServer(_Binding):
         limits = [("grpc.server.max_pending_requests", self.config.max_streams),
                   ("grpc.server.max_pending_requests_hard_limit", self.config.max_streams),
                   ("grpc.max_receive_message_length", self.config.max_message_mib << 20)]
-        if self.ping_callers:
-            limits += PINGING_SERVER_OPTIONS
-        options = [option for option in GRPC_OPTIONS if option[0] not in dict(limits)] + limits
+        own = limits + (KEEPALIVE_OPTIONS if self.ping_callers else [])
+        options = [option for option in GRPC_OPTIONS if option[0] not in dict(own)] + own
         self.server = grpc.aio.server(options=options,
                                       maximum_concurrent_rpcs=self.config.max_streams)
         register(self.server)

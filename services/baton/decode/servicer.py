@@ -12,7 +12,6 @@ sends can stop the server.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import AsyncIterator, Iterable
 
@@ -21,6 +20,7 @@ import grpc
 from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
+from baton.decode.answers import failure_answer
 from baton.decode.receiver import Incarnation, receive_cache
 from baton.decode.session import PodSession
 from baton.decode.streams import RequestStream, StreamFailed
@@ -29,17 +29,12 @@ from baton.errors import PermissionDenied, Unavailable, check_incarnation
 from baton.kv.wire import KVSpec
 from baton.mtls import Mtls, require_role
 
-log = logging.getLogger(__name__)
-
 DEFAULT_ATTACH_WAIT_S = 60.0  # an Attach that names no wait_s waits this long for the push
 MAX_ATTACH_WAIT_S = 600.0  # and none waits longer
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the error's status (raises, as ``context.abort`` does)."""
-    code = convert.status_for(error)
-    if code is grpc.StatusCode.INTERNAL and not isinstance(error, StreamFailed):
-        log.error("internal error in a decode call", exc_info=error)
-    await context.abort(code, str(error) or type(error).__name__)
+    await context.abort(*failure_answer(error))
 
 
 def attach_wait_s(wait_s: float) -> float:

@@ -18,21 +18,17 @@ cancelled (every open request is then cancelled, which frees its KV).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
 
-from baton.api import convert
 from baton.api.v1 import decode_pb2
-from baton.decode.streams import StreamFailed
+from baton.decode.answers import failure_answer
 
 if TYPE_CHECKING:
     from baton.decode.servicer import DecodeServicer
     from baton.decode.worker import DecodeWorker
-
-log = logging.getLogger(__name__)
 
 
 class PodSession:
@@ -106,8 +102,5 @@ class PodSession:
         self._ready.set()
 
     def _emit_failure(self, number: int, error: BaseException) -> None:
-        code = convert.status_for(error)
-        if code is grpc.StatusCode.INTERNAL and not isinstance(error, StreamFailed):
-            log.error("internal error in a session's stream %d", number, exc_info=error)
-        self._emit(decode_pb2.SessionStep(stream=number, code=code.value[0],
-                                          message=str(error) or type(error).__name__))
+        code, message = failure_answer(error)
+        self._emit(decode_pb2.SessionStep(stream=number, code=code.value[0], message=message))
