@@ -27,7 +27,8 @@ namespace {
 
 using namespace baton_cpu;
 
-constexpr int kRowBlock = 4;      // query rows per register tile
+constexpr int kScoreRows = 4;     // query rows of a score tile (4 rows x 4 key tiles)
+constexpr int kRowBlock = 8;      // query rows are padded to a multiple of every tile's rows
 constexpr int kTargetRows = 64;   // query rows (query tokens x grouped heads) per work item
 
 // --- One sequence's attention -----------------------------------------------------------
@@ -38,6 +39,10 @@ struct Causal {
   static constexpr int kDepth = Type::kDepth;
   static constexpr int kSteps = D / kDepth;      // depth steps of a score product
   static constexpr int kDimTiles = D / kTile;    // 16-dim registers of an output row
+  static constexpr int kBlockTiles = kKeyBlock / kTile;  // 16-key tiles of a softmax block
+  static constexpr int kProbWords = kKeyBlock / kDepth;  // a row's probabilities of a block
+  // rows of a value-product tile: 16 accumulators (32 dims: 8 rows; 128 dims: 2)
+  static constexpr int kValueRows = 16 / kDimTiles;
 
   const Scalar* q;
   const Scalar* k;
@@ -77,8 +82,8 @@ struct Causal {
     const int64_t rows = count * G;
     const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
     std::vector<uint32_t> query(padded_rows * kSteps);
-    std::vector<float> scores(padded_rows * kKeyBlock), acc(padded_rows * D, 0.0f);
-    std::vector<uint32_t> probs(padded_rows * (kKeyBlock / kDepth));
+    std::vector<float> acc(padded_rows * D, 0.0f);
+    std::vector<uint32_t> probs(padded_rows * kProbWords);
     std::vector<float> row_max(padded_rows, -std::numeric_limits<float>::infinity());
     std::vector<float> row_sum(padded_rows, 0.0f);
     std::vector<int64_t> limit(padded_rows);  // last visible key of each row
@@ -92,74 +97,93 @@ struct Causal {
     const uint32_t* kp = keys.data() + head * key_tiles * kSteps * kTile;
     const uint32_t* vp = values.data() + head * (key_pad / kDepth) * D;
     const int64_t first_limit = S - T + t0, last_limit = S - T + t0 + count - 1;
-    const __m512 scale_v = _mm512_set1_ps(scale);
+    // Scores in base 2: exp(x * scale) = 2^(x * scale * log2 e).
+    const __m512 scale_v = _mm512_set1_ps(scale * 1.44269504088896341f);
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t start = 0; start <= last_limit; start += kKeyBlock) {
       const bool masked = start + kKeyBlock - 1 > first_limit;
       const int64_t tile0 = start / kTile;
-      const int tiles = static_cast<int>(std::min<int64_t>(kKeyBlock / kTile, key_tiles - tile0));
-      // scores = q . k for 4 rows x 4 tiles of keys at a time
-      for (int64_t r0 = 0; r0 < padded_rows; r0 += kRowBlock) {
-        __m512 s[kRowBlock][4];
-        for (int i = 0; i < kRowBlock; ++i)
-          for (int j = 0; j < 4; ++j) s[i][j] = _mm512_setzero_ps();
+      // scores = q . k for 4 rows x the block's 4 tiles of keys, then each row's online
+      // softmax while its scores are still in registers
+      for (int64_t r0 = 0; r0 < padded_rows; r0 += kScoreRows) {
+        // s stays in registers only if every loop over it unrolls completely; the softmax
+        // below reads its copy in `tile` (a loop with branches per row)
+        __m512 s[kScoreRows][kBlockTiles];
+#pragma GCC unroll 4
+        for (int i = 0; i < kScoreRows; ++i)
+#pragma GCC unroll 4
+          for (int j = 0; j < kBlockTiles; ++j) s[i][j] = _mm512_setzero_ps();
         const uint32_t* qr = query.data() + r0 * kSteps;
         for (int step = 0; step < kSteps; ++step) {
-          for (int j = 0; j < tiles; ++j) {
+#pragma GCC unroll 4
+          for (int j = 0; j < kBlockTiles; ++j) {
             const uint32_t* kt = kp + ((tile0 + j) * kSteps + step) * kTile;
-            for (int i = 0; i < kRowBlock; ++i) s[i][j] = Type::madd(s[i][j], qr[i * kSteps + step], kt);
+#pragma GCC unroll 4
+            for (int i = 0; i < kScoreRows; ++i) s[i][j] = Type::madd(s[i][j], qr[i * kSteps + step], kt);
           }
         }
-        for (int i = 0; i < kRowBlock; ++i)
-          for (int j = 0; j < 4; ++j)
-            _mm512_storeu_ps(scores.data() + (r0 + i) * kKeyBlock + j * kTile,
-                             j < tiles ? _mm512_mul_ps(s[i][j], scale_v)
-                                       : _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+        __m512 tile[kScoreRows][kBlockTiles];
+#pragma GCC unroll 4
+        for (int i = 0; i < kScoreRows; ++i)
+#pragma GCC unroll 4
+          for (int j = 0; j < kBlockTiles; ++j) tile[i][j] = _mm512_mul_ps(s[i][j], scale_v);
+        for (int i = 0; i < kScoreRows; ++i) {
+          const int64_t r = r0 + i;
+          __m512 x[kBlockTiles];
+          for (int j = 0; j < kBlockTiles; ++j) x[j] = tile[i][j];
+          if (masked) {  // keys past the row's last visible one (and past S) get -inf
+            const __m512i visible = _mm512_set1_epi32(static_cast<int>(
+                std::clamp<int64_t>(limit[r] - start + 1, 0, kKeyBlock)));
+            for (int j = 0; j < kBlockTiles; ++j) {
+              const __mmask16 hidden = _mm512_cmpge_epi32_mask(
+                  _mm512_add_epi32(lane, _mm512_set1_epi32(j * kTile)), visible);
+              x[j] = _mm512_mask_blend_ps(hidden, x[j], neg_inf);
+            }
+          }
+          __m512 m = x[0];
+          for (int j = 1; j < kBlockTiles; ++j) m = _mm512_max_ps(m, x[j]);
+          const float block_max = _mm512_reduce_max_ps(m);
+          // The row's reference point moves when a block's maximum passes it by more than
+          // the type's kRescaleSlack (base 2); most blocks then skip rescaling the row's sum
+          // and accumulator.
+          if (block_max > row_max[r] + Type::kRescaleSlack) {
+            if (row_max[r] != -std::numeric_limits<float>::infinity()) {
+              const float correction = std::exp2(row_max[r] - block_max);
+              row_sum[r] *= correction;
+              float* ar = acc.data() + r * D;
+              const __m512 c = _mm512_set1_ps(correction);
+              for (int d = 0; d < kDimTiles; ++d)
+                _mm512_storeu_ps(ar + d * kTile, _mm512_mul_ps(_mm512_loadu_ps(ar + d * kTile), c));
+            }
+            row_max[r] = block_max;
+          }
+          const __m512 max_v = _mm512_set1_ps(row_max[r]);
+          __m512 total = _mm512_setzero_ps();
+          for (int j = 0; j < kBlockTiles; ++j) {
+            x[j] = exp2_bounded(_mm512_sub_ps(x[j], max_v));
+            total = _mm512_add_ps(total, x[j]);
+          }
+          row_sum[r] += _mm512_reduce_add_ps(total);
+          Type::store_probabilities(x, probs.data() + r * kProbWords);
+        }
       }
-      // online softmax per row
-      for (int64_t r = 0; r < padded_rows; ++r) {
-        float* sr = scores.data() + r * kKeyBlock;
-        if (masked) {
-          const int64_t visible = limit[r] - start + 1;  // keys [0, visible) of the block
-          for (int64_t j = std::max<int64_t>(visible, 0); j < kKeyBlock; ++j)
-            sr[j] = -std::numeric_limits<float>::infinity();
-        }
-        __m512 m = _mm512_loadu_ps(sr);
-        for (int j = 1; j < kKeyBlock / kTile; ++j) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + j * kTile));
-        const float block_max = _mm512_reduce_max_ps(m);
-        const float new_max = std::max(row_max[r], block_max);
-        const __m512 max_v = _mm512_set1_ps(new_max);
-        __m512 total = _mm512_setzero_ps();
-        for (int j = 0; j < kKeyBlock / kTile; ++j) {
-          __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + j * kTile), max_v));
-          _mm512_storeu_ps(sr + j * kTile, p);
-          total = _mm512_add_ps(total, p);
-        }
-        const float correction = std::exp(row_max[r] - new_max);  // 0 on the first block
-        row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(total);
-        row_max[r] = new_max;
-        if (correction != 1.0f) {
-          float* ar = acc.data() + r * D;
-          const __m512 c = _mm512_set1_ps(correction);
-          for (int d = 0; d < kDimTiles; ++d)
-            _mm512_storeu_ps(ar + d * kTile, _mm512_mul_ps(_mm512_loadu_ps(ar + d * kTile), c));
-        }
-        Type::store_probabilities(sr, probs.data() + r * (kKeyBlock / kDepth));
-      }
-      // acc += p . v for 4 rows at a time, all dims
+      // acc += p . v for kValueRows rows at a time, all dims
       const uint32_t* vb = vp + (start / kDepth) * D;
-      const int groups = tiles * kTile / kDepth;
-      for (int64_t r0 = 0; r0 < padded_rows; r0 += kRowBlock) {
-        __m512 o[kRowBlock][kDimTiles];
-        for (int i = 0; i < kRowBlock; ++i)
+      // keys past the item's last visible one have probability 0 in every row
+      const int groups = static_cast<int>((std::min<int64_t>(kKeyBlock, last_limit - start + 1) + kDepth - 1) / kDepth);
+      for (int64_t r0 = 0; r0 < padded_rows; r0 += kValueRows) {
+        __m512 o[kValueRows][kDimTiles];
+        for (int i = 0; i < kValueRows; ++i)
           for (int d = 0; d < kDimTiles; ++d) o[i][d] = _mm512_loadu_ps(acc.data() + (r0 + i) * D + d * kTile);
-        const uint32_t* pr = probs.data() + r0 * (kKeyBlock / kDepth);
+        const uint32_t* pr = probs.data() + r0 * kProbWords;
         for (int g = 0; g < groups; ++g) {
           for (int d = 0; d < kDimTiles; ++d) {
             const uint32_t* vt = vb + g * D + d * kTile;
-            for (int i = 0; i < kRowBlock; ++i) o[i][d] = Type::madd(o[i][d], pr[i * (kKeyBlock / kDepth) + g], vt);
+            for (int i = 0; i < kValueRows; ++i) o[i][d] = Type::madd(o[i][d], pr[i * kProbWords + g], vt);
           }
         }
-        for (int i = 0; i < kRowBlock; ++i)
+        for (int i = 0; i < kValueRows; ++i)
           for (int d = 0; d < kDimTiles; ++d) _mm512_storeu_ps(acc.data() + (r0 + i) * D + d * kTile, o[i][d]);
       }
     }
@@ -172,7 +196,7 @@ struct Causal {
   }
 
   void run() {
-    key_tiles = (S + kTile - 1) / kTile;
+    key_tiles = (S + kKeyBlock - 1) / kKeyBlock * kBlockTiles;
     key_pad = key_tiles * kTile;
     keys.assign(Hkv * key_tiles * kSteps * kTile, 0);
     values.assign(Hkv * (key_pad / kDepth) * D, 0);
