@@ -100,6 +100,26 @@ def test_attend_takes_the_kernel_for_prompts_and_prefix_slices(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
+def test_reads_strided_rows_of_a_fused_projection_in_place(dtype):
+    """q, k and v as views of one [T, (H + 2 Hkv) D] projection (rows strided): the same
+    result as contiguous copies, and no copy made on the way in."""
+    generator = torch.Generator().manual_seed(5)
+    fused = torch.randn(70, (8 + 2 + 2) * 32, generator=generator).to(dtype)
+    q = fused[:, :256].view(70, 8, 32)
+    k = fused[:, 256:320].view(70, 2, 32)
+    v = fused[:, 320:].view(70, 2, 32)
+    assert not q.is_contiguous() and cpu_kernels.token_rows(q) is q
+    out = kernel.causal_attention(q, k, v)
+    assert torch.equal(out, kernel.causal_attention(q.contiguous(), k.contiguous(), v.contiguous()))
+    heads_apart = torch.randn(8, 70, 32).to(dtype).transpose(0, 1)  # a token's heads not side by side
+    with pytest.raises(RuntimeError, match="side by side"):
+        kernel.causal_attention(heads_apart, k, v)
+    assert torch.equal(kernel.causal_attention(cpu_kernels.token_rows(heads_apart), k, v),
+                       kernel.causal_attention(heads_apart.contiguous(), k, v))
+
+
+@needs_kernel
 def test_bad_inputs_are_refused_with_the_value():
     q, k, v = random_qkv(4, 8, 8, 2, 32, torch.float32, seed=2)
     with pytest.raises(RuntimeError, match="fewer keys"):

@@ -92,6 +92,14 @@ def causal_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
             and not wants_gradient(q, k) and kernels() is not None)
 
 
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [len, heads, dim] as the prompt kernel reads it: each token's heads side by side,
+    rows at any stride (a view of a fused q/k/v projection needs no copy); a copy otherwise."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]:
+        return x
+    return x.contiguous()
+
+
 def paged_decode_fits(dtype: torch.dtype, device: torch.device, head_dim: int, num_heads: int,
                       num_kv_heads: int) -> bool:
     """Can the decode kernel read a paged cache of this model shape where it lies?"""

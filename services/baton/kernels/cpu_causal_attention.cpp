@@ -6,7 +6,8 @@
 // with fp32 accumulation, or fp32 FMA), with keys and values re-laid out once per call so
 // that every inner loop is a broadcast and a load of 16 lanes.
 //
-// Semantics: q [T, H, D], k/v [S, Hkv, D] (contiguous, same dtype), S >= T, the last T keys
+// Semantics: q [T, H, D], k/v [S, Hkv, D] (same dtype; each token's heads side by side, the
+// rows may be strided, as views of one fused projection are), S >= T, the last T keys
 // being the queries' own tokens: query t sees keys 0 .. S - T + t (bottom-right causal, as
 // for a whole prompt or a chunk over its cached prefix). GQA: query head h reads KV head
 // h / (H / Hkv). Softmax in fp32 (online, per block of keys); in bf16 the probabilities are
@@ -49,6 +50,7 @@ struct Causal {
   const Scalar* v;
   Scalar* out;
   int64_t T, S, H, Hkv, G;
+  int64_t q_row, k_row, v_row;  // elements from one token's row to the next
   float scale;
   int64_t key_tiles, key_pad;
   std::vector<uint32_t> keys, values;  // re-laid out, per KV head (see the types above)
@@ -59,7 +61,7 @@ struct Causal {
     for (int64_t tile = 0; tile < key_tiles; ++tile) {
       for (int64_t j = 0; j < kTile; ++j) {
         int64_t key = tile * kTile + j;
-        const Scalar* row = key < S ? k + (key * Hkv + head) * D : nullptr;
+        const Scalar* row = key < S ? k + key * k_row + head * D : nullptr;
         for (int step = 0; step < kSteps; ++step)
           kp[(tile * kSteps + step) * kTile + j] = row ? Type::word(row + step * kDepth) : Type::zero_word();
       }
@@ -69,7 +71,7 @@ struct Causal {
         Scalar lanes[kDepth];
         for (int i = 0; i < kDepth; ++i) {
           int64_t key = group * kDepth + i;
-          lanes[i] = key < S ? v[(key * Hkv + head) * D + d] : Scalar(0);
+          lanes[i] = key < S ? v[key * v_row + head * D + d] : Scalar(0);
         }
         vp[group * D + d] = Type::word(lanes);
       }
@@ -90,7 +92,7 @@ struct Causal {
     for (int64_t r = 0; r < padded_rows; ++r) {
       int64_t rr = std::min(r, rows - 1);  // padding rows repeat the last one
       int64_t t = t0 + rr / G, h = head * G + rr % G;
-      const Scalar* row = q + (t * H + h) * D;
+      const Scalar* row = q + t * q_row + h * D;
       for (int step = 0; step < kSteps; ++step) query[r * kSteps + step] = Type::word(row + step * kDepth);
       limit[r] = S - T + t;
     }
@@ -226,7 +228,12 @@ struct Causal {
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [len, heads, dim]");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
+  // Rows may be strided (q, k and v as views of one fused projection): each token's heads
+  // must lie side by side.
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) && x->stride(0) >= x->size(1) * x->size(2),
+                "q, k, v must hold each token's heads side by side ([len, heads, dim] with dim and "
+                "heads contiguous; rows may be strided)");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "q, k, v must share a dtype");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
@@ -241,6 +248,9 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
     job.k = k.data_ptr<Scalar>();
     job.v = v.data_ptr<Scalar>();
     job.out = out.data_ptr<Scalar>();
+    job.q_row = q.stride(0);
+    job.k_row = k.stride(0);
+    job.v_row = v.stride(0);
     job.T = q.size(0);
     job.H = q.size(1);
     job.S = k.size(0);

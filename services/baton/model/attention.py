@@ -39,8 +39,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
             and (num_queries == num_keys or _prefix_then_own(query_positions, key_positions))):
         # A whole prompt, or a slice over a prefix it sees whole: our CPU kernel (1.7-4x
         # torch's fused kernel on small heads, docs/runtime.md).
-        return cpu_kernels.kernels().causal_attention(q.contiguous(), k.contiguous(),
-                                                        v.contiguous())
+        return cpu_kernels.kernels().causal_attention(
+            cpu_kernels.token_rows(q), cpu_kernels.token_rows(k), cpu_kernels.token_rows(v))
     if num_queries != num_keys and num_queries <= MAX_GROUPED_QUERIES:
         # One new token sees every cached key (they all come before it): no mask to build.
         sees_all = num_queries == 1 and not window_matters
