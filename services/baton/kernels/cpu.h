@@ -10,19 +10,9 @@
 
 namespace baton_cpu {
 
-// exp(x) for x <= 0 (softmax after subtracting the row maximum): Cody-Waite reduction to
-// r in [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), and
-// the power of two applied with scalef. Inputs below -104 give 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  // Keeps -inf (a masked key) out of the reduction; exp(-110) scales by 2^-159, exactly 0.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+// exp(r) for |r| <= ln2/2 times 2^n: a degree-7 Taylor polynomial (relative error < 1e-8
+// there), and the power of two applied with scalef (2^-150 and below give 0).
+inline __m512 exp_reduced(__m512 r, __m512 n) {
   __m512 p = _mm512_set1_ps(1.0f / 5040);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
@@ -34,23 +24,28 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the row maximum): Cody-Waite reduction to
+// r in [-ln2/2, ln2/2], then exp_reduced. Inputs below -104 give 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  // Keeps -inf (a masked key) out of the reduction; exp(-110) scales by 2^-159, exactly 0.
+  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  return exp_reduced(r, n);
+}
+
 // 2^x for x up to a few units above 0 (the prompt kernel's softmax, in base 2, whose reference
 // point may trail a row's maximum by the type's kRescaleSlack): x = n + f with n an integer
-// and |f| <= 1/2, 2^f = exp(f ln 2) by the same degree-7 Taylor polynomial, and the power of
-// two applied with scalef. Inputs below -160 give 0.
+// and |f| <= 1/2, 2^f = exp(f ln 2) by exp_reduced. Inputs below -160 give 0.
 inline __m512 exp2_bounded(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));  // keeps -inf (a masked key) out
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return exp_reduced(_mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945309f)), n);
 }
 
 // 16 values of a row as fp32, and back (bf16: round to nearest even, as torch's conversion).
