@@ -4,7 +4,10 @@
 // bf16 or fp32 alike, and was ~60% of a bf16 prefill iteration on the shipped model.
 // Here the score and value products run on the CPU's dot-product instructions (bf16 pairs
 // with fp32 accumulation, or fp32 FMA), with keys and values re-laid out once per call so
-// that every inner loop is a broadcast and a load of 16 lanes.
+// that every inner loop is a broadcast and a load of 16 lanes. The scores of 4 query rows
+// and a 64-key block stay in 16 registers, and each row's online softmax runs on them: the
+// loops over a register tile must unroll completely, or GCC keeps the tile on the stack and
+// stores it at every step (which once cost this kernel half its speed).
 //
 // Semantics: q [T, H, D], k/v [S, Hkv, D] (same dtype; each token's heads side by side, the
 // rows may be strided, as views of one fused projection are), S >= T, the last T keys
@@ -44,6 +47,8 @@ struct Causal {
   static constexpr int kProbWords = kKeyBlock / kDepth;  // a row's probabilities of a block
   // rows of a value-product tile: 16 accumulators (32 dims: 8 rows; 128 dims: 2)
   static constexpr int kValueRows = 16 / kDimTiles;
+  static_assert(kRowBlock % kScoreRows == 0 && kRowBlock % kValueRows == 0,
+                "padded rows must fill whole score and value tiles");
 
   const Scalar* q;
   const Scalar* k;
