@@ -37,8 +37,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
     window_matters = sliding_window is not None and num_keys > sliding_window
     if (not window_matters and cpu_kernels.causal_attention_fits(q, k)
             and (num_queries == num_keys or _prefix_then_own(query_positions, key_positions))):
-        # A whole prompt, or a slice over a prefix it sees whole: our CPU kernel (1.7-4x
-        # torch's fused kernel on small heads, docs/runtime.md).
+        # A whole prompt, or a slice over a prefix it sees whole: our CPU kernel (several
+        # times torch's fused kernel on small heads, docs/runtime.md), reading q, k and v in
+        # place when they are views of the fused projection.
         return cpu_kernels.kernels().causal_attention(
             cpu_kernels.token_rows(q), cpu_kernels.token_rows(k), cpu_kernels.token_rows(v))
     if num_queries != num_keys and num_queries <= MAX_GROUPED_QUERIES:
