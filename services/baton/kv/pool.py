@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.errors import ResourceExhausted
+from baton.host_memory import huge_page_zeros
 from baton.host_to_device import to_device
 from baton.kv.decode_step import (
     GROUP_OVERHEAD_BYTES,
@@ -62,14 +63,21 @@ class KVPool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = self._zeros(shape, dtype, device)
+        self.v_cache = self._zeros(shape, dtype, device)
         self.positions = torch.zeros((num_blocks, block_size), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[str, list[_LayerTable]] = {}
         # The last ungrouped decode batch's block tables (see BatchTables); dropped whenever
         # blocks are taken from a sequence, which appending alone never does.
         self._batch: BatchTables | None = None
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """The cache's storage: on a CPU in huge pages (decode reads its blocks at random)."""
+        if torch.device(device).type == "cpu":
+            return huge_page_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     # --- accounting ------------------------------------------------------------------------
 

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from baton.host_memory import keep_freed_memory
 from baton.host_to_device import to_device
 from baton.kernels import cpu as cpu_kernels
 from baton.kv.decode_step import DecodeGroup, DecodeStep
 from baton.kv.pool import PagedSequenceKV
 from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
 from baton.model.config import ModelConfig
-from baton.model.host_memory import keep_freed_memory
 from baton.model.linear import Linear, WeightPack, project
 from baton.model.rope import RotaryEmbedding, apply_rotary
 
