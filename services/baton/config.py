@@ -238,6 +238,8 @@ class GatewayRoutingConfig:
                                  "fail = UNAVAILABLE", choices=CHAIN_FAILURE_POLICIES)
     reroute_wait_s: float = setting(30.0, "how long a request that lost its pod, or finds none live, waits "
                                     "for a live decode pod (e.g. the restarted one) before it fails")
+    stall_s: float = setting(30.0, "a streaming client (gRPC or HTTP) that reads nothing for this long "
+                             "while its next message waits to be sent is cut off and its request aborted")
 
     def __post_init__(self) -> None:
         require(self.migration_limit >= 0, f"gateway migration_limit must be >= 0, got {self.migration_limit}")
@@ -252,6 +254,8 @@ class GatewayRoutingConfig:
         require(self.policy in GATEWAY_POLICIES,
                 f"gateway policy {self.policy!r} is not one of {GATEWAY_POLICIES}")
         require(self.kv_wait_s > 0, f"gateway kv_wait_s must be > 0, got {self.kv_wait_s}")
+        require(math.isfinite(self.stall_s) and self.stall_s > 0,
+                f"gateway stall_s must be a number > 0, got {self.stall_s}")
 
 
 @dataclass
@@ -299,14 +303,10 @@ class HttpConfig:
     host: str = setting("127.0.0.1", "address the HTTP API binds (0.0.0.0 in a pod)")
     port: int = setting(8000, "port of the OpenAI-compatible HTTP API (/v1/completions, "
                         "/v1/chat/completions, /v1/models, /health, /metrics); 0 = off")
-    stall_s: float = setting(30.0, "a streaming client that reads nothing for this long while its "
-                             "response waits to be sent is cut off and its request aborted")
 
     def __post_init__(self) -> None:
         require(bool(self.host), "http host must not be empty")
         require(0 <= self.port <= 65535, f"http port {self.port} is not a port (0 = off)")
-        require(math.isfinite(self.stall_s) and self.stall_s > 0,
-                f"http stall_s must be a number > 0, got {self.stall_s}")
 
 
 @dataclass

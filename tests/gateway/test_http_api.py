@@ -38,11 +38,11 @@ def checkpoint(tmp_path_factory):
 
 class Gateway:
     def __init__(self, checkpoint, keys_file: str = "", max_streams: int = 4096,
-                 wait_s: float = 0.3, store=None) -> None:
+                 wait_s: float = 0.3, store=None, stall_s: float = 30.0) -> None:
         config = GatewayServiceConfig(
             server=ServerConfig(listen="127.0.0.1:0", max_streams=max_streams, max_message_mib=1),
             model=ModelSourceConfig(path=str(checkpoint)),
-            gateway=GatewayRoutingConfig(reroute_wait_s=wait_s),
+            gateway=GatewayRoutingConfig(reroute_wait_s=wait_s, stall_s=stall_s),
             http=HttpConfig(port=free_port()), auth=AuthConfig(api_keys_file=keys_file))
         self.server, self.grpc_port = create_server(config, store=store or InMemoryStore())
         self.url = f"http://127.0.0.1:{config.http.port}"

@@ -57,7 +57,7 @@ class GatewayServer:
                         self.metrics),
             metrics=self.metrics)
         self.keys = ApiKeys(config.auth.api_keys_file)
-        self.servicer = BatonServicer(self.generations, self.keys)
+        self.servicer = BatonServicer(self.generations, self.keys, config.gateway.stall_s)
         self.ready = False  # a request could be routed now (SERVING)
         self.grpc = AsyncGrpcServer(config.server, self._register,
                                [api_pb2.DESCRIPTOR.services_by_name["Baton"].full_name])
@@ -70,7 +70,7 @@ class GatewayServer:
                 config.http, self.generations, self.keys,
                 ChatTemplate.from_dir(self.model.directory), self.metrics.registry,
                 ready=lambda: self.ready, max_streams=config.server.max_streams,
-                max_body_bytes=config.server.max_message_mib << 20)
+                max_body_bytes=config.server.max_message_mib << 20, stall_s=config.gateway.stall_s)
             try:
                 self.http_port = self.grpc.call(self.http.start())
             except BaseException:

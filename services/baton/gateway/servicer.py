@@ -7,6 +7,9 @@ when all are full, ALREADY_EXISTS for a live duplicate id; an aborted stream sti
 a last message whose finish reason is ABORTED). A client that cancels, or an Abort naming
 the request, reaches every pod that holds state for it. Tokenize and ListModels are answered
 here. Nothing a request does can stop the server: every error becomes the call's status.
+A client that stops reading holds its call only until its HTTP/2 window is full and then for
+``stall_s`` more: the call then ends DEADLINE_EXCEEDED (which the client sees once it reads
+again) and the request is aborted on its pods, as a cancelled one is.
 
 The handlers are coroutines on the server's event loop: a stream costs no thread. Work that
 blocks (tokenizing, reading and writing the routing store) runs in the loop's executor.
@@ -15,8 +18,8 @@ blocks (tokenizing, reading and writing the routing store) runs in the loop's ex
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -27,12 +30,15 @@ from baton.errors import PermissionDenied, Unauthenticated
 from baton.gateway.api_keys import ApiKeys
 from baton.gateway.generations import Generations
 
+log = logging.getLogger(__name__)
+
 
 class BatonServicer(api_pb2_grpc.BatonServicer):
-    def __init__(self, generations: Generations, keys: ApiKeys) -> None:
+    def __init__(self, generations: Generations, keys: ApiKeys, stall_s: float) -> None:
         self.generations = generations
         self.model = generations.model
         self.keys = keys
+        self.stall_s = stall_s
 
     async def _identify(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's identity from its ``authorization: Bearer KEY`` metadata ("" when the
@@ -43,7 +49,9 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
 
     async def Generate(self, message: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[common_pb2.GenerateResponse]:
+                       ) -> None:
+        """Streams with ``context.write`` rather than ``yield``, so that each write can be
+        bounded by ``stall_s``."""
         arrival = time.monotonic()
         owner = await self._identify(context)
         try:
@@ -55,12 +63,29 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
         try:
             async with aclosing(self.generations.generate(request, arrival, owner)) as steps:
                 async for step in steps:
-                    yield convert.step_to_proto(step, first)
+                    if not await self._write(context, convert.step_to_proto(step, first)):
+                        return  # closing the steps aborts the request on its pods
                     first = False
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the API edge: every error becomes a status
             await context.abort(convert.status_for(e), str(e))
+
+    async def _write(self, context: grpc.aio.ServicerContext,
+                     response: common_pb2.GenerateResponse) -> bool:
+        """Send one message; False when the client took nothing for ``stall_s``. The call's
+        status is then set rather than sent with ``abort``: that would wait behind the
+        unread messages, as the write did."""
+        try:
+            async with asyncio.timeout(self.stall_s):  # a scope, not wait_for: no task per message
+                await context.write(response)
+            return True
+        except TimeoutError:
+            log.warning("a gRPC client read nothing for %g s: cut off", self.stall_s)
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details(f"the client read nothing for {self.stall_s:g} s "
+                                f"(gateway.stall_s): the request was aborted")
+            return False
 
     async def Abort(self, message: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
                     ) -> common_pb2.AbortResponse:

@@ -9,7 +9,7 @@ Streaming answers are Server-Sent Events: ``data: {chunk}`` per step, ``data: [D
 the end. Errors before the first chunk get their HTTP status and OpenAI's error body;
 after it, an error chunk then ``[DONE]``. A client that disconnects has its handler
 cancelled (``handler_cancellation``), which aborts the request on every pod; one that stops
-reading is cut off after ``http.stall_s`` and its request aborted the same way.
+reading is cut off after ``gateway.stall_s`` and its request aborted the same way.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class OpenAIServer:
 
     def __init__(self, config: HttpConfig, generations: Generations, keys: ApiKeys,
                  chat_template: ChatTemplate | None, registry, ready: Callable[[], bool],
-                 max_streams: int, max_body_bytes: int) -> None:
+                 max_streams: int, max_body_bytes: int, stall_s: float) -> None:
         self.config = config
         self.generations = generations
         self.model = generations.model
@@ -93,6 +93,7 @@ class OpenAIServer:
         self.ready = ready
         self.max_streams = max_streams
         self.max_body_bytes = max_body_bytes
+        self.stall_s = stall_s
         self.streams = 0
         self.app = web.Application(client_max_size=max_body_bytes,
                                    middlewares=[self._errors, self._authenticate])
@@ -314,11 +315,11 @@ class OpenAIServer:
         try:
             # A timeout scope, not wait_for: that would wrap every event's write in a task of
             # its own and a pass of the event loop (4,096 of them for 64 streams of 64 tokens).
-            async with asyncio.timeout(self.config.stall_s):
+            async with asyncio.timeout(self.stall_s):
                 await response.write(_sse(body))
         except TimeoutError:
             log.warning("a client of %s read nothing for %g s: cut off", request.path,
-                        self.config.stall_s)
+                        self.stall_s)
             if request.transport is not None:
                 request.transport.abort()
             raise ConnectionResetError("the client stopped reading") from None
