@@ -67,6 +67,9 @@ class SchedulerConfig:
                                          "token budget (SARATHI's rule)")
     tile_size: int = setting(0, "round budget = chunk + decodes down to a multiple of this; 0 = off")
     max_running: int = setting(64, "most sequences decoding at once")
+    step_stall_s: float = setting(120.0, "a decode pod whose engine step has run this long is stuck: it "
+                                  "fails its streams UNAVAILABLE (the gateway moves them), leaves "
+                                  "routing and exits for its supervisor to restart it; 0 = never")
 
     def __post_init__(self) -> None:
         require(self.policy in SCHEDULER_POLICIES,
@@ -77,6 +80,8 @@ class SchedulerConfig:
                 f"scheduler target_iteration_ms must be a finite number > 0, "
                 f"got {self.target_iteration_ms}")
         require(self.tile_size >= 0, f"scheduler tile_size must be >= 0, got {self.tile_size}")
+        require(math.isfinite(self.step_stall_s) and self.step_stall_s >= 0,
+                f"scheduler step_stall_s must be a number >= 0 (0 = never), got {self.step_stall_s}")
         require(self.token_budget == 0 or self.tile_size <= self.token_budget,
                 f"scheduler tile_size {self.tile_size} exceeds token_budget {self.token_budget}")
         require(self.max_running >= 1, f"scheduler max_running must be >= 1, got {self.max_running}")

@@ -3,6 +3,8 @@ match (the monolithic engine, a single-process prefill), for the decode and pref
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import torch
 from baton.api import convert
@@ -14,9 +16,10 @@ from baton.config import (
     ModelSourceConfig,
     MtlsConfig,
     RoutingConfig,
+    SchedulerConfig,
     StreamConfig,
 )
-from baton.decode.server import create_server
+from baton.decode.server import create_server, exit_stalled_process
 from baton.kv import DenseKV
 from baton.kv.wire import encode_kv
 from baton.model import prefill
@@ -40,16 +43,18 @@ def make_checkpoint(directory):
 
 def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
                         metrics_port: int = 0, lease_s: float = 30.0, max_pending_pushes: int = 64,
-                        mtls: MtlsConfig | None = None, stream_interval_ms: float = 0.0):
+                        mtls: MtlsConfig | None = None, stream_interval_ms: float = 0.0,
+                        step_stall_s: float = 120.0, exit_process=exit_stalled_process):
     config = DecodeServiceConfig(
         model=ModelSourceConfig(path=str(checkpoint), dtype="float32"),
         kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks, unclaimed_lease_s=lease_s,
                         max_pending_pushes=max_pending_pushes),
         routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0), mtls=mtls or MtlsConfig(),
-        stream=StreamConfig(interval_ms=stream_interval_ms))
+        stream=StreamConfig(interval_ms=stream_interval_ms),
+        scheduler=SchedulerConfig(step_stall_s=step_stall_s))
     config.server.grace_s = 0.5
     config.server.metrics_port = metrics_port
-    return create_server(config, store or InMemoryStore())
+    return create_server(config, store or InMemoryStore(), exit_process)
 
 
 def decode_stub(port: int) -> tuple[grpc.Channel, decode_pb2_grpc.DecodeStub]:
@@ -89,3 +94,21 @@ def collect(responses) -> tuple[list[int], list[common_pb2.GenerateResponse]]:
     """All streamed token ids and the messages themselves."""
     messages = list(responses)
     return [token for message in messages for token in message.token_ids], messages
+
+
+class StuckEngine:
+    """Once armed, the engine's next step blocks until released."""
+
+    def __init__(self, engine) -> None:
+        self.armed = threading.Event()
+        self.release = threading.Event()
+        self.stuck = threading.Event()
+        step = engine.step
+
+        def stuck_step():
+            if self.armed.is_set():
+                self.stuck.set()
+                self.release.wait(60)
+            return step()
+
+        engine.step = stuck_step

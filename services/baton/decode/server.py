@@ -5,11 +5,16 @@ NOT_SERVING (and every call UNAVAILABLE) -> the model loads and the engine loop 
 the pod registers in the routing store (its heartbeat carries the live load) -> health
 turns SERVING. A graceful stop runs it backwards: leave routing, refuse new calls
 (UNAVAILABLE), give in-flight streams ``server.grace_s`` to finish, stop the engine loop.
+An engine step stuck for ``scheduler.step_stall_s`` (``baton.decode.watchdog``) fails the
+pod's streams, leaves routing, refuses new calls and exits with ``EXIT_ENGINE_STALLED``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Callable
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -19,6 +24,7 @@ from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
 from baton.decode.receiver import Incarnation, kv_spec
 from baton.decode.servicer import DecodeServicer
+from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
@@ -31,11 +37,24 @@ from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+EXIT_ENGINE_STALLED = 75  # EX_TEMPFAIL: start it again
+STALLED_EXIT_DELAY_S = 1.0  # for the failed streams' statuses to reach the gateway first
+STALLED_LEAVE_S = 5.0  # the most the health status change may take on the way out
+
+
+def exit_stalled_process() -> None:
+    """End the process now: its engine thread is stuck and cannot be joined."""
+    time.sleep(STALLED_EXIT_DELAY_S)
+    logging.shutdown()
+    os._exit(EXIT_ENGINE_STALLED)
 
 
 class DecodeServer:
-    def __init__(self, config: DecodeServiceConfig, store: RoutingStore | None = None) -> None:
+    def __init__(self, config: DecodeServiceConfig, store: RoutingStore | None = None,
+                 exit_process: Callable[[], None] = exit_stalled_process) -> None:
+        """``exit_process`` ends the process once a stuck engine was found (tests record it)."""
         self.config = config
+        self.exit_process = exit_process
         self.store = store or open_store(config.routing)
         self.registry = CollectorRegistry()
         self.metrics = DecodeMetrics(self.registry)
@@ -52,6 +71,9 @@ class DecodeServer:
         self._init_worker()
         self.heartbeat = Heartbeat(self.store, self.describe, config.routing.heartbeat_s,
                                    config.routing.worker_ttl_s).start()
+        self.watchdog = (EngineWatchdog(self.worker, config.scheduler.step_stall_s,
+                                        self._engine_stalled).start()
+                         if config.scheduler.step_stall_s else None)
         self.grpc.set_serving(True)
 
     def _register(self, server) -> None:
@@ -89,7 +111,21 @@ class DecodeServer:
                           version=release_version(), load=self.worker.load,
                           incarnation=self.incarnation)
 
+    def _engine_stalled(self, running_s: float) -> None:
+        """The watchdog's verdict (its streams are failed already): leave routing, refuse new
+        calls, exit (whatever of the first three fails or hangs: they are bounded)."""
+        try:
+            self.heartbeat.stop()
+            self.servicer.drain()
+            self.grpc.call(self.grpc.set_serving_async(False), timeout_s=STALLED_LEAVE_S)
+        except Exception:
+            log.exception("leaving routing after a stuck engine step failed")
+        finally:
+            self.exit_process()
+
     def stop(self, grace_s: float | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.heartbeat.stop()
         self.servicer.drain()
         self.grpc.stop(grace_s)
@@ -98,10 +134,10 @@ class DecodeServer:
             self._stop_metrics()
 
 
-def create_server(config: DecodeServiceConfig,
-                  store: RoutingStore | None = None) -> tuple[DecodeServer, int]:
+def create_server(config: DecodeServiceConfig, store: RoutingStore | None = None,
+                  exit_process: Callable[[], None] = exit_stalled_process) -> tuple[DecodeServer, int]:
     """A started, SERVING decode server (``server.listen`` may name port 0) and its port."""
-    server = DecodeServer(config, store)
+    server = DecodeServer(config, store, exit_process)
     return server, server.port
 
 

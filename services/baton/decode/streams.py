@@ -35,6 +35,13 @@ class StreamFailed(ServiceError):
     """The engine failed while serving this request; the message says how."""
 
 
+class EngineStalled(StreamFailed):
+    """The engine made no progress for too long: this pod is leaving, another may take the
+    request (UNAVAILABLE, which the gateway answers by moving the stream elsewhere)."""
+
+    status = "UNAVAILABLE"
+
+
 @dataclass
 class PushedKVInfo:
     """What a pushed cache brought: for the final usage and for metrics."""
@@ -85,9 +92,9 @@ class RequestStream:
             self._steps.append(step)
         return gaps
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, error: type[StreamFailed] = StreamFailed) -> None:
         self.finished = True
-        self._steps.append(StreamFailed(message))
+        self._steps.append(error(message))
 
     def _final(self, step: GenerationStep, reason: FinishReason, now_s: float,
                kv_entries: tuple[int, int] | None = None) -> GenerationStep:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 from baton.api.requests import DecodeRequest, Route
 from baton.decode.receiver import PushedCache
-from baton.decode.streams import PushedKVInfo, RequestStream
+from baton.decode.streams import EngineStalled, PushedKVInfo, RequestStream, StreamFailed
 from baton.errors import Aborted, AlreadyExists, NotFound, ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
@@ -78,6 +78,7 @@ class DecodeWorker:
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
                                total_kv_blocks=engine.pool.num_blocks)
         self._stopping = threading.Event()
+        self._step_started_s: float | None = None  # while the loop is inside engine.step()
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         # Set by the server: called (from the loop thread) once per step with the streams that
         # got steps, and (from any thread) whenever a request arrives, ends or is aborted.
@@ -203,12 +204,15 @@ class DecodeWorker:
             if not self.engine.has_unfinished():
                 self.engine.wait_for_work(IDLE_WAIT_S)
                 continue
+            self._step_started_s = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as e:
                 log.exception("engine step failed")
                 self._fail_all(f"the decode engine failed: {e!r}")
                 continue
+            finally:
+                self._step_started_s = None
             self._publish(outputs)
             self._expire_leases()
             self._publish_load()
@@ -292,7 +296,21 @@ class DecodeWorker:
         self.metrics.running_sequences.set(scheduler.num_active)
         self.metrics.kv_blocks_used.set(pool.num_used_blocks)
 
+    def step_running_s(self) -> float:
+        """How long the engine's current step has run (0 between steps); any thread."""
+        started = self._step_started_s
+        return 0.0 if started is None else time.monotonic() - started
+
+    def fail_stalled(self, message: str) -> None:
+        """Fail every stream with ``EngineStalled``, from another thread while the loop is stuck
+        in a step: the engine is not touched (its thread may hold what it would need)."""
+        self._fail_streams(message, EngineStalled)
+
     def _fail_all(self, message: str) -> None:
+        for stream in self._fail_streams(message, StreamFailed):
+            self.engine.abort(stream.request_id)
+
+    def _fail_streams(self, message: str, error: type[StreamFailed]) -> list[RequestStream]:
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
@@ -300,6 +318,6 @@ class DecodeWorker:
             self._queued_prompt_tokens = 0
             self._queued_requests = 0
         for stream in streams:
-            stream.fail(message)
-            self.engine.abort(stream.request_id)
+            stream.fail(message, error)
         self.on_published(streams)
+        return streams

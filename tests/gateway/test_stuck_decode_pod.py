@@ -1,0 +1,65 @@
+"""A decode pod whose engine gets stuck mid-stream, behind a real gateway with a second pod:
+the pod's watchdog fails the stream UNAVAILABLE, the gateway moves it to the other pod
+(prompt + tokens sent replayed), and the client receives exactly the greedy tokens of a
+fault-free run (the monolithic engine; KV compression off, as it is there)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
+from baton.routing import InMemoryStore
+from decode.decode_servers import (
+    StuckEngine,
+    make_checkpoint,
+    reference_tokens,
+    start_decode_server,
+)
+from test_http_api import Gateway
+from test_servicer import wait_for
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 64, 128, 11, 200, 31]
+MAX_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("stuck-pod-model"))
+
+
+def test_a_stream_moves_off_a_pod_whose_engine_is_stuck_and_stays_exact(checkpoint):
+    store = InMemoryStore()
+    exits: list[str] = []
+    pods = [start_decode_server(checkpoint, store, step_stall_s=0.5,
+                                exit_process=lambda name=name: exits.append(name))[0]
+            for name in ("a", "b")]
+    gateway = Gateway(checkpoint, store=store, wait_s=10.0)
+    stuck = [StuckEngine(pod.worker.engine) for pod in pods]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+            stream = api_pb2_grpc.BatonStub(channel).Generate(api_pb2.GenerateRequest(
+                token_ids=api_pb2.TokenIds(ids=PROMPT),
+                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True),
+                compression=common_pb2.CompressionParams(enabled=False)), timeout=60)
+            tokens = list(next(stream).token_ids)
+            holder = next(i for i, pod in enumerate(pods) if pod.worker.load.running_sequences)
+            stuck[holder].armed.set()
+            started = time.monotonic()
+            for step in stream:
+                tokens += step.token_ids
+            assert time.monotonic() - started < 10
+        assert exits == ["ab"[holder]]
+        assert tokens == reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
+        migrations = gateway.server.metrics.registry.get_sample_value(
+            "baton_gateway_migrations_total", {"code": "UNAVAILABLE"})
+        assert migrations == 1
+        wait_for(lambda: pods[1 - holder].worker.load.running_sequences == 0)
+    finally:
+        for engine in stuck:
+            engine.release.set()
+        gateway.close()
+        for pod in pods:
+            pod.stop(0)
