@@ -174,7 +174,8 @@ def bench_model(label: str, directory: Path, bandwidth: float) -> tuple[list[lis
 NOTES = """
 ## Reading the numbers
 
-* Which orientation a few-row matmul takes is measured per process
+* Where oneDNN is missing (the packed weights below need it), which orientation
+  a few-row matmul takes is measured per process
   (`baton.model.linear.weight_major_pays`): on AMD EPYC's MKL, ``(W @ x.T).T``
   streams the weights 2-6x faster than ``x @ W.T`` for up to 4 rows (this
   report's earlier runs there: batch-1 decode of `random-50m` at 2.12x
@@ -182,21 +183,21 @@ NOTES = """
 * The bound divides bytes *read* by the bandwidth of a copy, which reads and
   writes every byte. A pure read stream runs faster than that, so a step
   can come in at or under the bound. The copy itself varies with the load of
-  this shared machine (16-28 GB/s between runs, and between the AMD and
-  Intel machines this report has run on), and the ratio with it.
+  this shared machine (34-54 GB/s between runs on the AMD machine, 16-28 GB/s
+  on the Intel one), and the ratio with it.
 * The shipped model is small enough (7.6 M parameters, 4 layers) that a step
   is ~1,100 small tensor operations (views included) whose dispatch costs
   more than reading the 15 MB of weights. Its batch-1 step is bound by per-operation overhead, not
   by memory.
-* The KV pool moves data with `index_select` / `index_copy_` (about 10x
-  faster than advanced indexing on CPU). Gathering a batch-32 step's KV still
-  costs ~5 ms in all, which is about what transformers' `DynamicCache`
-  spends on `cat`.
-* From batch 8 up, and for prefill, both runtimes spend their time in the same
-  matmuls and fused attention kernels, and the ratio is 1.0 give or take
-  this machine's noise (±10%: three runs on the AMD machine gave 0.90x, 0.98x
-  and 0.97x for random-50m at batch 32). The peer benchmark
-  ([peer.md](peer.md)) compares whole engines on a serving workload instead.
+* Where baton's lead comes from (CPU): decode attention reads the paged KV
+  blocks where they lie (`paged_decode_attention`, no gather into padded
+  tensors), prompt attention is a register-tiled causal kernel, the
+  projections run on weights packed once into oneDNN's layout (transformers'
+  fp32 `F.linear` goes through MKL, which reports its generic code path on this
+  AMD CPU: ~200 GFLOP/s against oneDNN's ~460 on the same 2 cores), and
+  norms, rotary embeddings and the MLP's gate are fused kernels. The kernels
+  and their measurements are in [docs/runtime.md](../runtime.md). The peer
+  benchmark ([peer.md](peer.md)) compares whole engines on a serving workload.
 """
 
 
