@@ -12,6 +12,7 @@ import pytest
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.routing import InMemoryStore
 from decode.decode_servers import (
+    PROMPT,
     StuckEngine,
     make_checkpoint,
     reference_tokens,
@@ -20,7 +21,6 @@ from decode.decode_servers import (
 from test_http_api import Gateway
 from test_servicer import wait_for
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 64, 128, 11, 200, 31]
 MAX_TOKENS = 300
 
 
