@@ -138,12 +138,15 @@ def served_section(results: dict, served: dict) -> list[str]:
     lines.append(markdown_table(["dtype", "client", "server", "tok/s (median)", "every round",
                                  "vs vllm serve (same client)", "vs baton's engine",
                                  "TTFT P50 / P99 s", "errors"], rows))
-    met = [v for v in verdicts if v[0] >= 1.0 and v[1] >= 0.9]
+    against_vllm = [v for v in verdicts if v[0] >= 1.0]
+    against_engine = [v for v in verdicts if v[1] >= 0.9]
     best = max(verdicts, default=None)
     lines += ["", "The gRPC rows are compared with `vllm serve` under the threaded HTTP client. "
-              f"Goal (1.0x `vllm serve` and 0.9x baton's engine): met by {len(met)} of "
-              f"{len(verdicts)} `baton up` rows"
-              + (f"; the best is {best[0]:.2f}x `vllm serve` and {best[1]:.2f}x the engine "
+              f"Goals, over the {len(verdicts)} `baton up` rows: at least 1.0x `vllm serve`, met by "
+              f"{len(against_vllm)}"
+              + (f" ({'; '.join(v[2] for v in against_vllm)})" if against_vllm else "")
+              + f"; at least 0.9x baton's engine, met by {len(against_engine)}"
+              + (f"; the best row is {best[0]:.2f}x `vllm serve` and {best[1]:.2f}x the engine "
                  f"({best[2]})." if best else ".")
               + " Where the served time goes is in [runtime.md](../runtime.md), \"Served\"."]
     return lines + [""]
