@@ -4,6 +4,7 @@ match (the monolithic engine, a single-process prefill), for the decode and pref
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import torch
@@ -103,10 +104,12 @@ class StuckEngine:
         self.armed = threading.Event()
         self.release = threading.Event()
         self.stuck = threading.Event()
+        self.stuck_at = 0.0  # time.monotonic() when the stuck step began to wait
         step = engine.step
 
         def stuck_step():
             if self.armed.is_set():
+                self.stuck_at = time.monotonic()
                 self.stuck.set()
                 self.release.wait(60)
             return step()

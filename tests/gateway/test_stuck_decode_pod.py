@@ -45,6 +45,8 @@ def test_a_stream_moves_off_a_pod_whose_engine_is_stuck_and_stays_exact(checkpoi
                                                    ignore_eos=True),
                 compression=common_pb2.CompressionParams(enabled=False)), timeout=60)
             tokens = list(next(stream).token_ids)
+            # the pods publish their load after each step's tokens: wait for the holder's
+            wait_for(lambda: any(pod.worker.load.running_sequences for pod in pods))
             holder = next(i for i, pod in enumerate(pods) if pod.worker.load.running_sequences)
             stuck[holder].armed.set()
             started = time.monotonic()
