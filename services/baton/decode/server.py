@@ -101,8 +101,10 @@ class DecodeServer:
         spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
                        str(self.loaded.model.dtype).removeprefix("torch."))
         self.servicer.ready(self.worker, spec, self.grpc.loop, Incarnation(self.address, self.incarnation))
-        log.info("decode pod %s serves %s (revision %s), %d KV blocks", self.address,
-                 self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks)
+        log.info("decode pod %s serves %s (revision %s), %d KV blocks, token budget %d (%s)",
+                 self.address, self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks,
+                 engine.scheduler.config.token_budget,
+                 "timed at start" if self.config.scheduler.token_budget == 0 else "set")
 
     def describe(self) -> WorkerInfo:
         """This pod's routing record with its live load (called by every heartbeat)."""
