@@ -12,7 +12,7 @@ import grpc
 import pytest
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.routing import InMemoryStore
-from decode.decode_servers import start_decode_server
+from decode.decode_servers import make_checkpoint, start_decode_server
 from test_http_api import Gateway
 from test_servicer import wait_for
 
@@ -24,8 +24,7 @@ SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from commands.cli_checkpoint import save_cli_checkpoint
-    return save_cli_checkpoint(tmp_path_factory.mktemp("stall-model"))
+    return make_checkpoint(tmp_path_factory.mktemp("stall-model"))
 
 
 @pytest.fixture

@@ -113,7 +113,7 @@ class DecodeServer:
                           version=release_version(), load=self.worker.load,
                           incarnation=self.incarnation)
 
-    def _engine_stalled(self, running_s: float) -> None:
+    def _engine_stalled(self) -> None:
         """The watchdog's verdict (its streams are failed already): leave routing, refuse new
         calls, exit (whatever of the first three fails or hangs: they are bounded)."""
         try:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineWatchdog:
-    def __init__(self, worker: DecodeWorker, stall_s: float, on_stalled: Callable[[float], None]) -> None:
+    def __init__(self, worker: DecodeWorker, stall_s: float, on_stalled: Callable[[], None]) -> None:
         self.worker = worker
         self.stall_s = stall_s
         self.on_stalled = on_stalled
@@ -46,5 +46,5 @@ class EngineWatchdog:
                 self.worker.fail_stalled(f"the decode engine made no progress for {running_s:.0f} s "
                                          f"(scheduler.step_stall_s {self.stall_s:g}); the pod is "
                                          f"restarting")
-                self.on_stalled(running_s)
+                self.on_stalled()
                 return
