@@ -283,13 +283,18 @@ class KVPool:
         return DecodeStep(flat[:len(slots)].view(self.num_layers, batch), [group],
                           self.k_cache, self.v_cache, self.positions)
 
-    def _slots(self, table: _LayerTable, count: int) -> list[int]:
-        """Flat slot numbers (block * block_size + offset) of a table's next ``count`` tokens."""
+    def _slots(self, table: _LayerTable, count: int) -> torch.Tensor:
+        """Flat slot numbers (block * block_size + offset) of a table's next ``count`` tokens, as
+        a host tensor: made from the blocks they fall in, so that a prompt's write costs a few
+        tensor ops per layer rather than Python work per token."""
         size = self.block_size
-        return [table.blocks[t // size] * size + t % size
-                for t in range(table.length, table.length + count)]
+        first, end = table.length // size, self.blocks_for(table.length + count)
+        blocks = to_device(table.blocks[first:end], "cpu")
+        slots = (blocks[:, None] * size + torch.arange(size)).view(-1)
+        start = table.length - first * size
+        return slots[start:start + count]
 
-    def _write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor,
+    def _write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> None:
         self._write_at(to_device(slots, self.k_cache.device), k, v, positions)
 
