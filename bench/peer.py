@@ -124,7 +124,7 @@ def run_script(command: list[str], env: dict | None, out: Path, label: str) -> d
 # (name, peer_served.py arguments): the peer's server, then baton up as a user starts it and
 # baton up with both cores on one decode pod (every prompt prefilled there, as in the engine).
 SERVED_SETUPS = (("vllm", ["vllm"]),
-                 ("baton-up", ["baton", "--threads", "1", "--chain-ranks", "2"]),
+                 ("baton-up", ["baton"]),
                  ("baton-up-2t", ["baton", "--threads", "2", "--chain-ranks", "0"]))
 
 

@@ -91,8 +91,8 @@ def render(results: dict, served: dict, description: str, rounds: int, load_aver
 
 
 SERVED_NAMES = {"vllm": "`vllm serve`",
-                "baton-up": ("`baton up` (defaults: 1 thread per process, 2-rank chain for prompts "
-                             ">= 512 tokens)"),
+                "baton-up": ("`baton up` (defaults: a 2-rank chain of 1 thread per rank for prompts "
+                             ">= 512 tokens, the decode pod on every core)"),
                 "baton-up-2t": "`baton up --threads 2 --chain-ranks 0`"}
 
 

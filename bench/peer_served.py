@@ -16,7 +16,8 @@ Greedy, 64 new tokens, end-of-sequence ignored, KV compression off (``baton up``
 ``BATON_PYRAMID_ENABLED=false``), so both compute the same thing.
 
 usage: peer_served.py vllm PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--stream-interval TOKENS]
-       peer_served.py baton PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--threads N --chain-ranks P]
+       peer_served.py baton PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--threads N --decode-threads N
+                      --chain-ranks P] (baton up's flags; none: its defaults)
                       [--stream-interval-ms MS]
 """
 
@@ -204,6 +205,17 @@ def grpc_sender(address: str):
     return send
 
 
+def up_spec(flags: list[str], model: str, http_port: int):
+    """The cluster ``baton up FLAGS`` starts, serving ``model`` with its HTTP API on
+    ``http_port`` (the command's own rule for what the flags mean)."""
+    from baton.commands import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    return up.cluster_spec(parser.parse_args([*flags, "--model", model, "--listen", "127.0.0.1:0",
+                                              "--http-port", str(http_port)]))
+
+
 def drive_all(senders: dict, bench, prompts: list[list[int]], new_tokens: int, order: int) -> dict:
     """Every client against the running server, in turn (rotated by ``order``), each after a
     warm-up and on a quiet machine."""
@@ -230,8 +242,9 @@ def main() -> None:
     parser.add_argument("workload")
     parser.add_argument("out")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=1, help="baton up --threads")
-    parser.add_argument("--chain-ranks", type=int, default=2, help="baton up --chain-ranks")
+    parser.add_argument("--threads", type=int, default=None, help="baton up --threads")
+    parser.add_argument("--decode-threads", type=int, default=None, help="baton up --decode-threads")
+    parser.add_argument("--chain-ranks", type=int, default=None, help="baton up --chain-ranks")
     parser.add_argument("--order", type=int, default=0, help="rotates the order of the clients")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="vllm serve --stream-interval: tokens per streamed message (1 = every token)")
@@ -243,6 +256,10 @@ def main() -> None:
     out = Path(args.out)
     text_prompts = prompts_as_text(args.model, prompts, out.with_suffix(".prompts.jsonl"))
     model_name = Path(args.model).name
+    up_flags = [f"--{name.replace('_', '-')}={value:g}" for name, value in
+                (("threads", args.threads), ("decode_threads", args.decode_threads),
+                 ("chain_ranks", args.chain_ranks), ("stream_interval_ms", args.stream_interval_ms))
+                if value is not None and not (name == "stream_interval_ms" and value == 0)]
     started = time.perf_counter()
     port = free_port()
 
@@ -263,11 +280,9 @@ def main() -> None:
             server.wait(60)
     else:
         os.environ.update(BATON_MODEL_DTYPE=args.dtype, BATON_PYRAMID_ENABLED="false")
-        from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+        from baton.gateway.local_cluster import LocalCluster
 
-        spec = ClusterSpec(model_path=args.model, chain_ranks=args.chain_ranks,
-                           threads_per_process=args.threads, gateway_http_port=port,
-                           stream_interval_ms=args.stream_interval_ms)
+        spec = up_spec(up_flags, args.model, port)
         with LocalCluster(spec) as cluster:
             wait_http(port, None)
             load_s = time.perf_counter() - started
@@ -275,8 +290,7 @@ def main() -> None:
                                  "grpc": grpc_sender(cluster.gateway_address)},
                                 bench, prompts, new_tokens, args.order)
     result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
-              "setup": (f"baton up --threads {args.threads} --chain-ranks {args.chain_ranks}"
-                        + (f" --stream-interval-ms {args.stream_interval_ms:g}" if args.stream_interval_ms else "")
+              "setup": (" ".join(["baton up", *up_flags])
                         if args.system == "baton" else
                         "vllm serve" + (f" --stream-interval {args.stream_interval}"
                                         if args.stream_interval != 1 else " (defaults)"))}

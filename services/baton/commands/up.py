@@ -38,8 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0 = off)")
     parser.add_argument("--prefill-threshold-tokens", type=int, default=512,
                         help="prompts at least this long go through the chain")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per process")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of every process (default: 1 per chain rank, and "
+                             "the decode pods as --decode-threads says)")
+    parser.add_argument("--decode-threads", type=int, default=None,
+                        help="torch threads of each decode pod (default: --threads when given, "
+                             "else this machine's cores shared among the decode pods)")
     parser.add_argument("--stream-interval-ms", type=float, default=0.0,
                         help="the decode pods' --stream-interval-ms: hold each stream's messages "
                              "this far apart, the tokens meanwhile going as one (0 = every step)")
@@ -50,22 +54,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per demo generation")
 
 
-def run(args: argparse.Namespace) -> int:
-    from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+def cluster_spec(args: argparse.Namespace):
+    """The cluster the command line asks for (``--threads`` given alone sets every process)."""
+    from baton.gateway.local_cluster import ClusterSpec
 
-    if args.exit_after_demo and not args.demo:
-        raise ValueError("--exit-after-demo needs --demo")
-    spec = ClusterSpec(model_path=args.model, decode_workers=args.decode_workers,
+    return ClusterSpec(model_path=args.model, decode_workers=args.decode_workers,
                        chain_ranks=args.chain_ranks, redis_url=args.redis,
                        gateway_listen=args.listen, gateway_http_port=args.http_port,
                        prefill_threshold_tokens=args.prefill_threshold_tokens,
-                       threads_per_process=args.threads, stream_interval_ms=args.stream_interval_ms)
+                       threads_per_process=1 if args.threads is None else args.threads,
+                       decode_threads=next(value for value in (args.decode_threads, args.threads, 0)
+                                           if value is not None),
+                       stream_interval_ms=args.stream_interval_ms)
+
+
+def run(args: argparse.Namespace) -> int:
+    from baton.gateway.local_cluster import LocalCluster
+
+    if args.exit_after_demo and not args.demo:
+        raise ValueError("--exit-after-demo needs --demo")
+    spec = cluster_spec(args)
     stopping = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         with LocalCluster(spec) as cluster:
             print(f"baton is up: gateway {cluster.gateway_address}, "
-                  f"{spec.decode_workers} decode pod(s), chain of {spec.chain_ranks} ranks, "
+                  f"{spec.decode_workers} decode pod(s) of {spec.threads_of('decode')} thread(s), "
+                  f"chain of {spec.chain_ranks} ranks of {spec.threads_of('prefill')} thread(s), "
                   f"routing in {cluster.redis_url}", flush=True)
             print(f"try: baton generate --server {cluster.gateway_address} \"import os\"", flush=True)
             if cluster.gateway_http_url:

@@ -100,7 +100,13 @@ class ClusterSpec:
     gateway_listen: str = "127.0.0.1:0"
     gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
     prefill_threshold_tokens: int = 512
-    threads_per_process: int = 1
+    threads_per_process: int = 1  # torch threads of every chain rank
+    # torch threads of each decode pod; 0 = this machine's cores shared among the decode pods.
+    # A decode pod works through every phase of every request (it prefills the short prompts,
+    # decodes all of them) while a chain works only on long prompts, so on a small machine
+    # the pod gets the cores: one thread left it using half of a 2-core machine whenever the
+    # chain was idle.
+    decode_threads: int = 0
     stream_interval_ms: float = 0.0  # the decode pods' --stream-interval-ms (0 = every step)
     mtls: bool = True  # a private CA and a certificate per role; False: --mtls-insecure
     heartbeat_s: float = 0.5
@@ -108,11 +114,23 @@ class ClusterSpec:
     # more flags per role, e.g. {"decode": ["--pyramid-enabled", "false"]}
     extra_args: dict[str, list[str]] = field(default_factory=dict)
 
+    def threads_of(self, role: str) -> int:
+        """Torch threads of one process of ``role`` (the gateway runs no torch work)."""
+        if role != "decode":
+            return self.threads_per_process
+        if self.decode_threads:
+            return self.decode_threads
+        return max(1, len(os.sched_getaffinity(0)) // self.decode_workers)
+
     def __post_init__(self) -> None:
         if not 1 <= self.decode_workers <= 8:
             raise ValueError(f"decode_workers must be in 1..8, got {self.decode_workers}")
         if self.chain_ranks < 0:
             raise ValueError(f"chain_ranks must be >= 0, got {self.chain_ranks}")
+        if self.threads_per_process < 1 or self.decode_threads < 0:
+            raise ValueError(f"threads_per_process must be >= 1 and decode_threads >= 0 "
+                             f"(0 = automatic), got {self.threads_per_process} and "
+                             f"{self.decode_threads}")
         StreamConfig(interval_ms=self.stream_interval_ms)  # a bad value fails before any process
 
 
@@ -266,7 +284,7 @@ class LocalCluster:
         command = [sys.executable, "-m", "baton.cli", role, *self._common_args(role), *args,
                    *self.spec.extra_args.get(role, [])]
         log_path = self.log_dir / f"{name}.log"
-        threads = str(self.spec.threads_per_process)
+        threads = str(self.spec.threads_of(role))
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "PYTHONUNBUFFERED": "1"}
         with log_path.open("ab") as log_file:  # a restart appends: the crash stays readable
@@ -283,7 +301,7 @@ class LocalCluster:
                 "--routing-view-refresh-s", str(min(0.2, self.spec.heartbeat_s))]
         if role != "gateway":
             args += ["--server-listen", "127.0.0.1:0",
-                     "--model-threads", str(self.spec.threads_per_process)]
+                     "--model-threads", str(self.spec.threads_of(role))]
         if role == "decode":
             args += ["--stream-interval-ms", str(self.spec.stream_interval_ms)]
         if self.spec.model_path:

@@ -1,0 +1,44 @@
+"""`baton up`'s threads per process: the decode pods get the machine's cores unless told."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+from baton.commands import up
+from baton.gateway.local_cluster import ClusterSpec
+
+
+def parse(*argv: str) -> ClusterSpec:
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    return up.cluster_spec(parser.parse_args(list(argv)))
+
+
+CORES = len(os.sched_getaffinity(0))
+
+
+def test_by_default_the_decode_pods_share_the_cores_and_chain_ranks_get_one_thread():
+    spec = parse()
+    assert spec.threads_of("prefill") == 1
+    assert spec.threads_of("decode") == CORES
+    assert parse("--decode-workers", "2").threads_of("decode") == max(1, CORES // 2)
+
+
+def test_threads_given_alone_sets_every_process():
+    spec = parse("--threads", "3")
+    assert (spec.threads_of("prefill"), spec.threads_of("decode")) == (3, 3)
+
+
+def test_decode_threads_overrides_threads_for_the_decode_pods_only():
+    spec = parse("--threads", "2", "--decode-threads", "5")
+    assert (spec.threads_of("prefill"), spec.threads_of("decode")) == (2, 5)
+    assert parse("--decode-threads", "0").threads_of("decode") == CORES  # 0: automatic
+
+
+@pytest.mark.parametrize("argv, named", [(("--threads", "0"), "threads_per_process"),
+                                         (("--decode-threads", "-1"), "decode_threads")])
+def test_a_bad_thread_count_is_refused_naming_it(argv, named):
+    with pytest.raises(ValueError, match=named):
+        parse(*argv)
