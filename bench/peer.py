@@ -160,7 +160,12 @@ def main() -> None:
     parser.add_argument("--served-only", action="store_true",
                         help="re-run only the served comparison; the offline rows are kept from "
                              "the last run's results.json")
+    parser.add_argument("--offline-only", action="store_true",
+                        help="re-run only the offline comparison; the served rows are kept from "
+                             "the last run's results.json")
     args = parser.parse_args()
+    if args.served_only and args.offline_only:
+        parser.error("--served-only and --offline-only exclude each other")
     if args.report_only:
         saved = json.loads((WORK_DIR / "results.json").read_text())
         results = {tuple(key.split("/")): rounds for key, rounds in saved["offline"].items()}
@@ -189,7 +194,9 @@ def main() -> None:
                 runs[system] = run_one(system, peer_python, models[model], workloads[model], dtype, out)
             results[(model, dtype)].append(runs)
     served = {dtype: [] for dtype in filter(None, args.served_dtypes.split(","))}
-    for round_index in range(args.rounds if served else 0):
+    if args.offline_only:
+        served = json.loads((WORK_DIR / "results.json").read_text())["served"]
+    for round_index in range(args.rounds if served and not args.offline_only else 0):
         print(f"served round {round_index + 1}/{args.rounds}")
         for dtype, rounds in served.items():
             runs = {}

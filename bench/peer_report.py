@@ -109,12 +109,14 @@ def served_section(results: dict, served: dict) -> list[str]:
               "prompts as text, `--request-rate inf --max-concurrency 64`; *threads, gRPC*: "
               "baton's own API, for what the HTTP door costs. Throughput is generated tokens over "
               "the time to the last token; each server is started once per round and driven by "
-              "every client in turn (the order rotates). The engine column is baton's offline "
-              "median above (same dtype)."), ""]
+              "every client in turn (the order rotates). *vs its own engine*: each server's "
+              "throughput over its own offline engine's median above (same dtype), what its "
+              "serving stack keeps of its engine."), ""]
     rows, verdicts = [], []
     for dtype, rounds_of_dtype in served.items():
-        engine = statistics.median(throughput(r["baton"]) for r in results.get(("shipped", dtype), [])) \
-            if ("shipped", dtype) in results else float("nan")
+        offline = results.get(("shipped", dtype), [])
+        engines = {system: statistics.median(throughput(r[system]) for r in offline)
+                   if offline else float("nan") for system in ("vllm", "baton")}
         for client, client_label in SERVED_CLIENTS.items():
             peer_client = client if client != "grpc" else "http"
             for name, label in SERVED_NAMES.items():
@@ -127,16 +129,17 @@ def served_section(results: dict, served: dict) -> list[str]:
                 errors = sum(len(run["errors"]) for run in runs)
                 ratios = [throughput(r[name]["clients"][client])
                           / throughput(r["vllm"]["clients"][peer_client]) for r in rounds_of_dtype]
+                engine = engines["vllm" if name == "vllm" else "baton"]
                 if name != "vllm":
                     verdicts.append((statistics.median(ratios), statistics.median(values) / engine,
                                      f"{dtype}, {client_label}, {label}"))
                 rows.append([dtype, client_label, label, f"{statistics.median(values):.0f}",
                              " / ".join(f"{v:.0f}" for v in values),
                              f"{statistics.median(ratios):.2f}x",
-                             "" if name == "vllm" else f"{statistics.median(values) / engine:.2f}x",
+                             f"{statistics.median(values) / engine:.2f}x",
                              f"{ttft:.2f} / {ttft99:.2f}", errors])
     lines.append(markdown_table(["dtype", "client", "server", "tok/s (median)", "every round",
-                                 "vs vllm serve (same client)", "vs baton's engine",
+                                 "vs vllm serve (same client)", "vs its own engine",
                                  "TTFT P50 / P99 s", "errors"], rows))
     against_vllm = [v for v in verdicts if v[0] >= 1.0]
     against_engine = [v for v in verdicts if v[1] >= 0.9]
