@@ -18,6 +18,10 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from baton.gateway.local_cluster import ClusterSpec
 
 DEMO_SHORT_PROMPT = "def fibonacci(n):\n"
 DEMO_LINES_PER_ROUND = 8  # the long demo prompt grows by this many source lines until long enough
@@ -54,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per demo generation")
 
 
-def cluster_spec(args: argparse.Namespace):
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     """The cluster the command line asks for (``--threads`` given alone sets every process)."""
     from baton.gateway.local_cluster import ClusterSpec
 
