@@ -42,3 +42,14 @@ def test_decode_threads_overrides_threads_for_the_decode_pods_only():
 def test_a_bad_thread_count_is_refused_naming_it(argv, named):
     with pytest.raises(ValueError, match=named):
         parse(*argv)
+
+
+def test_each_process_is_started_with_its_roles_thread_count(tmp_path):
+    from baton.gateway.local_cluster import LocalCluster
+
+    cluster = LocalCluster(ClusterSpec(threads_per_process=1, decode_threads=3, mtls=False),
+                           log_dir=tmp_path)
+    for role, threads in (("decode", "3"), ("prefill", "1")):
+        args = cluster._common_args(role)
+        assert args[args.index("--model-threads") + 1] == threads
+    assert "--model-threads" not in cluster._common_args("gateway")
