@@ -38,6 +38,7 @@ from baton.runahead.local import free_port
 from peer_timing import CpuWindow, wait_for_quiet
 
 START_TIMEOUT_S = 300.0
+BATON_UP_FLAGS = ("threads", "decode_threads", "chain_ranks", "stream_interval_ms")  # passed on
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -248,18 +249,17 @@ def main() -> None:
     parser.add_argument("--order", type=int, default=0, help="rotates the order of the clients")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="vllm serve --stream-interval: tokens per streamed message (1 = every token)")
-    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
-                        help="baton's decode pods hold each stream's messages this far apart (0 = every step)")
+    parser.add_argument("--stream-interval-ms", type=float, default=None,
+                        help="baton up --stream-interval-ms: decode pods hold each stream's messages "
+                             "this far apart (default every step)")
     args = parser.parse_args()
     workload = json.loads(Path(args.workload).read_text())
     prompts, new_tokens = workload["prompts"], workload["new_tokens"]
     out = Path(args.out)
     text_prompts = prompts_as_text(args.model, prompts, out.with_suffix(".prompts.jsonl"))
     model_name = Path(args.model).name
-    up_flags = [f"--{name.replace('_', '-')}={value:g}" for name, value in
-                (("threads", args.threads), ("decode_threads", args.decode_threads),
-                 ("chain_ranks", args.chain_ranks), ("stream_interval_ms", args.stream_interval_ms))
-                if value is not None and not (name == "stream_interval_ms" and value == 0)]
+    up_flags = [f"--{name.replace('_', '-')}={getattr(args, name):g}" for name in BATON_UP_FLAGS
+                if getattr(args, name) is not None]  # the baton up flags given, as given
     started = time.perf_counter()
     port = free_port()
 
