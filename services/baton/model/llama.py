@@ -130,6 +130,14 @@ class SelfAttention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
+# On the CPU a prompt-sized batch goes through the MLP in blocks of rows whose gate/up
+# activations take about this much. Whole, a 8192-token step's are ~45 MiB in fp32 (the
+# shipped model): more than the L3 cache, and more than glibc serves from its heap (32
+# MiB at most), so every layer of every such step had them page-faulted in anew.
+MLP_BLOCK_BYTES = 8 * 2**20
+MLP_MIN_BLOCK_ROWS = 256  # below this, matmuls use the CPU less well
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -143,6 +151,22 @@ class MLP(nn.Module):
         self.gate_up = _FusedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.block_rows(x)
+        if x.shape[0] <= rows:
+            return self._forward(x)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], rows):  # rows are independent: same result
+            out[start:start + rows] = self._forward(x[start:start + rows])
+        return out
+
+    def block_rows(self, x: torch.Tensor) -> int:
+        """How many rows go through at once (all of them on a GPU)."""
+        if x.device.type != "cpu":
+            return x.shape[0]
+        row_bytes = 2 * self.gate_proj.out_features * x.element_size()
+        return max(MLP_MIN_BLOCK_ROWS, MLP_BLOCK_BYTES // row_bytes)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             fused = self.gate_up.output(x)
             if cpu_kernels.elementwise_fits(fused) and fused.shape[1] % 32 == 0:
@@ -276,18 +300,32 @@ class CausalLM(nn.Module):
         plan = _AttentionPlan(segments, decode, token_ids.shape[0])
         if decode is not None:
             plan.in_place = self.reads_decode_cache_in_place(plan.observed)
+        # The last layer's output is read at ``output_rows`` only. Its K,V are stored for
+        # every row (the cache needs them), but its attention, o_proj and MLP run for those
+        # rows alone: a prompt's chunk then skips a layer's worth of work on all but its
+        # last token (a chain's non-tail rank on all of them). Not when an observer scores
+        # the last layer's queries (PyramidInfer), nor for a decode-only batch, whose rows
+        # are all wanted.
+        narrow = segments and not plan.observed_anywhere
+        wanted = ([] if output_rows is None else output_rows.tolist()) if narrow else None
+        last = len(self.model.layers) - 1
         with _attention_kernels(hidden.device):
             for layer_index, layer in enumerate(self.model.layers):
                 attn = layer.self_attn
                 q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
-                out = plan.attend(layer_index, q, k, v, positions, self.config.sliding_window)
+                rows = wanted if layer_index == last else None
+                out = plan.attend(layer_index, q, k, v, positions, self.config.sliding_window, rows)
+                if rows is not None:
+                    if not rows:
+                        return hidden[:0]
+                    hidden, out = hidden[output_rows], out[output_rows]  # fresh tensors
                 # In place: the residual stream is this forward's own tensor (fresh from the
                 # embedding), and a 4096-token step would otherwise allocate two per layer.
                 hidden.add_(attn.o_proj(out.reshape(out.shape[0], -1)))
                 hidden.add_(layer.mlp(layer.post_attention_layernorm(hidden)))
         if output_rows is None:
             return hidden[:0]
-        return self.model.norm(hidden[output_rows])
+        return self.model.norm(hidden if wanted is not None else hidden[output_rows])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -320,20 +358,32 @@ class _AttentionPlan:
             self.segments.append((row, segment))
             row += segment.length
         self.decode = decode
+        self.observed = False  # is the decode batch's attention observed
         if decode is not None:
             self.decode_rows = slice(row, num_rows)
             self.observed = any(observer is not None for observer in decode.observers)
             self.in_place = False  # read the cache where it lies (set by the model)
             self._biases: dict[int, torch.Tensor] = {}  # per group, shared by same-shape layers
+        self.observed_anywhere = self.observed or any(s.observer is not None for s in segments)
 
-    def attend(self, layer: int, q, k, v, positions, sliding_window) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, positions, sliding_window,
+               rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Every row's k, v go to its cache; returns [N, H, D], the attention output of every
+        row, or (given ``rows``) of the decode batch and of each segment from its first row
+        among ``rows`` to its end (other rows are left unset)."""
         out = torch.empty_like(q)
         for row, segment in self.segments:
             end = row + segment.length
             k_all, v_all, key_positions = segment.kv.extend(layer, k[row:end], v[row:end],
                                                             positions[row:end])
-            out[row:end] = attend(q[row:end], k_all, v_all, positions[row:end], key_positions,
-                                  sliding_window)
+            first = row
+            if rows is not None:  # from this segment's first wanted row on (usually its last)
+                inside = [r for r in rows if row <= r < end]
+                if not inside:
+                    continue
+                first = min(inside)  # to the end: attend() takes the segment's last queries
+            out[first:end] = attend(q[first:end], k_all, v_all, positions[first:end],
+                                    key_positions, sliding_window)
             if segment.observer is not None:
                 segment.observer.observe(layer, q[row:end], positions[row:end], k_all, key_positions)
         if self.decode is not None:
