@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 
 from baton.api import convert
+from baton.api.requests import GenerationStep
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.answers import failure_answer
@@ -221,16 +222,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                      context) -> AsyncIterator[common_pb2.GenerateResponse]:
         """Yield the request's steps until its last; a failure ends the call with its status."""
         try:
-            async for message in self.steps(worker, stream):
-                yield message
+            async for step, first in self.steps(worker, stream):
+                yield convert.step_to_proto(step, first)
         except StreamFailed as e:
             await abort_with(context, e)
 
     async def steps(self, worker: DecodeWorker,
-                    stream: RequestStream) -> AsyncIterator[common_pb2.GenerateResponse]:
+                    stream: RequestStream) -> AsyncIterator[tuple[GenerationStep, bool]]:
         """The request's steps until its last (what arrived together goes as one message),
-        raising StreamFailed; a reader who leaves early (the handler is cancelled, or the
-        generator closed) aborts the request."""
+        each with whether it is the first; raises StreamFailed. A reader who leaves early
+        (the handler is cancelled, or the generator closed) aborts the request."""
         finished, first = False, True
         loop = asyncio.get_running_loop()
         sent_at = 0.0
@@ -240,7 +241,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 step = await stream.next_steps(0.0 if first else sent_at + self.stream_interval_s)
                 finished = step.finish_reason is not None
                 sent_at = loop.time()
-                yield convert.step_to_proto(step, first)
+                yield step, first
                 first = False
         except StreamFailed:
             finished = True  # the worker dropped it already

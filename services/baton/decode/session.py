@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from baton.api import convert
 from baton.api.v1 import decode_pb2
 from baton.decode.answers import failure_answer
 
@@ -35,7 +36,8 @@ class PodSession:
     def __init__(self, servicer: DecodeServicer, worker: DecodeWorker) -> None:
         self._servicer = servicer
         self._worker = worker
-        self._outbox: list[decode_pb2.SessionStep] = []
+        # The next message, its steps filled in place as they come (see ``convert.fill_step``).
+        self._outbox = decode_pb2.SessionSteps()
         self._ready = asyncio.Event()
         self._tasks: dict[int, asyncio.Task] = {}
 
@@ -48,9 +50,9 @@ class PodSession:
         reader = asyncio.ensure_future(self._read(commands))
         try:
             while True:
-                if self._outbox:
-                    steps, self._outbox = self._outbox, []
-                    yield decode_pb2.SessionSteps(steps=steps)
+                if self._outbox.steps:
+                    message, self._outbox = self._outbox, decode_pb2.SessionSteps()
+                    yield message
                 elif not self._tasks and (reader.done() or self._servicer.draining):
                     return
                 else:
@@ -89,18 +91,16 @@ class PodSession:
     async def _serve(self, number: int, request) -> None:
         try:
             stream = await self._servicer.open_stream(self._worker, request)
-            async for message in self._servicer.steps(self._worker, stream):
-                self._emit(decode_pb2.SessionStep(stream=number, step=message))
+            async for step, first in self._servicer.steps(self._worker, stream):
+                convert.fill_step(self._outbox.steps.add(stream=number).step, step, first)
+                self._ready.set()
         except Exception as e:  # noqa: BLE001 - it answers this request, the others go on
             self._emit_failure(number, e)
         finally:
             self._tasks.pop(number, None)
             self._ready.set()
 
-    def _emit(self, step: decode_pb2.SessionStep) -> None:
-        self._outbox.append(step)
-        self._ready.set()
-
     def _emit_failure(self, number: int, error: BaseException) -> None:
         code, message = failure_answer(error)
-        self._emit(decode_pb2.SessionStep(stream=number, code=code.value[0], message=message))
+        self._outbox.steps.add(stream=number, code=code.value[0], message=message)
+        self._ready.set()
