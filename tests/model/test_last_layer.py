@@ -33,11 +33,8 @@ def _forward(model: CausalLM, rows: list[int] | None, observer=None):
 
 
 def _full_forward_rows(model: CausalLM, rows: list[int]) -> torch.Tensor:
-    """The reference: every row through every layer (an observer turns the narrowing off)."""
-    class Silent:
-        def observe(self, *args) -> None:
-            pass
-    return _forward(model, list(range(sum(LENGTHS))), Silent())[0][rows]
+    """The reference: every row wanted, so every row goes through every layer."""
+    return _forward(model, list(range(sum(LENGTHS))))[0][rows]
 
 
 def test_wanted_rows_anywhere_in_the_batch_get_the_plain_forward_s_hidden_states():
@@ -59,7 +56,7 @@ def test_the_last_layer_stores_every_row_s_keys_and_values_when_no_row_is_wanted
         torch.testing.assert_close(a.layers[last].v, b.layers[last].v, rtol=0, atol=0)
 
 
-def test_an_observed_segment_sees_every_row_of_the_last_layer():
+def test_an_observed_segment_sees_every_row_of_every_layer_and_the_rows_are_still_narrowed():
     model = _model()
     seen: dict[int, int] = {}
 
@@ -67,8 +64,10 @@ def test_an_observed_segment_sees_every_row_of_the_last_layer():
         def observe(self, layer, q, query_positions, k, key_positions) -> None:
             seen[layer] = q.shape[0]
 
-    _forward(model, [LENGTHS[0] - 1], Counting())
+    rows = [LENGTHS[0] - 1, sum(LENGTHS) - 1]
+    hidden, _ = _forward(model, rows, Counting())
     assert seen == dict.fromkeys(range(model.config.num_hidden_layers), LENGTHS[0])
+    torch.testing.assert_close(hidden, _full_forward_rows(model, rows), rtol=0, atol=1e-6)
 
 
 def test_the_mlp_in_blocks_of_rows_equals_the_mlp_at_once(monkeypatch):

@@ -301,12 +301,12 @@ class CausalLM(nn.Module):
         if decode is not None:
             plan.in_place = self.reads_decode_cache_in_place(plan.observed)
         # The last layer's output is read at ``output_rows`` only. Its K,V are stored for
-        # every row (the cache needs them), but its attention, o_proj and MLP run for those
-        # rows alone: a prompt's chunk then skips a layer's worth of work on all but its
-        # last token (a chain's non-tail rank on all of them). Not when an observer scores
-        # the last layer's queries (PyramidInfer), nor for a decode-only batch, whose rows
-        # are all wanted.
-        narrow = segments and not plan.observed_anywhere
+        # every row (the cache needs them), and an observer still sees every row's query
+        # (PyramidInfer scores with queries and keys, not outputs), but its attention,
+        # o_proj and MLP run for those rows alone: a prompt's chunk then skips a layer's
+        # worth of work on all but its last token (a chain's non-tail rank on all of them).
+        # Not for a decode-only batch, whose rows are all wanted.
+        narrow = bool(segments)
         wanted = ([] if output_rows is None else output_rows.tolist()) if narrow else None
         last = len(self.model.layers) - 1
         with _attention_kernels(hidden.device):
@@ -364,7 +364,6 @@ class _AttentionPlan:
             self.observed = any(observer is not None for observer in decode.observers)
             self.in_place = False  # read the cache where it lies (set by the model)
             self._biases: dict[int, torch.Tensor] = {}  # per group, shared by same-shape layers
-        self.observed_anywhere = self.observed or any(s.observer is not None for s in segments)
 
     def attend(self, layer: int, q, k, v, positions, sliding_window,
                rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -376,6 +375,8 @@ class _AttentionPlan:
             end = row + segment.length
             k_all, v_all, key_positions = segment.kv.extend(layer, k[row:end], v[row:end],
                                                             positions[row:end])
+            if segment.observer is not None:
+                segment.observer.observe(layer, q[row:end], positions[row:end], k_all, key_positions)
             first = row
             if rows is not None:  # from this segment's first wanted row on (usually its last)
                 inside = [r for r in rows if row <= r < end]
@@ -384,8 +385,6 @@ class _AttentionPlan:
                 first = min(inside)  # to the end: attend() takes the segment's last queries
             out[first:end] = attend(q[first:end], k_all, v_all, positions[first:end],
                                     key_positions, sliding_window)
-            if segment.observer is not None:
-                segment.observer.observe(layer, q[row:end], positions[row:end], k_all, key_positions)
         if self.decode is not None:
             self._attend_decode(layer, q, k, v, positions, sliding_window, out)
         return out
