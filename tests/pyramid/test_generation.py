@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from baton.config import PyramidConfig
 from baton.kv import KVPool
 from baton.model import Segment
+from baton.model.llama import DecodeBatch
 from baton.pyramid import GenerationCompressor, generation_keep_counts, prefill_compressed
-from pyramid_fixtures import PROMPT_LENGTH, hand_decode
+from pyramid_fixtures import PROMPT_LENGTH, build_model, hand_decode
 
 STEPS = 120
 WINDOW = 64  # 20% of the 320-token prompt
@@ -75,3 +77,28 @@ def test_untracked_or_forgotten_sequences_are_left_alone(model, prompt):
     assert compressor.observer("seq") is not None
     compressor.forget("seq")
     assert compressor.observer("seq") is None
+
+
+def test_an_observed_decode_batch_reads_the_pruned_cache_where_it_lies(prompt):
+    """Observers of generated tokens record queries only, so an observed decode batch keeps
+    the in-place kernel: same logits as attention over the gathered cache, every layer's
+    query seen."""
+    model = build_model(num_heads=2, num_kv_heads=1)  # heads of 32: the kernel's shapes
+    if not model.reads_decode_cache_in_place():
+        pytest.skip("baton's CPU kernels are not available here")
+    config = PyramidConfig(keep_ratio=0.5)
+    pool, _, _, token = decode_with_updates(model, prompt, config, 40)
+    layers = [pool.gather("seq", layer) for layer in range(model.config.num_hidden_layers)]
+    position = PROMPT_LENGTH + 40
+    seen = []
+
+    class Recording:
+        def observe(self, layer, q, query_positions, k, key_positions) -> None:
+            seen.append((layer, q.shape[0], int(query_positions[0]), k))
+
+    step = pool.begin_decode(["seq"], grouped=False)
+    hidden = model(torch.tensor([token]), torch.tensor([position]), [], torch.tensor([0]),
+                   DecodeBatch(step, [Recording()]))
+    torch.testing.assert_close(model.logits(hidden)[0], hand_decode(model, token, position, layers),
+                               rtol=1e-5, atol=1e-5)
+    assert seen == [(layer, 1, position, None) for layer in range(model.config.num_hidden_layers)]

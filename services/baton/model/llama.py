@@ -46,10 +46,14 @@ class SequenceKV(Protocol):
 
 
 class AttentionObserver(Protocol):
-    """Sees every layer's queries and keys of one segment (PyramidInfer scores with it)."""
+    """Sees every layer's queries and keys of one segment (PyramidInfer scores with it).
+
+    A decode batch read in place (baton's CPU kernel) has no gathered keys: its observers
+    get ``k`` and ``key_positions`` None. A generated token's observer records its query
+    (PyramidInfer's generation phase scores later, from the pool)."""
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
-                k: torch.Tensor, key_positions: torch.Tensor) -> None:
+                k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
         ...
 
 
@@ -265,14 +269,13 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def reads_decode_cache_in_place(self, observed: bool = False) -> bool:
+    def reads_decode_cache_in_place(self) -> bool:
         """Does decode attention read the paged cache where it lies (baton's CPU kernel),
         rather than gathering each group of sequences into padded tensors? Then the pool
-        need not cut a decode batch into groups of similar width. Not for a batch whose
-        attention is observed (the observers take the gathered keys) nor under a sliding
+        need not cut a decode batch into groups of similar width. Not under a sliding
         window."""
         config = self.config
-        return (not observed and config.sliding_window is None
+        return (config.sliding_window is None
                 and cpu_kernels.paged_decode_fits(self.dtype, self.device, config.head_dim,
                                                   config.num_attention_heads,
                                                   config.num_key_value_heads))
@@ -299,7 +302,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         plan = _AttentionPlan(segments, decode, token_ids.shape[0])
         if decode is not None:
-            plan.in_place = self.reads_decode_cache_in_place(plan.observed)
+            plan.in_place = self.reads_decode_cache_in_place()
         # The last layer's output is read at ``output_rows`` only. Its K,V are stored for
         # every row (the cache needs them), and an observer still sees every row's query
         # (PyramidInfer scores with queries and keys, not outputs), but its attention,
@@ -403,6 +406,11 @@ class _AttentionPlan:
             out[rows] = cpu_kernels.kernels().paged_decode_attention(
                 q[rows].contiguous(), step.k_cache, step.v_cache, group.blocks[layer],
                 group.lengths[layer])
+            if self.observed:
+                for b, observer in enumerate(self.decode.observers[rows]):
+                    if observer is not None:
+                        row = rows.start + b
+                        observer.observe(layer, q[row:row + 1], positions[row:row + 1], None, None)
             return
         k_pad, v_pad, key_positions, lengths = step.read(
             group, layer, with_positions=self.observed or sliding_window is not None)

@@ -44,7 +44,7 @@ class RecentQueries:
         self.newest_position = -1
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
-                k: torch.Tensor, key_positions: torch.Tensor) -> None:
+                k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
         if self._queries[layer] is None:
             self._queries[layer] = q.new_zeros((self.window,) + tuple(q.shape[1:]))
             self._positions[layer] = torch.full((self.window,), -1, dtype=torch.int64,

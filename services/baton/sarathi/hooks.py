@@ -28,8 +28,9 @@ from baton.model.sampling import SamplingParams
 
 class SequenceCompressor(Protocol):
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
-                k: torch.Tensor, key_positions: torch.Tensor) -> None:
-        """One layer of one prefill chunk: q [T, H, D], k [S, Hkv, D] (all keys attended)."""
+                k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
+        """One layer of one prefill chunk: q [T, H, D], k [S, Hkv, D] (all keys attended);
+        or of one decode step, whose keys are None where the batch reads the cache in place."""
         ...
 
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:

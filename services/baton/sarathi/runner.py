@@ -52,7 +52,7 @@ class ModelRunner:
             positions += [seq.num_computed for seq in decodes]
             sampling += decodes
             observers = [seq.compressor for seq in decodes]
-            in_place = self.model.reads_decode_cache_in_place(any(observers))
+            in_place = self.model.reads_decode_cache_in_place()
             step = self.pool.begin_decode([seq.request_id for seq in decodes], grouped=not in_place)
             decode = DecodeBatch(step, observers)
         device = self.model.device
