@@ -135,7 +135,7 @@ class SelfAttention(nn.Module):
 
 
 # On the CPU a prompt-sized batch goes through the MLP in blocks of rows whose gate/up
-# activations take about this much. Whole, a 8192-token step's are ~45 MiB in fp32 (the
+# activations take about this much. Whole, an 8192-token step's are ~45 MiB in fp32 (the
 # shipped model): more than the L3 cache, and more than glibc serves from its heap (32
 # MiB at most), so every layer of every such step had them page-faulted in anew.
 MLP_BLOCK_BYTES = 8 * 2**20
