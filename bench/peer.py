@@ -148,6 +148,13 @@ def run_served(argv: list[str], peer_python: Path, model_dir: Path, workload: Pa
     return result
 
 
+def saved_results() -> tuple[dict, dict, dict]:
+    """The last run's results.json: (offline rounds by (model, dtype), served rounds, all of it)."""
+    saved = json.loads((WORK_DIR / "results.json").read_text())
+    offline = {tuple(key.split("/")): rounds for key, rounds in saved["offline"].items()}
+    return offline, saved["served"], saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -167,10 +174,9 @@ def main() -> None:
     if args.served_only and args.offline_only:
         parser.error("--served-only and --offline-only exclude each other")
     if args.report_only:
-        saved = json.loads((WORK_DIR / "results.json").read_text())
-        results = {tuple(key.split("/")): rounds for key, rounds in saved["offline"].items()}
+        results, served, saved = saved_results()
         rounds = len(next(iter(results.values())))
-        write_report("peer.md", render(results, saved["served"], saved["machine"], rounds,
+        write_report("peer.md", render(results, served, saved["machine"], rounds,
                                        tuple(saved["load_average"])))
         plot_throughput(results, REPORT_DIR / "peer.png")
         return
@@ -182,8 +188,7 @@ def main() -> None:
     pairs = [(model, dtype) for model in args.models.split(",") for dtype in args.dtypes.split(",")]
     results: dict[tuple[str, str], list[dict]] = {pair: [] for pair in pairs}
     if args.served_only:
-        saved = json.loads((WORK_DIR / "results.json").read_text())
-        results = {tuple(key.split("/")): rounds for key, rounds in saved["offline"].items()}
+        results = saved_results()[0]
     for round_index in range(0 if args.served_only else args.rounds):
         print(f"round {round_index + 1}/{args.rounds}")
         for model, dtype in pairs:
@@ -195,7 +200,7 @@ def main() -> None:
             results[(model, dtype)].append(runs)
     served = {dtype: [] for dtype in filter(None, args.served_dtypes.split(","))}
     if args.offline_only:
-        served = json.loads((WORK_DIR / "results.json").read_text())["served"]
+        served = saved_results()[1]
     for round_index in range(args.rounds if served and not args.offline_only else 0):
         print(f"served round {round_index + 1}/{args.rounds}")
         for dtype, rounds in served.items():

@@ -407,10 +407,7 @@ class _AttentionPlan:
                 q[rows].contiguous(), step.k_cache, step.v_cache, group.blocks[layer],
                 group.lengths[layer])
             if self.observed:
-                for b, observer in enumerate(self.decode.observers[rows]):
-                    if observer is not None:
-                        row = rows.start + b
-                        observer.observe(layer, q[row:row + 1], positions[row:row + 1], None, None)
+                self._observe_group(layer, rows, q, positions)
             return
         k_pad, v_pad, key_positions, lengths = step.read(
             group, layer, with_positions=self.observed or sliding_window is not None)
@@ -421,11 +418,20 @@ class _AttentionPlan:
             self._biases[index] = bias
         out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias)
         if self.observed:
-            for b, observer in enumerate(self.decode.observers[rows]):
-                if observer is not None:
-                    n, row = int(lengths[b]), rows.start + b
-                    observer.observe(layer, q[row:row + 1], positions[row:row + 1],
-                                     k_pad[b, :n], key_positions[b, :n])
+            self._observe_group(layer, rows, q, positions, (k_pad, key_positions, lengths))
+
+    def _observe_group(self, layer: int, rows: slice, q, positions, gathered=None) -> None:
+        """Each observed row of a decode group sees its query, and its keys where the group
+        was gathered (``gathered``: padded keys, their positions, each row's length)."""
+        for b, observer in enumerate(self.decode.observers[rows]):
+            if observer is None:
+                continue
+            row, keys, key_positions = rows.start + b, None, None
+            if gathered is not None:
+                k_pad, padded_positions, lengths = gathered
+                n = int(lengths[b])
+                keys, key_positions = k_pad[b, :n], padded_positions[b, :n]
+            observer.observe(layer, q[row:row + 1], positions[row:row + 1], keys, key_positions)
 
 
 # --- The two entry points the engines call -------------------------------------------------
