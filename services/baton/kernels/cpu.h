@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace baton_cpu {
 
@@ -48,6 +49,31 @@ inline __m512 exp2_bounded(__m512 x) {
   return exp_reduced(_mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945309f)), n);
 }
 
+// Softmax numerators of row[0, length) in place, exp(x - max), and their sum; a row whose
+// every entry is -inf (nothing visible) is left as it is and gives 0.
+inline float softmax_numerators(float* row, int64_t length) {
+  const int64_t full = length / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (length - full)) - 1);
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
+  if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, row + full));
+  const float maximum = _mm512_reduce_max_ps(m);
+  if (maximum == -std::numeric_limits<float>::infinity()) return 0.0f;
+  const __m512 row_max = _mm512_set1_ps(maximum);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), row_max));
+    _mm512_storeu_ps(row + j, p);
+    total = _mm512_add_ps(total, p);
+  }
+  if (tail) {
+    __m512 p = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), row_max)));
+    _mm512_mask_storeu_ps(row + full, tail, p);
+    total = _mm512_add_ps(total, p);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
 // 16 values of a row as fp32, and back (bf16: round to nearest even, as torch's conversion).
 inline __m512 load_as_float(const at::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -58,6 +84,31 @@ inline void store_from_float(at::BFloat16* x, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), (__m256i)_mm512_cvtneps_pbh(v));
 }
 inline void store_from_float(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
+
+// 16x16 32-bit transpose: r[i] holds row i on entry, column i on return.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
 
 constexpr int kTile = 16;  // fp32 lanes of a 512-bit register: keys, dims or values per tile
 constexpr int kKeyBlock = 64;  // keys per softmax block of the prompt kernel (4 tiles)
@@ -147,6 +198,11 @@ void for_dtype_and_head_dim(const at::Tensor& q, Job&& job) {
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lengths);
+
+// PyramidInfer's scores (cpu_attention_scores.cpp)
+at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& query_positions,
+                            const at::Tensor& weights, const at::Tensor& k,
+                            const at::Tensor& key_positions, int64_t sliding_window);
 
 // element-wise (cpu_elementwise.cpp)
 at::Tensor silu_and_mul(const at::Tensor& x);

@@ -27,8 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp", "cpu_elementwise.cpp",
-           "cpu_bindings.cpp")
+SOURCES = ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp", "cpu_attention_scores.cpp",
+           "cpu_elementwise.cpp", "cpu_bindings.cpp")
 # The instruction sets the kernels are written for, named rather than -march=native, so a
 # build is valid on every CPU that passes ``_cpu_supports`` (a shared cache, an image).
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
@@ -47,7 +47,7 @@ def _build_name() -> str:
 NAME = _build_name()
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_DECODE_GROUP = 16  # query heads per KV head the decode kernel takes
+MAX_DECODE_GROUP = 16  # query heads per KV head the decode and scores kernels take
 
 
 def _cpu_supports() -> bool:
@@ -58,7 +58,8 @@ def _cpu_supports() -> bool:
 def kernels() -> ModuleType | None:
     """The compiled module, or None where it can't run: ``causal_attention`` (prompts and
     prefix slices), ``paged_decode_attention`` (decode batches), and a Llama layer's
-    element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``)."""
+    element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``), and PyramidInfer's
+    ``attention_scores``."""
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or not _cpu_supports():
         return None
     prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{NAME}.so"
@@ -106,6 +107,12 @@ def paged_decode_fits(dtype: torch.dtype, device: torch.device, head_dim: int, n
     return (torch.device(device).type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_DECODE_GROUP
             and kernels() is not None)
+
+
+def attention_scores_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Can ``attention_scores`` take recent queries q [R, H, D] over keys k [S, Hkv, D]?"""
+    return (k.dtype == q.dtype and not wants_gradient(q, k)
+            and paged_decode_fits(q.dtype, q.device, q.shape[-1], q.shape[1], k.shape[1]))
 
 
 def elementwise_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:

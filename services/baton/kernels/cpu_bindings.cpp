@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "Bottom-right causal attention of q [T, H, D] over k, v [S, Hkv, D]");
   module.def("paged_decode_attention", &paged_decode_attention, released(),
              "One token per sequence, q [B, H, D], over its blocks of the paged caches");
+  module.def("attention_scores", &attention_scores, released(),
+             "Weighted, head-averaged attention of recent queries q [R, H, D] to keys k [S, Hkv, D]");
   module.def("silu_and_mul", &silu_and_mul, released(), "silu(x[:, :n]) * x[:, n:] for x [rows, 2n]");
   module.def("rms_norm", &rms_norm, released(), "Llama's RMSNorm of x [rows, width]");
   module.def("rotary_", &rotary_, released(),

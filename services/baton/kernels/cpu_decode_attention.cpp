@@ -22,31 +22,6 @@ namespace {
 
 using namespace baton_cpu;
 
-// 16x16 32-bit transpose: r[i] holds row i on entry, column i on return.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
-
 constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
 constexpr int64_t kPrefetch = 32;  // keys ahead that the decode kernel asks the memory for
 
@@ -120,29 +95,8 @@ struct PagedDecode {
       for (int64_t g = 0; g < rows; ++g)
         _mm512_storeu_ps(scores.data() + g * padded + start, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
     }
-    // softmax per query row over [0, length)
-    const int64_t full = length / kTile * kTile;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (length - full)) - 1);
     float inverse_sum[kMaxGroup];
-    for (int64_t g = 0; g < rows; ++g) {
-      float* sg = scores.data() + g * padded;
-      __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < full; j += kTile) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + j));
-      if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, sg + full));
-      const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t j = 0; j < full; j += kTile) {
-        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + j), row_max));
-        _mm512_storeu_ps(sg + j, p);
-        total = _mm512_add_ps(total, p);
-      }
-      if (tail) {
-        __m512 p = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + full), row_max)));
-        _mm512_mask_storeu_ps(sg + full, tail, p);
-        total = _mm512_add_ps(total, p);
-      }
-      inverse_sum[g] = 1.0f / _mm512_reduce_add_ps(total);
-    }
+    for (int64_t g = 0; g < rows; ++g) inverse_sum[g] = 1.0f / softmax_numerators(scores.data() + g * padded, length);
     // out[g] = sum_key p[g][key] v_key, kRows query rows at a time
     for (int64_t g0 = 0; g0 < rows; g0 += kRows) {
       __m512 o[kRows][kDimTiles];

@@ -14,6 +14,9 @@ per layer serves all KV heads — a pruned layer stays one block table.
 The probabilities are computed explicitly, and only for the recent queries:
 R x S per head against the T x S of the layer's full attention, with R ~ 20%
 of the prompt (and the full attention never materialises its probabilities).
+On CPUs with AVX-512 a kernel of ours computes them (``attention_scores``,
+baton/kernels/cpu_attention_scores.cpp: ~4x torch's ops here, docs/runtime.md);
+elsewhere torch's ops below, the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from baton.config import PyramidConfig
+from baton.kernels import cpu as cpu_kernels
 from baton.model.attention import visibility_mask
 
 # Recent queries scored per matmul: bounds the [Hkv, rows * G, S] probability block.
@@ -48,6 +52,19 @@ def recent_attention_scores(q: torch.Tensor, query_positions: torch.Tensor, weig
     A query only sees keys at or before its own position (and inside the
     sliding window, for models that have one), exactly as in the model.
     """
+    if cpu_kernels.attention_scores_fits(q, k):
+        return cpu_kernels.kernels().attention_scores(
+            q.contiguous(), query_positions.to(torch.int64).contiguous(),
+            weights.to(torch.float32).contiguous(), k.contiguous(),
+            key_positions.to(torch.int64).contiguous(), sliding_window or 0)
+    return recent_attention_scores_torch(q, query_positions, weights, k, key_positions,
+                                         sliding_window)
+
+
+def recent_attention_scores_torch(q: torch.Tensor, query_positions: torch.Tensor,
+                                  weights: torch.Tensor, k: torch.Tensor, key_positions: torch.Tensor,
+                                  sliding_window: int | None = None) -> torch.Tensor:
+    """``recent_attention_scores`` in torch's ops (any device)."""
     num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
