@@ -70,6 +70,24 @@ def test_pyramid_shaped_store_and_retain_keep_positions():
     assert pool.num_free_blocks == before + 2  # 9 tokens (3 blocks) -> 4 tokens (1 block)
 
 
+@pytest.mark.parametrize("keep", [[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 6, 7, 8], [5, 8], [0]])
+def test_retain_moves_the_kept_tokens_down_in_order_and_leaves_the_rest(keep):
+    """Whatever is dropped (nothing, a batch in the middle, the start), the layer reads back as
+    the kept rows of k, v and positions, and another sequence's and layer's tokens stay."""
+    pool = make_pool(num_blocks=16)
+    mine, other = [LayerKV(*random_kv(9)) for _ in range(LAYERS)], [LayerKV(*random_kv(7)) for _ in range(LAYERS)]
+    pool.store("a", mine)
+    pool.store("b", other)
+    keep = torch.tensor(keep)
+    pool.retain("a", 1, keep)
+    kept = pool.gather("a", 1)
+    assert torch.equal(kept.k, mine[1].k[keep]) and torch.equal(kept.v, mine[1].v[keep])
+    assert torch.equal(kept.positions, mine[1].positions[keep])
+    for seq_id, layers, layer in (("a", mine, 0), ("b", other, 1)):
+        stored = pool.gather(seq_id, layer)
+        assert torch.equal(stored.k, layers[layer].k) and torch.equal(stored.v, layers[layer].v)
+
+
 def test_paged_view_is_a_sequence_kv_equal_to_dense():
     pool = make_pool()
     view, dense = pool.view("a"), DenseKV(LAYERS)

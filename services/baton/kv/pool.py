@@ -201,15 +201,27 @@ class KVPool:
             self.append(seq_id, index, layer.k, layer.v, layer.positions)
 
     def retain(self, seq_id: str, layer: int, keep: torch.Tensor) -> None:
-        """Keep only the tokens at sorted indices ``keep`` of one layer; frees emptied blocks."""
-        current = self.gather(seq_id, layer)
+        """Keep only the tokens at sorted indices ``keep`` of one layer; frees emptied blocks.
+
+        The kept tokens move down in place, in order: those before the first dropped one
+        stay where they are, so a pruned batch in the middle moves only what follows it."""
         table = self._tables[seq_id][layer]
+        keep = keep.to("cpu", torch.int64)
+        count = keep.numel()
         self._batch = None
-        surplus = table.blocks[self.blocks_for(keep.numel()):]
-        del table.blocks[self.blocks_for(keep.numel()):]
+        unmoved = int((keep == torch.arange(count)).sum())  # sorted and distinct: a prefix
+        if unmoved < count:
+            slots = self._token_slots(table)
+            source = to_device(slots[keep[unmoved:]], self.k_cache.device)
+            target = to_device(slots[unmoved:count], self.k_cache.device)
+            tokens = self.num_blocks * self.block_size
+            for cache in (self.k_cache, self.v_cache, self.positions):
+                flat = cache.view(tokens, *cache.shape[2:])
+                flat.index_copy_(0, target, flat.index_select(0, source))
+        surplus = table.blocks[self.blocks_for(count):]
+        del table.blocks[self.blocks_for(count):]
         self._free.extend(reversed(surplus))
-        table.length = 0
-        self.append(seq_id, layer, current.k[keep], current.v[keep], current.positions[keep])
+        table.length = count
 
     def begin_decode(self, seq_ids: list[str], grouped: bool = True) -> DecodeStep:
         """Claim room for one new token per sequence in every layer; return the step's metadata.
@@ -282,6 +294,11 @@ class KVPool:
         group = DecodeGroup(slice(0, batch), list(self._batch.tensors), all_lengths, uniform=False)
         return DecodeStep(flat[:len(slots)].view(self.num_layers, batch), [group],
                           self.k_cache, self.v_cache, self.positions)
+
+    def _token_slots(self, table: _LayerTable) -> torch.Tensor:
+        """Flat slot numbers of a table's tokens, in order (a host tensor)."""
+        blocks = torch.tensor(table.blocks, dtype=torch.int64)
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).view(-1)[:table.length]
 
     def _slots(self, table: _LayerTable, count: int) -> torch.Tensor:
         """Flat slot numbers (block * block_size + offset) of a table's next ``count`` tokens, as

