@@ -81,8 +81,8 @@ def test_untracked_or_forgotten_sequences_are_left_alone(model, prompt):
 
 def test_an_observed_decode_batch_reads_the_pruned_cache_where_it_lies(prompt):
     """Observers of generated tokens record queries only, so an observed decode batch keeps
-    the in-place kernel: same logits as attention over the gathered cache, every layer's
-    query seen."""
+    the in-place kernel: same logits as attention over the gathered cache, and the row's
+    queries of every layer seen in one call."""
     model = build_model(num_heads=2, num_kv_heads=1)  # heads of 32: the kernel's shapes
     if not model.reads_decode_cache_in_place():
         pytest.skip("baton's CPU kernels are not available here")
@@ -93,12 +93,13 @@ def test_an_observed_decode_batch_reads_the_pruned_cache_where_it_lies(prompt):
     seen = []
 
     class Recording:
-        def observe(self, layer, q, query_positions, k, key_positions) -> None:
-            seen.append((layer, q.shape[0], int(query_positions[0]), k))
+        def observe_decode(self, queries, query_position) -> None:
+            seen.append((tuple(queries.shape), query_position))
 
     step = pool.begin_decode(["seq"], grouped=False)
     hidden = model(torch.tensor([token]), torch.tensor([position]), [], torch.tensor([0]),
                    DecodeBatch(step, [Recording()]))
     torch.testing.assert_close(model.logits(hidden)[0], hand_decode(model, token, position, layers),
                                rtol=1e-5, atol=1e-5)
-    assert seen == [(layer, 1, position, None) for layer in range(model.config.num_hidden_layers)]
+    config = model.config
+    assert seen == [((config.num_hidden_layers, config.num_attention_heads, config.head_dim), position)]

@@ -124,10 +124,14 @@ class KeepEveryOtherDeepToken:
 
     def __init__(self) -> None:
         self.observed_layers: set[int] = set()
+        self.decoded_positions: list[int] = []
         self.decode_calls = 0
 
     def observe(self, layer, q, query_positions, k, key_positions) -> None:
         self.observed_layers.add(layer)
+
+    def observe_decode(self, queries, position) -> None:
+        self.decoded_positions.append(position)
 
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
         return [layer if index == 0 else _every_other(layer) for index, layer in enumerate(layers)]
@@ -155,6 +159,8 @@ def test_pyramid_shaped_kv_from_a_chain_continues_like_a_local_compressed_prefil
     assert compressors[0].observed_layers == {0, 1, 2}
     # Decodes 2..10 each follow a step; the last one finishes the request instead.
     assert compressors[0].decode_calls == params.max_tokens - 2
+    # and every decode step's forward showed it its token, at the token's position
+    assert compressors[0].decoded_positions == list(range(41, 41 + params.max_tokens - 1))
 
     # The "chain": a dense prefill, compressed the same way, handed over with its logits.
     dense = DenseKV(model.config.num_hidden_layers)

@@ -46,14 +46,21 @@ class SequenceKV(Protocol):
 
 
 class AttentionObserver(Protocol):
-    """Sees every layer's queries and keys of one segment (PyramidInfer scores with it).
-
-    A decode batch read in place (baton's CPU kernel) has no gathered keys: its observers
-    get ``k`` and ``key_positions`` None. A generated token's observer records its query
-    (PyramidInfer's generation phase scores later, from the pool)."""
+    """Sees every layer's queries and keys of one segment (PyramidInfer scores a prompt
+    with it)."""
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
                 k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
+        ...
+
+
+class DecodeObserver(Protocol):
+    """Sees a generated token's queries, every layer's at once, when the decode batch's
+    forward has computed them (PyramidInfer's generation phase records them and scores
+    later, from the pool; it needs no keys, so the batch reads the cache where it lies)."""
+
+    def observe_decode(self, queries: torch.Tensor, position: int) -> None:
+        """queries: [layers, H, D] of the token at ``position``."""
         ...
 
 
@@ -70,10 +77,10 @@ class Segment:
 class DecodeBatch:
     """The last B rows of the flat batch: one new token for each of B sequences whose KV
     lies in a paged pool. The caller (a runner) builds ``step`` with ``KVPool.begin_decode``;
-    the model writes and reads the cache through it. ``observers[b]`` sees row b's attention."""
+    the model writes and reads the cache through it. ``observers[b]`` sees row b's queries."""
 
     step: DecodeStep
-    observers: Sequence[AttentionObserver | None] = ()
+    observers: Sequence[DecodeObserver | None] = ()
 
     @property
     def size(self) -> int:
@@ -300,7 +307,7 @@ class CausalLM(nn.Module):
         assert covered == token_ids.shape[0], "segments and decode batch must cover the batch"
         hidden = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        plan = _AttentionPlan(segments, decode, token_ids.shape[0])
+        plan = _AttentionPlan(segments, decode, token_ids.shape[0], len(self.model.layers))
         if decode is not None:
             plan.in_place = self.reads_decode_cache_in_place()
         # The last layer's output is read at ``output_rows`` only. Its K,V are stored for
@@ -354,19 +361,21 @@ class _AttentionPlan:
     similar length in one padded kernel call."""
 
     def __init__(self, segments: Sequence[Segment], decode: DecodeBatch | None,
-                 num_rows: int) -> None:
+                 num_rows: int, num_layers: int) -> None:
         self.segments: list[tuple[int, Segment]] = []
         row = 0
         for segment in segments:
             self.segments.append((row, segment))
             row += segment.length
         self.decode = decode
+        self.num_layers = num_layers
         self.observed = False  # is the decode batch's attention observed
         if decode is not None:
             self.decode_rows = slice(row, num_rows)
             self.observed = any(observer is not None for observer in decode.observers)
             self.in_place = False  # read the cache where it lies (set by the model)
             self._biases: dict[int, torch.Tensor] = {}  # per group, shared by same-shape layers
+            self._decode_queries: list[torch.Tensor] = []  # each layer's, while observed
 
     def attend(self, layer: int, q, k, v, positions, sliding_window,
                rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -398,6 +407,18 @@ class _AttentionPlan:
         q, positions, out = q[rows], positions[rows], out[rows]  # views of the decode rows
         for index, group in enumerate(step.groups):
             self._attend_group(index, group, layer, q, positions, sliding_window, out)
+        if self.observed:
+            self._decode_queries.append(q)
+            if layer == self.num_layers - 1:
+                self._observe_decode(positions)
+
+    def _observe_decode(self, positions: torch.Tensor) -> None:
+        """Each observer gets its row's queries of every layer: one stack for the batch,
+        then one call per sequence (none per sequence and layer)."""
+        queries = torch.stack(self._decode_queries, dim=1).unbind(0)  # [layers, H, D] each
+        for observer, query, position in zip(self.decode.observers, queries, positions.tolist()):
+            if observer is not None:
+                observer.observe_decode(query, position)
 
     def _attend_group(self, index: int, group: DecodeGroup, layer: int, q, positions,
                       sliding_window, out) -> None:
@@ -406,35 +427,15 @@ class _AttentionPlan:
             out[rows] = cpu_kernels.kernels().paged_decode_attention(
                 q[rows].contiguous(), step.k_cache, step.v_cache, group.blocks[layer],
                 group.lengths[layer])
-            if self.observed:
-                self._observe_group(layer, rows, q, positions)
             return
         k_pad, v_pad, key_positions, lengths = step.read(
-            group, layer, with_positions=self.observed or sliding_window is not None)
+            group, layer, with_positions=sliding_window is not None)
         bias = self._biases.get(index)
         if bias is None or not group.uniform or sliding_window is not None:
             bias = decode_attention_bias(positions[rows], key_positions, lengths, k_pad.shape[1],
                                          sliding_window, q.dtype)
             self._biases[index] = bias
         out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias)
-        if self.observed:
-            self._observe_group(layer, rows, q, positions, (k_pad, key_positions, lengths))
-
-    def _observe_group(self, layer: int, rows: slice, q, positions, gathered=None) -> None:
-        """Each observed row of a decode group sees its query, and its keys where the group
-        was gathered (``gathered``: padded keys, their positions, each row's length)."""
-        # every row's [1, H, D] query and [1] position as views, made in one call each
-        queries = q[rows].unsqueeze(1).unbind(0)
-        query_positions = positions[rows].unsqueeze(1).unbind(0)
-        for b, observer in enumerate(self.decode.observers[rows]):
-            if observer is None:
-                continue
-            keys = key_positions = None
-            if gathered is not None:
-                k_pad, padded_positions, lengths = gathered
-                n = int(lengths[b])
-                keys, key_positions = k_pad[b, :n], padded_positions[b, :n]
-            observer.observe(layer, queries[b], query_positions[b], keys, key_positions)
 
 
 # --- The two entry points the engines call -------------------------------------------------

@@ -7,8 +7,8 @@ factory from the deployment's ``PyramidConfig`` and the request's overrides
 * prompt phase — while the prompt is prefilled locally (chunk by chunk), each
   chunk's queries go to a ``PromptCompressor``; after the final chunk the
   engine calls ``compress(layers)`` and stores the pyramid-shaped cache;
-* generation phase — decode steps' queries go to a ``RecentQueries`` ring
-  buffer and ``after_decode`` prunes every 16 tokens that leave the recent
+* generation phase — decode steps' queries (every layer's at once, from the
+  decode batch) go to a ``RecentQueries`` ring buffer and ``after_decode`` prunes every 16 tokens that leave the recent
   window (``GenerationCompressor``).
 
 The phase of a query is read off its position: positions inside the prompt
@@ -49,6 +49,9 @@ class PyramidSequenceCompressor:
             self._prompt.observe(layer, q, query_positions, k, key_positions)
             return
         self._recent.observe(layer, q, query_positions, k, key_positions)
+
+    def observe_decode(self, queries: torch.Tensor, position: int) -> None:
+        self._recent.observe_decode(queries, position)
 
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
         return self._prompt.compress(layers)

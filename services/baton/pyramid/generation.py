@@ -17,7 +17,8 @@ one token: after n generated tokens layer l holds about
 How an engine uses it (one instance per decode pool):
 
     observer = compressor.track(seq_id, prompt_length)   # once the prompt is in the pool
-    Segment(1, pool.view(seq_id), observer)               # on each decode step's segment
+    DecodeBatch(step, [observer, ...])                    # on each decode step (or a
+    Segment(1, pool.view(seq_id), observer)               #   step's segment of one token)
     compressor.after_step(pool, seq_id)                   # after each decode step
     compressor.forget(seq_id)                             # when the sequence finishes
 """
@@ -34,37 +35,45 @@ from baton.pyramid.scoring import query_weights, recent_attention_scores, top_ca
 
 
 class RecentQueries:
-    """Observer of one sequence's decode steps: a ring buffer of its last W queries per layer."""
+    """Observer of one sequence's decode steps: a ring buffer of its last W queries, every
+    layer's, slot = position mod W."""
 
     def __init__(self, num_layers: int, window: int) -> None:
         self.window = window
         self.num_layers = num_layers
-        self._queries: list[torch.Tensor | None] = [None] * num_layers  # [W, H, D] per layer
-        # each slot's position (-1 = empty), a list: a decode step writes one slot per layer,
-        # and a list item costs ~1.4 µs less than a tensor's (16k writes per batch of 64 x 64)
-        self._positions: list[list[int]] = [[-1] * window for _ in range(num_layers)]
+        self._queries: torch.Tensor | None = None  # [W, layers, H, D]
+        # each slot's position (-1 = empty), a list: a decode step writes one slot, and a
+        # list item costs ~1.4 µs less than a tensor's (4k writes per batch of 64 x 64)
+        self._positions: list[int] = [-1] * window
         self.newest_position = -1
+
+    def observe_decode(self, queries: torch.Tensor, position: int) -> None:
+        """A decode batch's row: the token's queries of every layer ([layers, H, D])."""
+        if self._queries is None:
+            self._queries = queries.new_zeros((self.window,) + tuple(queries.shape))
+        slot = position % self.window
+        self._queries[slot] = queries
+        self._positions[slot] = position
+        self.newest_position = max(self.newest_position, position)
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
                 k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
-        queries = self._queries[layer]
-        if queries is None:
-            queries = self._queries[layer] = q.new_zeros((self.window,) + tuple(q.shape[1:]))
-        positions = self._positions[layer]
+        """A segment's rows, one layer (a decode step taken as a segment of one token)."""
+        if self._queries is None:
+            self._queries = q.new_zeros((self.window, self.num_layers) + tuple(q.shape[1:]))
         for row, position in enumerate(query_positions.tolist()):
             slot = position % self.window
-            queries[slot] = q[row]
-            positions[slot] = position
+            self._queries[slot, layer] = q[row]
+            self._positions[slot] = position
             self.newest_position = max(self.newest_position, position)
 
     def recent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [R, H, D], positions [R]) of the last W decode steps, R <= W."""
-        queries = self._queries[layer]
-        if queries is None:
+        if self._queries is None:
             return torch.empty(0), torch.empty(0, dtype=torch.int64)
-        positions = torch.tensor(self._positions[layer], dtype=torch.int64, device=queries.device)
+        positions = torch.tensor(self._positions, dtype=torch.int64, device=self._queries.device)
         filled = (positions >= 0) & (positions > self.newest_position - self.window)
-        return queries[filled], positions[filled]
+        return self._queries[:, layer][filled], positions[filled]
 
 
 class _Sequence:

@@ -5,7 +5,8 @@ off. For each sequence it asks the factory for a ``SequenceCompressor``
 (which may be None for that request, e.g. a per-request override):
 
 * while a prompt is prefilled locally, the compressor is the attention
-  observer of every chunk's ``Segment`` (it sees each layer's queries and keys);
+  observer of every chunk's ``Segment`` (it sees each layer's queries and keys),
+  and on each decode step the decode batch's observer of its row (its queries);
 * after the final chunk, the engine gathers the sequence's KV from the pool,
   calls ``compress(layers)`` and stores the (pyramid-shaped) result instead;
 * after every decode step of the sequence, ``after_decode(pool, seq_id)`` runs
@@ -29,8 +30,11 @@ from baton.model.sampling import SamplingParams
 class SequenceCompressor(Protocol):
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
                 k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
-        """One layer of one prefill chunk: q [T, H, D], k [S, Hkv, D] (all keys attended);
-        or of one decode step, whose keys are None where the batch reads the cache in place."""
+        """One layer of one prefill chunk: q [T, H, D], k [S, Hkv, D] (all keys attended)."""
+        ...
+
+    def observe_decode(self, queries: torch.Tensor, position: int) -> None:
+        """One decode step of the sequence: its token's queries of every layer [L, H, D]."""
         ...
 
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
