@@ -67,13 +67,13 @@ class RecentQueries:
             self._positions[slot] = position
             self.newest_position = max(self.newest_position, position)
 
-    def recent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(queries [R, H, D], positions [R]) of the last W decode steps, R <= W."""
+    def recent(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [R, layers, H, D], positions [R]) of the last W decode steps, R <= W."""
         if self._queries is None:
             return torch.empty(0), torch.empty(0, dtype=torch.int64)
         positions = torch.tensor(self._positions, dtype=torch.int64, device=self._queries.device)
         filled = (positions >= 0) & (positions > self.newest_position - self.window)
-        return self._queries[:, layer][filled], positions[filled]
+        return self._queries[filled], positions[filled]
 
 
 class _Sequence:
@@ -126,18 +126,18 @@ class GenerationCompressor:
         return dropped
 
     def _prune_batch(self, pool: KVPool, seq_id: str, observer: RecentQueries, first: int) -> int:
+        queries, query_positions = observer.recent()  # every layer's, read once for the batch
+        if queries.shape[0] == 0:
+            return 0
+        weights = query_weights(self.config, query_positions,
+                                observer.newest_position - observer.window + 1, observer.window)
         dropped = 0
         for layer in range(self.num_layers):
             current = pool.gather(seq_id, layer)
             if current.num_tokens < self.config.min_context:
                 continue
             in_batch = (current.positions >= first) & (current.positions < first + self.batch)
-            queries, query_positions = observer.recent(layer)
-            if queries.shape[0] == 0:
-                continue
-            weights = query_weights(self.config, query_positions,
-                                    observer.newest_position - observer.window + 1, observer.window)
-            scores = recent_attention_scores(queries, query_positions, weights, current.k,
+            scores = recent_attention_scores(queries[:, layer], query_positions, weights, current.k,
                                              current.positions, self.sliding_window)
             keep = ~in_batch
             keep[top_candidates(scores, in_batch, self.keep_counts[layer])] = True
