@@ -189,7 +189,7 @@ def table_rows(step, layer: int, count: int) -> list[list[int]]:
 
 def test_ungrouped_steps_keep_their_block_tables_up_to_date_as_sequences_grow():
     # One group for a reader of blocks in place; the tables are kept between steps and
-    # patched as sequences gain blocks, and built anew when the batch changes or loses blocks.
+    # patched as sequences gain blocks, and built anew when the batch changes.
     pool = make_pool(num_blocks=64)
     for seq_id, n in (("a", 3), ("b", 6)):
         pool.store(seq_id, [LayerKV(*random_kv(n)) for _ in range(LAYERS)])
@@ -217,3 +217,21 @@ def test_an_ungrouped_step_after_pruning_reads_the_new_blocks():
     blocks = pool._tables["a"][1].blocks
     assert table_rows(step, 1, len(blocks))[0] == blocks
     assert step.groups[0].lengths[1].tolist() == [4]
+
+
+def test_a_pruned_row_regrows_with_whatever_blocks_it_gets_next():
+    """PyramidInfer frees a layer's last blocks; the kept tables are patched, not rebuilt,
+    and the blocks the row gains later (others' freed ones here) are the ones read."""
+    pool = make_pool(num_blocks=64)
+    pool.store("a", [LayerKV(*random_kv(4 * BLOCK - 1)) for _ in range(LAYERS)])
+    pool.begin_decode(["a"], grouped=False)
+    tables = pool._batch
+    pool.retain("a", 1, torch.arange(0, 4 * BLOCK, 4))  # 4 blocks -> 1
+    pool.store("b", [LayerKV(*random_kv(3 * BLOCK)) for _ in range(LAYERS)])  # takes them
+    for _ in range(3 * BLOCK + 1):  # layer 1 grows past its old 4 blocks again
+        step = pool.begin_decode(["a"], grouped=False)
+        for layer in range(LAYERS):
+            blocks = pool._tables["a"][layer].blocks
+            assert table_rows(step, layer, len(blocks))[0] == blocks
+    assert pool._batch is tables
+    assert len(pool._tables["a"][1].blocks) > 4

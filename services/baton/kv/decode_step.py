@@ -102,6 +102,7 @@ class BatchTables:
 
     def __init__(self, seq_ids: list[str], per_sequence: list[list], num_layers: int) -> None:
         self.seq_ids = list(seq_ids)
+        self.rows = {seq_id: row for row, seq_id in enumerate(seq_ids)}
         self.counts = [[len(tables[layer].blocks) for tables in per_sequence]
                        for layer in range(num_layers)]
         self.tensors = []
@@ -113,6 +114,13 @@ class BatchTables:
                 if blocks:
                     table[row, :len(blocks)] = torch.tensor(blocks)
             self.tensors.append(table)
+
+    def truncate(self, seq_id: str, layer: int, count: int) -> None:
+        """A sequence's layer now holds only its first ``count`` blocks (PyramidInfer pruned
+        it): blocks it gains later are written from there."""
+        row = self.rows.get(seq_id)
+        if row is not None:
+            self.counts[layer][row] = min(self.counts[layer][row], count)
 
     def patch(self, seq_ids: list[str], per_sequence: list[list]) -> bool:
         """Bring the tables up to date with the sequences' blocks; False when they no longer

@@ -208,7 +208,6 @@ class KVPool:
         table = self._tables[seq_id][layer]
         keep = keep.to("cpu", torch.int64)
         count = keep.numel()
-        self._batch = None
         unmoved = int((keep == torch.arange(count)).sum())  # sorted and distinct: a prefix
         if unmoved < count:
             slots = self._token_slots(table)
@@ -222,6 +221,8 @@ class KVPool:
         del table.blocks[self.blocks_for(count):]
         self._free.extend(reversed(surplus))
         table.length = count
+        if surplus and self._batch is not None:  # its first blocks stay: the row is shorter
+            self._batch.truncate(seq_id, layer, len(table.blocks))
 
     def begin_decode(self, seq_ids: list[str], grouped: bool = True) -> DecodeStep:
         """Claim room for one new token per sequence in every layer; return the step's metadata.
