@@ -14,9 +14,9 @@ per layer serves all KV heads — a pruned layer stays one block table.
 The probabilities are computed explicitly, and only for the recent queries:
 R x S per head against the T x S of the layer's full attention, with R ~ 20%
 of the prompt (and the full attention never materialises its probabilities).
-On CPUs with AVX-512 a kernel of ours computes them (``attention_scores``,
-baton/kernels/cpu_attention_scores.cpp: ~4x torch's ops here, docs/runtime.md);
-elsewhere torch's ops below, the reference the kernel is tested against.
+On CPUs with AVX-512 a kernel of ours computes them (``attention_scores`` in
+baton/kernels/cpu_attention_scores.cpp, ~10x torch's ops at a prompt's shapes:
+docs/runtime.md); elsewhere torch's ops below, the reference it is tested against.
 """
 
 from __future__ import annotations
