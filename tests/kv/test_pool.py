@@ -28,6 +28,8 @@ def test_append_and_gather_across_blocks_round_trip():
     assert torch.equal(stored.k, torch.cat([k1, k2]))
     assert torch.equal(stored.v, torch.cat([v1, v2]))
     assert torch.equal(stored.positions, torch.arange(11))
+    keys, positions = pool.keys("a", 0)  # the same without the values
+    assert torch.equal(keys, stored.k) and torch.equal(positions, stored.positions)
     assert pool.lengths("a") == [11, 0, 0]
     assert pool.blocks_of("a") == 3  # ceil(11 / 4) in layer 0 only
 

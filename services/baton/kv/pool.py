@@ -190,6 +190,15 @@ class KVPool:
                        self.v_cache.index_select(0, index).view(shape)[:n],
                        self.positions.index_select(0, index).view(-1)[:n])
 
+    def keys(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of one sequence's keys [n, Hkv, D] and their positions [n] (copies):
+        ``gather`` without the values, for a reader that scores."""
+        table = self._tables[seq_id][layer]
+        index = to_device(table.blocks, self.k_cache.device)
+        n = table.length
+        return (self.k_cache.index_select(0, index).view((-1,) + self.k_cache.shape[2:])[:n],
+                self.positions.index_select(0, index).view(-1)[:n])
+
     def store(self, seq_id: str, layers: list[LayerKV]) -> None:
         """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none."""
         if seq_id in self._tables:

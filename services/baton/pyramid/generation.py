@@ -31,7 +31,7 @@ from baton.config import PyramidConfig
 from baton.kv import KVPool
 from baton.model import ModelConfig
 from baton.pyramid.schedule import generation_keep_counts, recent_window
-from baton.pyramid.scoring import query_weights, recent_attention_scores, top_candidates
+from baton.pyramid.scoring import query_weights, recent_attention_scores
 
 
 class RecentQueries:
@@ -126,23 +126,29 @@ class GenerationCompressor:
         return dropped
 
     def _prune_batch(self, pool: KVPool, seq_id: str, observer: RecentQueries, first: int) -> int:
+        """Score the batch of positions [first, first + batch) in every layer and keep each
+        layer's best. A layer's tokens are in position order (the pool appends them in order
+        and pruning keeps it), so the batch is one run of them, [start, end)."""
         queries, query_positions = observer.recent()  # every layer's, read once for the batch
         if queries.shape[0] == 0:
             return 0
         weights = query_weights(self.config, query_positions,
                                 observer.newest_position - observer.window + 1, observer.window)
+        bounds = torch.tensor([first, first + self.batch])
         dropped = 0
         for layer in range(self.num_layers):
-            current = pool.gather(seq_id, layer)
-            if current.num_tokens < self.config.min_context:
-                continue
-            in_batch = (current.positions >= first) & (current.positions < first + self.batch)
-            scores = recent_attention_scores(queries[:, layer], query_positions, weights, current.k,
-                                             current.positions, self.sliding_window)
-            keep = ~in_batch
-            keep[top_candidates(scores, in_batch, self.keep_counts[layer])] = True
-            if bool(keep.all()):
-                continue
-            dropped += int((~keep).sum())
-            pool.retain(seq_id, layer, keep.nonzero().squeeze(1))
+            keys, positions = pool.keys(seq_id, layer)
+            count = positions.numel()
+            start, end = torch.searchsorted(positions, bounds.to(positions.device)).tolist()
+            if count < self.config.min_context or end - start <= self.keep_counts[layer]:
+                continue  # too short to prune, or the batch keeps every token it has here
+            scores = recent_attention_scores(queries[:, layer], query_positions, weights, keys,
+                                             positions, self.sliding_window)
+            # the best of the batch; ties go to the earlier token, as in top_candidates
+            best = torch.sort(scores[start:end], descending=True, stable=True).indices
+            chosen = start + best[:self.keep_counts[layer]].sort().values.to(torch.int64)
+            keep = torch.cat([torch.arange(start, device=chosen.device), chosen,
+                              torch.arange(end, count, device=chosen.device)])
+            dropped += end - start - self.keep_counts[layer]
+            pool.retain(seq_id, layer, keep)
         return dropped
