@@ -180,24 +180,23 @@ class KVPool:
     def gather(self, seq_id: str, layer: int) -> LayerKV:
         """One layer of one sequence as contiguous tensors (a copy)."""
         table = self._tables[seq_id][layer]
-        if not table.blocks:
-            empty = self.k_cache.new_zeros((0,) + self.k_cache.shape[2:])
-            return LayerKV(empty, empty.clone(), self.positions.new_zeros(0))
         index = to_device(table.blocks, self.k_cache.device)
-        n = table.length
-        shape = (-1,) + self.k_cache.shape[2:]
-        return LayerKV(self.k_cache.index_select(0, index).view(shape)[:n],
-                       self.v_cache.index_select(0, index).view(shape)[:n],
-                       self.positions.index_select(0, index).view(-1)[:n])
+        return LayerKV(*(self._rows(cache, index, table.length)
+                         for cache in (self.k_cache, self.v_cache, self.positions)))
 
     def keys(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of one sequence's keys [n, Hkv, D] and their positions [n] (copies):
         ``gather`` without the values, for a reader that scores."""
         table = self._tables[seq_id][layer]
         index = to_device(table.blocks, self.k_cache.device)
-        n = table.length
-        return (self.k_cache.index_select(0, index).view((-1,) + self.k_cache.shape[2:])[:n],
-                self.positions.index_select(0, index).view(-1)[:n])
+        return (self._rows(self.k_cache, index, table.length),
+                self._rows(self.positions, index, table.length))
+
+    @staticmethod
+    def _rows(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """The first ``length`` token rows of ``blocks`` of a ``[blocks, block_size, ...]``
+        tensor, in order (a copy)."""
+        return cache.index_select(0, blocks).view((-1,) + cache.shape[2:])[:length]
 
     def store(self, seq_id: str, layers: list[LayerKV]) -> None:
         """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none."""

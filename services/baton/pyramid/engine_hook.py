@@ -8,8 +8,8 @@ factory from the deployment's ``PyramidConfig`` and the request's overrides
   chunk's queries go to a ``PromptCompressor``; after the final chunk the
   engine calls ``compress(layers)`` and stores the pyramid-shaped cache;
 * generation phase — decode steps' queries (every layer's at once, from the
-  decode batch) go to a ``RecentQueries`` ring buffer and ``after_decode`` prunes every 16 tokens that leave the recent
-  window (``GenerationCompressor``).
+  decode batch) go to a ``RecentQueries`` ring buffer and ``after_decode``
+  prunes every 16 tokens that leave the recent window (``GenerationCompressor``).
 
 The phase of a query is read off its position: positions inside the prompt
 belong to the prompt, later ones are generated tokens. So a request whose

@@ -146,7 +146,7 @@ class GenerationCompressor:
                                              positions, self.sliding_window)
             # the best of the batch; ties go to the earlier token, as in top_candidates
             best = torch.sort(scores[start:end], descending=True, stable=True).indices
-            chosen = start + best[:self.keep_counts[layer]].sort().values.to(torch.int64)
+            chosen = start + best[:self.keep_counts[layer]].sort().values
             keep = torch.cat([torch.arange(start, device=chosen.device), chosen,
                               torch.arange(end, count, device=chosen.device)])
             dropped += end - start - self.keep_counts[layer]
