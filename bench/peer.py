@@ -121,11 +121,13 @@ def run_script(command: list[str], env: dict | None, out: Path, label: str) -> d
     return result
 
 
-# (name, peer_served.py arguments): the peer's server, then baton up as a user starts it and
-# baton up with both cores on one decode pod (every prompt prefilled there, as in the engine).
+# (name, peer_served.py arguments): the peer's server, then baton up as a user starts it,
+# baton up with both cores on one decode pod (every prompt prefilled there, as in the engine),
+# and baton up with every default, KV compression included (not the same work).
 SERVED_SETUPS = (("vllm", ["vllm"]),
                  ("baton-up", ["baton"]),
-                 ("baton-up-2t", ["baton", "--threads", "2", "--chain-ranks", "0"]))
+                 ("baton-up-2t", ["baton", "--threads", "2", "--chain-ranks", "0"]),
+                 ("baton-up-pyramid", ["baton", "--kv-compression"]))
 
 
 def run_served(argv: list[str], peer_python: Path, model_dir: Path, workload: Path, dtype: str,

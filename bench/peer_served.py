@@ -13,12 +13,14 @@ Each server is started once per run and then driven by every client, in turn:
   costs.
 
 Greedy, 64 new tokens, end-of-sequence ignored, KV compression off (``baton up`` runs with
-``BATON_PYRAMID_ENABLED=false``), so both compute the same thing.
+``BATON_PYRAMID_ENABLED=false``), so both compute the same thing; ``--kv-compression``
+leaves baton's default on instead (PyramidInfer prunes the caches: not the same work, and
+the tokens differ), for what ``baton up`` serves with every default.
 
 usage: peer_served.py vllm PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--stream-interval TOKENS]
        peer_served.py baton PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--threads N --decode-threads N
                       --chain-ranks P] (baton up's flags; none: its defaults)
-                      [--stream-interval-ms MS]
+                      [--stream-interval-ms MS] [--kv-compression]
 """
 
 from __future__ import annotations
@@ -252,6 +254,8 @@ def main() -> None:
     parser.add_argument("--stream-interval-ms", type=float, default=None,
                         help="baton up --stream-interval-ms: decode pods hold each stream's messages "
                              "this far apart (default every step)")
+    parser.add_argument("--kv-compression", action="store_true",
+                        help="baton up with KV compression on (its default) rather than off")
     args = parser.parse_args()
     workload = json.loads(Path(args.workload).read_text())
     prompts, new_tokens = workload["prompts"], workload["new_tokens"]
@@ -279,7 +283,8 @@ def main() -> None:
             server.terminate()
             server.wait(60)
     else:
-        os.environ.update(BATON_MODEL_DTYPE=args.dtype, BATON_PYRAMID_ENABLED="false")
+        os.environ.update(BATON_MODEL_DTYPE=args.dtype,
+                          BATON_PYRAMID_ENABLED="true" if args.kv_compression else "false")
         from baton.gateway.local_cluster import LocalCluster
 
         spec = up_spec(up_flags, args.model, port)
@@ -290,7 +295,8 @@ def main() -> None:
                                  "grpc": grpc_sender(cluster.gateway_address)},
                                 bench, prompts, new_tokens, args.order)
     result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
-              "setup": (" ".join(["baton up", *up_flags])
+              "setup": (" ".join(["baton up", *up_flags]) + (" (KV compression on)"
+                                                             if args.kv_compression else "")
                         if args.system == "baton" else
                         "vllm serve" + (f" --stream-interval {args.stream_interval}"
                                         if args.stream_interval != 1 else " (defaults)"))}
