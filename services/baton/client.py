@@ -51,6 +51,10 @@ class Completion:
 
 
 class BatonClient:
+    """One channel to a gateway. It carries any number of concurrent calls from any threads
+    (HTTP/2 streams on one connection): share one client rather than opening one per call,
+    which costs a connection each and more CPU per streamed token (docs/runtime.md)."""
+
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address)
