@@ -94,3 +94,20 @@ def test_required_config_field_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="hidden_size must be an integer"):
         load_checkpoint(tmp_path, with_tokenizer=False)
+
+
+@pytest.mark.parametrize(("bf16_instructions", "amx", "expected"),
+                         [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                          (False, False, torch.float32)])
+def test_auto_dtype_follows_the_cpus_instructions_not_a_timing(monkeypatch, bf16_instructions, amx,
+                                                               expected):
+    """Every process of a deployment must resolve ``auto`` alike (a chain's KV reaches the
+    decode pods in its dtype): on a CPU it is read off the instruction set, so a process
+    that starts while the others load picks what they pick."""
+    from baton.model.loader import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_instructions)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16

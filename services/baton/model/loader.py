@@ -7,7 +7,6 @@ Every error names the file and the field at fault.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from baton.dtypes import DTYPES
 from baton.model.config import ModelConfig
 from baton.model.errors import CheckpointError
 from baton.model.llama import CausalLM
-from baton.model.probe import fastest_run_s
 from baton.model.tokenizer import Tokenizer
 
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "baton-pystdlib"
@@ -43,29 +41,24 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA; on a CPU, bfloat16 where its matmuls measure faster than
-    fp32's (AVX512-BF16 and AMX CPUs: 3-10x on the development machines), else fp32."""
+    """``auto``: bfloat16 on CUDA, and on a CPU that multiplies bf16 in hardware
+    (``cpu_has_fast_bfloat16``); fp32 elsewhere."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if cpu_bfloat16_speedup() >= BFLOAT16_MIN_SPEEDUP else torch.float32
+        return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
     return DTYPES[dtype]
 
 
-# bf16 must pay clearly: it costs accuracy (a 8-bit mantissa), so a CPU that merely emulates
-# it at fp32's speed keeps fp32.
-BFLOAT16_MIN_SPEEDUP = 1.5
-
-
-@functools.cache
-def cpu_bfloat16_speedup() -> float:
-    """fp32 time / bf16 time of a 512x1024x1024 matmul on this CPU (measured once, ~20 ms)."""
-    timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(512, 1024).to(dtype)
-        b = torch.randn(1024, 1024).to(dtype)
-        timings[dtype] = fastest_run_s(lambda a=a, b=b: a @ b, runs=3)
-    return timings[torch.float32] / timings[torch.bfloat16]
+def cpu_has_fast_bfloat16() -> bool:
+    """Does this CPU multiply bf16 in hardware (AVX512-BF16, or AMX)? oneDNN's bf16 matmuls
+    then run several times fp32's (3-3.5x with AVX512-BF16 on the development machine, 7.4x
+    with AMX); a CPU without either emulates bf16 at about fp32's speed, for an 8-bit
+    mantissa. Read off the instruction set rather than timed: every process of a deployment
+    must pick the same dtype (a chain's KV reaches the decode pods in its own, and a pod
+    refuses another), and a timing taken while the other processes start can fall either
+    side of any threshold (3 concurrent probes measured 2.2x to 5.2x here)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
