@@ -47,13 +47,15 @@ struct AttentionScores {
   int64_t tiles() const { return (S + kTile - 1) / kTile; }
 
   // Every KV head's keys as 16-key tiles, [Hkv][tiles][kWords][16] words, so that the products
-  // are broadcasts of a query word against 16 keys; padding keys are zero.
+  // are broadcasts of a query word against 16 keys; padding keys are zero. Tiles are shared
+  // out among the threads (a long context's keys are tens of MB).
   std::vector<uint32_t> transposed_keys() const {
     std::vector<uint32_t> keys(Hkv * tiles() * kWords * kTile);
-    const Scalar zero_row[D] = {};
-    for (int64_t head = 0; head < Hkv; ++head) {
-      for (int64_t tile = 0; tile < tiles(); ++tile) {
-        uint32_t* dst = keys.data() + (head * tiles() + tile) * kWords * kTile;
+    at::parallel_for(0, Hkv * tiles(), 64, [&](int64_t begin, int64_t end) {
+      const Scalar zero_row[D] = {};
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / tiles(), tile = item % tiles();
+        uint32_t* dst = keys.data() + item * kWords * kTile;
         for (int chunk = 0; chunk < kWords / kTile; ++chunk) {
           __m512i columns[kTile];
           for (int j = 0; j < kTile; ++j) {
@@ -66,7 +68,7 @@ struct AttentionScores {
             _mm512_storeu_si512(dst + (chunk * kTile + i) * kTile, columns[i]);
         }
       }
-    }
+    });
     return keys;
   }
 
