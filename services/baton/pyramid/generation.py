@@ -31,7 +31,7 @@ from baton.config import PyramidConfig
 from baton.kv import KVPool
 from baton.model import ModelConfig
 from baton.pyramid.schedule import generation_keep_counts, recent_window
-from baton.pyramid.scoring import query_weights, recent_attention_scores
+from baton.pyramid.scoring import query_weights, recent_attention_scores, top_candidates
 
 
 class RecentQueries:
@@ -144,9 +144,9 @@ class GenerationCompressor:
                 continue  # too short to prune, or the batch keeps every token it has here
             scores = recent_attention_scores(queries[:, layer], query_positions, weights, keys,
                                              positions, self.sliding_window)
-            # the best of the batch; ties go to the earlier token, as in top_candidates
-            best = torch.sort(scores[start:end], descending=True, stable=True).indices
-            chosen = start + best[:self.keep_counts[layer]].sort().values
+            everyone = torch.ones(end - start, dtype=torch.bool, device=scores.device)
+            best = top_candidates(scores[start:end], everyone, self.keep_counts[layer])
+            chosen = start + best.sort().values
             keep = torch.cat([torch.arange(start, device=chosen.device), chosen,
                               torch.arange(end, count, device=chosen.device)])
             dropped += end - start - self.keep_counts[layer]
