@@ -50,7 +50,7 @@ class AttentionObserver(Protocol):
     with it)."""
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
-                k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
+                k: torch.Tensor, key_positions: torch.Tensor) -> None:
         ...
 
 
@@ -369,7 +369,7 @@ class _AttentionPlan:
             row += segment.length
         self.decode = decode
         self.num_layers = num_layers
-        self.observed = False  # is the decode batch's attention observed
+        self.observed = False  # are the decode batch's queries observed
         if decode is not None:
             self.decode_rows = slice(row, num_rows)
             self.observed = any(observer is not None for observer in decode.observers)

@@ -44,7 +44,7 @@ class PyramidSequenceCompressor:
         self._tracked_id: str | None = None
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
-                k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
+                k: torch.Tensor, key_positions: torch.Tensor) -> None:
         if query_positions[0].item() < self.prompt_length:
             self._prompt.observe(layer, q, query_positions, k, key_positions)
             return

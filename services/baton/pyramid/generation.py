@@ -57,7 +57,7 @@ class RecentQueries:
         self.newest_position = max(self.newest_position, position)
 
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
-                k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
+                k: torch.Tensor, key_positions: torch.Tensor) -> None:
         """A segment's rows, one layer (a decode step taken as a segment of one token)."""
         if self._queries is None:
             self._queries = q.new_zeros((self.window, self.num_layers) + tuple(q.shape[1:]))

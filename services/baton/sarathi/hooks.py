@@ -29,7 +29,7 @@ from baton.model.sampling import SamplingParams
 
 class SequenceCompressor(Protocol):
     def observe(self, layer: int, q: torch.Tensor, query_positions: torch.Tensor,
-                k: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
+                k: torch.Tensor, key_positions: torch.Tensor) -> None:
         """One layer of one prefill chunk: q [T, H, D], k [S, Hkv, D] (all keys attended)."""
         ...
 
