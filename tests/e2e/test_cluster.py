@@ -291,10 +291,12 @@ def test_a_stream_names_its_request_in_its_first_message_only(client, reference,
     prompt = (long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 10) if path == "chain"
               else reference.tokenizer.encode(SHORT_PROMPT))
     request_id = "named-once-" + path + "-" + "x" * 200
+    # A reader that falls behind gets the tokens published meanwhile merged into one message;
+    # 64 tokens past EOS keep the stream longer than a busy machine's stall.
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     messages = list(client.stub.Generate(raw(request_id=request_id, token_ids=api_pb2.TokenIds(ids=prompt),
-                                             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=6)),
-                                         timeout=30))
-    assert len(messages) > 1
+                                             sampling=sampling), timeout=30))
+    assert len(messages) > 1, "the whole stream came in one message: nothing to check"
     assert messages[0].request_id == request_id
     assert all(message.request_id == "" for message in messages[1:])
 
