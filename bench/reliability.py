@@ -124,7 +124,8 @@ def memory_kib(pid: int, field_name: str) -> int:
 
 
 def measure_scale(tokenizer: Tokenizer, num_streams: int) -> dict:
-    spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS)
+    spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
+                       chain_break_even=False)
     prompts = prompts_from_source(tokenizer, num_streams, (8, 24), seed=1)  # dtype: the default
     with LocalCluster(spec) as cluster:
         BatonClient(cluster.gateway_address).wait_until_serving(60)
@@ -230,7 +231,7 @@ def measure_faults(tokenizer: Tokenizer) -> tuple[list[dict], list[str]]:
                + prompts_from_source(tokenizer, FAULT_STREAMS_LONG,
                                      (CHAIN_THRESHOLD_TOKENS, CHAIN_THRESHOLD_TOKENS + 200), seed=3))
     spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
-                       heartbeat_s=0.5, worker_ttl_s=2.0)
+                       chain_break_even=False, heartbeat_s=0.5, worker_ttl_s=2.0)
     # fp32: a moved stream is recomputed (prompt + tokens sent, prefilled at once), and only
     # in fp32 does that give exactly the tokens of the uninterrupted stream (in bf16 a
     # different batching rounds differently, as a preemption would).

@@ -138,7 +138,8 @@ def run_cluster(directory: Path, requests: list[Request]) -> list[Trace]:
     # the same dtype as the other two (the pods' default, auto, may pick bf16)
     os.environ["BATON_MODEL_DTYPE"] = "float32"
     spec = ClusterSpec(model_path=str(directory), decode_workers=1, chain_ranks=2,
-                       prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS, threads_per_process=1,
+                       prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS, chain_break_even=False,
+                       threads_per_process=1,
                        decode_threads=1)
     traces = [Trace() for _ in requests]
     with LocalCluster(spec) as cluster:

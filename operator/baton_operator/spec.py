@@ -229,6 +229,7 @@ def _read_gateway(spec: dict) -> GatewaySpec:
         http=_read_http(gateway),
         routing=_build("routing", GatewayRoutingConfig,
                        prefill_threshold_tokens=routing.get("prefillThresholdTokens"),
+                       chain_break_even=routing.get("chainBreakEven"),
                        chain_max_queued_tokens=routing.get("chainMaxQueuedTokens"),
                        migration_limit=routing.get("migrationLimit"),
                        chain_failure=routing.get("chainFailure"),

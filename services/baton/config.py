@@ -228,6 +228,10 @@ CHAIN_FAILURE_POLICIES = ("recompute", "fail")
 @dataclass
 class GatewayRoutingConfig:
     prefill_threshold_tokens: int = setting(512, "prompts at least this long go through a prefill chain")
+    chain_break_even: bool = setting(True, "send a chain only prompts at least as long as its break-even: "
+                                     "the length from which its partition table measured it to prefill "
+                                     "faster than one process (KV-Runahead's appendix B; the chain "
+                                     "advertises it); false = prefill_threshold_tokens alone decides")
     chain_max_queued_tokens: int = setting(4096, "a chain already holding this many prompt tokens not yet "
                                            "prefilled takes no more: the prompt is prefilled on its decode "
                                            "pod instead (a chain prefills one request at a time); 0 = no limit")
@@ -254,6 +258,8 @@ class GatewayRoutingConfig:
                 f"gateway reroute_wait_s must be in [0, 600] seconds, got {self.reroute_wait_s}")
         require(self.prefill_threshold_tokens >= 1,
                 f"gateway prefill_threshold_tokens must be >= 1, got {self.prefill_threshold_tokens}")
+        require(isinstance(self.chain_break_even, bool),
+                f"gateway chain_break_even must be true or false, got {self.chain_break_even!r}")
         require(self.chain_max_queued_tokens >= 0,
                 f"gateway chain_max_queued_tokens must be >= 0, got {self.chain_max_queued_tokens}")
         require(self.policy in GATEWAY_POLICIES,

@@ -41,7 +41,7 @@ NO_COMPRESSION = CompressionParams(enabled=False)
 def chaos_cluster(tmp_path_factory):
     skip_without_cluster_parts()
     spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
-                       heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S)
+                       chain_break_even=False, heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S)
     with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("chaos-logs")) as cluster:
         stop = threading.Event()
         restarts: list[str] = []

@@ -13,6 +13,8 @@ from baton.config import KVPoolConfig, PyramidConfig
 from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
 from baton.model.sampling import SamplingParams
 from baton.pyramid.engine_hook import engine_compressor_factory
+from baton.routing.redis_store import RedisStore
+from baton.runahead.table import PartitionTable
 from baton.sarathi.engine import Engine
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, long_prompt_ids
 
@@ -94,3 +96,14 @@ def test_the_automatic_route_says_why(client, prompt):
     short = client.generate(GenerateRequest(token_ids=prompt[:10], sampling=SAMPLINGS["greedy"])).last
     assert long.route.chain_id and f">= prefill_threshold_tokens {CHAIN_THRESHOLD_TOKENS}" in long.route.reason
     assert not short.route.chain_id and "< prefill_threshold_tokens" in short.route.reason
+
+
+def test_a_chain_advertises_the_break_even_of_its_partition_table(cluster):
+    # The cluster's chain runs the shipped table on the CPU; its gateway ignores the
+    # break-even (chain_break_even false), so these tests can send the chain short prompts.
+    store = RedisStore(cluster.redis_url)
+    try:
+        (head,) = [w for w in store.list_workers("prefill") if w.rank == 0]
+    finally:
+        store.close()
+    assert head.break_even_tokens == PartitionTable.load().min_context[2] > 0

@@ -30,6 +30,12 @@ def test_up_demo_shows_both_paths_and_stops_every_process():
     local, chained = re.findall(r"--- TTFT (\d+) ms, (\d+) tokens .*; path: (.*);", output)
     assert local[2].startswith("prefilled on decode pod") and int(local[1]) > 0
     assert chained[2].startswith("prefill chain chain-0 (slices [0, ") and int(chained[1]) > 0
+    # the short prompt as routed; the long one pinned to the chain (its break-even is past
+    # the shipped model's context on this table)
+    short_why, long_why = re.findall(r"--- why: (.*)", output)
+    assert re.fullmatch(r"prompt of \d+ tokens < prefill_threshold_tokens 200: prefilled on the "
+                        r"decode pod", short_why)
+    assert long_why == "prefill_route chain: chain chain-0"
     assert re.search(r"=== OpenAI API: POST http://127\.0\.0\.1:\d+/v1/completions -> length after "
                      r"8 tokens \(path: local\)", output), output
     assert "try: curl http://127.0.0.1:" in output

@@ -18,10 +18,11 @@ def decode(name: str, free: int = 100, running: int = 0, queued_tokens: int = 0,
                                       running_sequences=running, queued_prompt_tokens=queued_tokens))
 
 
-def rank(chain: str, index: int, queued_tokens: int = 0, num_ranks: int = 2) -> WorkerInfo:
+def rank(chain: str, index: int, queued_tokens: int = 0, num_ranks: int = 2,
+         break_even: int = 0) -> WorkerInfo:
     return WorkerInfo(worker_id=f"{chain}-{index}", role="prefill", address=f"{chain}-{index}:1",
                       model_id=MODEL, model_revision=MODEL, version="dev", chain_id=chain,
-                      rank=index, num_ranks=num_ranks,
+                      rank=index, num_ranks=num_ranks, break_even_tokens=break_even,
                       load=WorkerLoad(queued_prompt_tokens=queued_tokens))
 
 
@@ -111,3 +112,19 @@ def test_every_automatic_decision_names_its_reason(policy):
     assert "< prefill_threshold_tokens 100" in policy.route(99, snapshot(decode("a")), {}).reason
     assert "no chain is live" in policy.route(100, snapshot(decode("a")), {}).reason
     assert policy.route(100, snapshot(decode("a"), rank("c0", 0)), {}).reason.endswith("chain c0")
+
+
+def test_a_chain_takes_only_prompts_that_reach_its_measured_break_even(policy):
+    workers = snapshot(decode("a"), rank("c0", 0, break_even=8192),
+                       rank("c1", 0, queued_tokens=1000, break_even=2048))
+    short = policy.route(1000, workers, {})
+    assert short.chain is None and short.decode.worker_id == "a"
+    assert short.reason == ("prompt of 1000 tokens >= prefill_threshold_tokens 100: below the "
+                            "break-even of every chain (chain c1: 2048 tokens, measured in its "
+                            "partition table): prefilled on the decode pod")
+    assert policy.route(2048, workers, {}).chain.chain_id == "c1", "c0 does not pay yet, however idle"
+    assert policy.route(8192, workers, {}).chain.chain_id == "c0", "both pay: the less queued"
+    assert policy.route(5, workers, {}, prefill_route="chain").chain is not None, "a pin overrides it"
+    threshold_only = create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100,
+                                                        chain_break_even=False), MODEL)
+    assert threshold_only.route(1000, workers, {}).chain.chain_id == "c0"

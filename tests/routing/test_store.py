@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -139,6 +140,23 @@ def test_worker_info_validates():
         WorkerInfo("w", "chef", "h:1", "m", "r", "v")
     with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
         WorkerInfo("w", "prefill", "h:1", "m", "r", "v", rank=2, num_ranks=2)
+
+
+def test_records_of_another_release_stay_readable():
+    # A newer worker's record during a rolling upgrade: fields this release does not know are
+    # left out; an older worker's record lacks fields, which take their defaults.
+    chain = WorkerInfo("p0", "prefill", "h:1", "m", "r", "v", chain_id="c", num_ranks=2,
+                       break_even_tokens=8192)
+    assert WorkerInfo.from_json(chain.to_json()) == chain
+    newer = json.loads(chain.to_json()) | {"gpu_kind": "h100"}
+    newer["load"] |= {"kv_bytes_free": 1}
+    assert WorkerInfo.from_json(json.dumps(newer)) == chain
+    older = json.loads(chain.to_json())
+    del older["break_even_tokens"], older["incarnation"]
+    assert WorkerInfo.from_json(json.dumps(older)).break_even_tokens == 0
+    record = RequestRecord("r1", "h:2", owner="team-a")
+    assert RequestRecord.from_json(json.dumps(json.loads(record.to_json()) | {"priority": 3})) == record
+    assert RequestRecord.from_json(json.dumps({"request_id": "r1", "decode_address": "h:2"})).owner == ""
 
 
 def test_redis_namespaces_are_separate_and_bad_records_are_skipped(redis_server):

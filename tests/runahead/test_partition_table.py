@@ -117,3 +117,14 @@ def test_the_shipped_table_was_measured_and_is_usable():
     crossover = table.min_context[2]
     assert choose_chain_size(crossover, 2) == 2
     assert choose_chain_size(crossover - 1, 2) == 1
+
+
+def test_a_chains_break_even_is_its_min_context_on_the_device_kind_measured():
+    table = _table()
+    assert table.device_type == "cpu", "a table that does not say was tuned on the CPU"
+    assert (table.break_even(2, "cpu"), table.break_even(3, "cpu"), table.break_even(4, "cpu")) == (1000, 4000, 0)
+    assert table.break_even(2, "cuda") == 0, "a CPU's break-even says nothing of a GPU's"
+    table.measured_on["device"] = "cuda"
+    assert (table.break_even(2, "cuda"), table.break_even(2, "cpu")) == (1000, 0)
+    shipped = PartitionTable.load()
+    assert shipped.break_even(2, "cpu") == shipped.min_context[2] > 0

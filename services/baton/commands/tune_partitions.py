@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     table = PartitionTable.from_file(output) if output.is_file() else PartitionTable(
         args.name or output.stem)
-    table.measured_on = {"model": args.preset or args.model or "shipped", "machine": platform.node(),
+    table.measured_on = {"model": args.preset or args.model or "shipped", "device": "cpu",
+                         "machine": platform.node(),
                          "cpus": torch.get_num_threads(), "threads_per_rank": 1,
                          "single_process_threads": args.ranks, "repeats": args.repeats,
                          "min_stride": args.min_stride}

@@ -3,6 +3,7 @@
     baton up                          gateway + one 2-rank prefill chain + one decode pod
     baton up --decode-workers 2 --listen 127.0.0.1:50051 --http-port 8000
     baton up --demo                   ... then stream a short and a long prompt (`make run`)
+    baton up --no-chain-break-even    long prompts go to the chain from the threshold on
     baton up --demo --exit-after-demo for scripts: stop once the demo is shown
 
 Routing state must be shared by the processes, so without ``--redis URL`` a private
@@ -41,7 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0 = off)")
     parser.add_argument("--prefill-threshold-tokens", type=int, default=512,
-                        help="prompts at least this long go through the chain")
+                        help="prompts at least this long go through the chain, once they also "
+                             "reach its break-even (see --no-chain-break-even)")
+    parser.add_argument("--no-chain-break-even", dest="chain_break_even", action="store_false",
+                        help="route by --prefill-threshold-tokens alone; by default the chain takes "
+                             "only prompts from the length its partition table measured it to "
+                             "beat one process (on one small machine that is past the shipped "
+                             "model's context: the processes share the cores)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of every process (default: 1 per chain rank, and "
                              "the decode pods as --decode-threads says)")
@@ -66,6 +73,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                        chain_ranks=args.chain_ranks, redis_url=args.redis,
                        gateway_listen=args.listen, gateway_http_port=args.http_port,
                        prefill_threshold_tokens=args.prefill_threshold_tokens,
+                       chain_break_even=args.chain_break_even,
                        threads_per_process=1 if args.threads is None else args.threads,
                        decode_threads=next(value for value in (args.decode_threads, args.threads, 0)
                                            if value is not None),
@@ -90,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             if cluster.gateway_http_url:
                 print(f"OpenAI API: {cluster.gateway_http_url}", flush=True)
             if args.demo:
-                _demo(cluster.gateway_address, args.max_tokens, args.prefill_threshold_tokens)
+                _demo(cluster.gateway_address, args.max_tokens, args.prefill_threshold_tokens,
+                      pin_chain=spec.chain_ranks > 0)
                 if cluster.gateway_http_url:
                     _demo_http(cluster.gateway_http_url, args.max_tokens)
                 if args.exit_after_demo:
@@ -106,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
+def _demo(address: str, max_tokens: int, threshold_tokens: int, pin_chain: bool) -> None:
+    """The short prompt as the gateway routes it; the long one pinned to the chain when there
+    is one (``prefill_route`` chain), so the demo shows both paths whatever the break-even."""
     import sys
     import time
 
@@ -118,12 +129,15 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
     client.wait_until_serving(timeout_s=60)
     long_prompt = _long_prompt(client, threshold_tokens, max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    demos = (("short prompt", DEMO_SHORT_PROMPT, "auto"),
+             ("long prompt", long_prompt, "chain" if pin_chain else "auto"))
     try:
-        for label, prompt in (("short prompt", DEMO_SHORT_PROMPT), ("long prompt", long_prompt)):
+        for label, prompt, prefill_route in demos:
             num_tokens = len(client.tokenize(prompt).token_ids)
             print(f"\n=== {label}: {num_tokens} tokens; prompt ends with {prompt[-60:]!r}", flush=True)
             completion, start_s = Completion(), time.monotonic()
-            for step in client.stream(GenerateRequest(text=prompt, sampling=params)):
+            request = GenerateRequest(text=prompt, sampling=params, prefill_route=prefill_route)
+            for step in client.stream(request):
                 completion.add(step, time.monotonic(), start_s)
                 sys.stdout.write(step.text)
                 sys.stdout.flush()
@@ -134,7 +148,8 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int) -> None:
             usage = completion.last.usage
             print(f"\n--- TTFT {completion.ttft_s * 1000:.0f} ms, {len(completion.token_ids)} tokens "
                   f"in {completion.last.timings.total_s:.2f} s; path: {path}; "
-                  f"KV shipped {usage.kv_bytes_shipped / 1e6:.2f} MB", flush=True)
+                  f"KV shipped {usage.kv_bytes_shipped / 1e6:.2f} MB\n--- why: {route.reason}",
+                  flush=True)
     finally:
         client.close()
 

@@ -197,9 +197,9 @@ class Generations:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         pinned = request.prefill_route
         try:
-            decision = self.policy.route(len(prompt_ids), self._snapshot(), self.table.in_flight(),
-                                         pinned)
-            if (decision.chain is None and pinned == "auto"
+            snapshot = self._snapshot()
+            decision = self.policy.route(len(prompt_ids), snapshot, self.table.in_flight(), pinned)
+            if (decision.chain is None and pinned == "auto" and not self.policy.chain_heads(snapshot)
                     and len(prompt_ids) >= self.policy.config.prefill_threshold_tokens):
                 raise NoLiveWorkers("no chain in the view")
         except NoLiveWorkers:

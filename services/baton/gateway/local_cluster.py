@@ -100,6 +100,10 @@ class ClusterSpec:
     gateway_listen: str = "127.0.0.1:0"
     gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
     prefill_threshold_tokens: int = 512
+    # The gateway's chain_break_even: a chain takes only prompts from the length its partition
+    # table measured it to pay (on one small machine that is past the shipped model's context,
+    # so prompts stay on the decode pod unless pinned); False = the threshold alone decides.
+    chain_break_even: bool = True
     threads_per_process: int = 1  # torch threads of every chain rank
     # torch threads of each decode pod; 0 = this machine's cores shared among the decode pods.
     # A decode pod works through every phase of every request (it prefills the short prompts,
@@ -257,7 +261,8 @@ class LocalCluster:
             self._spawn("gateway", "gateway", [
                 "--server-listen", self.spec.gateway_listen,
                 "--http-port", str(self.spec.gateway_http_port),
-                "--gateway-prefill-threshold-tokens", str(self.spec.prefill_threshold_tokens)])
+                "--gateway-prefill-threshold-tokens", str(self.spec.prefill_threshold_tokens),
+                "--gateway-chain-break-even", str(self.spec.chain_break_even).lower()])
             self.wait_until_registered(timeout_s)
         except BaseException:
             self.stop()

@@ -92,6 +92,7 @@ class PrefillServer:
                 log.warning("partition table %s has no entries for %d ranks: even slices",
                             table.name, self.config.chain.ranks)
                 table = None
+        self.table = table
         self.frontend = PrefillFrontend(self.exchange, self.model_config, self.model_id,
                                         self.config.chain.ranks, self.config.chain.mode, table,
                                         self.metrics, self.config.chain.timeout_s,
@@ -131,6 +132,9 @@ class PrefillServer:
         self.exchange.seal_with(self.rank.secret)  # before any request: the chain is not ready yet
 
     def _on_ready(self) -> None:
+        # Advertised to the gateways (0: not measured here; the threshold alone decides).
+        self.break_even_tokens = (self.table.break_even(self.config.chain.ranks, self.rank.device.type)
+                                  if self.table is not None else 0)
         self.store = self.store or open_store(self.config.routing)
         self.frontend.check_decode = DecodePods(RoutingView(self.store, self.config.routing.view_refresh_s),
                                                 self.model_id).check
@@ -153,7 +157,8 @@ class PrefillServer:
                           address=self.address, model_id=self.model_id,
                           model_revision=self.revision, version=release_version(),
                           chain_id=chain.chain_id, rank=0, num_ranks=chain.ranks,
-                          load=self.frontend.load, incarnation=self.incarnation)
+                          load=self.frontend.load, break_even_tokens=self.break_even_tokens,
+                          incarnation=self.incarnation)
 
     def serve_chain(self) -> None:
         """The chain loop (rank 0: in a thread beside gRPC; other ranks: the main thread)."""

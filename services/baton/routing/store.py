@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import json
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 
 from baton.errors import Unavailable
 
@@ -50,6 +51,9 @@ class WorkerInfo:
     rank: int = 0
     num_ranks: int = 1
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # Prefill chains: the shortest prompt their partition table measured the chain to
+    # prefill faster than one process (KV-Runahead's break-even); 0 = not measured.
+    break_even_tokens: int = 0
     # This process's id, new at every start: work routed to an earlier process on the same
     # address is refused instead of landing on a stranger (FAILED_PRECONDITION).
     incarnation: str = ""
@@ -68,8 +72,10 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerInfo:
-        fields = json.loads(text)
-        fields["load"] = WorkerLoad(**fields.get("load", {}))
+        """A record; fields this release does not know (a newer worker's, during a rolling
+        upgrade) are left out rather than refused."""
+        fields = _known(cls, json.loads(text))
+        fields["load"] = WorkerLoad(**_known(WorkerLoad, fields.get("load", {})))
         return cls(**fields)
 
 
@@ -89,9 +95,9 @@ class RequestRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RequestRecord:
-        fields = json.loads(text)
-        fields.setdefault("owner", "")  # written by a gateway of an earlier release
-        return cls(**fields)
+        """A record; as ``WorkerInfo.from_json``, unknown fields are left out (and fields a
+        gateway of an earlier release did not write take their defaults)."""
+        return cls(**_known(cls, json.loads(text)))
 
 
 class RoutingStore(abc.ABC):
@@ -124,6 +130,13 @@ class RoutingStore(abc.ABC):
 
     def close(self) -> None:
         """Release connections (nothing to do by default)."""
+
+
+def _known(cls: type, fields: dict) -> dict:
+    """``fields`` without the names ``cls`` does not have: records written by another release
+    of baton stay readable across a rolling upgrade."""
+    names = {f.name for f in dataclass_fields(cls)}
+    return {name: value for name, value in fields.items() if name in names}
 
 
 def check_ttl(ttl_s: float) -> None:

@@ -126,6 +126,20 @@ class PartitionTable:
     def boundaries(self, ranks: int, context_length: int) -> list[int]:
         return boundaries_from_fractions(self.fractions(ranks, context_length), context_length)
 
+    @property
+    def device_type(self) -> str:
+        """The kind of device the table was measured on (``baton tune-partitions`` runs on the
+        CPU; a table that does not say was measured there too)."""
+        return str(self.measured_on.get("device", "cpu"))
+
+    def break_even(self, ranks: int, device_type: str) -> int:
+        """The shortest prompt a chain of ``ranks`` on ``device_type`` prefills faster than one
+        process, by this table; 0 when it was not measured (another kind of device, or no
+        ``min_context`` for that many ranks): a CPU's break-even says nothing of a GPU's."""
+        if device_type != self.device_type:
+            return 0
+        return self.min_context.get(ranks, 0)
+
     def chain_size(self, context_length: int, max_ranks: int) -> int:
         """The most ranks (up to ``max_ranks``) that pay off for a prompt of this length."""
         worth = [p for p, c in self.min_context.items() if p <= max_ranks and context_length >= c]

@@ -9,7 +9,10 @@ over the pods instead of piling onto the one that looked emptiest.
 
 Chain: a prompt of at least ``prefill_threshold_tokens`` goes to the live chain with the
 fewest queued prompt tokens (reported, or in flight from here, whichever is larger); with
-no live chain it is prefilled on the decode pod, which is slower but always works. A chain
+no live chain it is prefilled on the decode pod, which is slower but always works. With
+``chain_break_even`` (the default) only the chains whose advertised break-even the prompt
+reaches are candidates: below the length from which its partition table measured a chain to
+beat one process, parallel prefill costs more than it saves (KV-Runahead's appendix B). A chain
 prefills one request after another, so a burst of long prompts would queue behind it while
 the decode pod's SARATHI batches sit idle: once the chain holds ``chain_max_queued_tokens``
 prompt tokens not yet prefilled, the next long prompt is prefilled on its decode pod.
@@ -76,6 +79,14 @@ class LeastLoadedPolicy(RoutingPolicy):
         heads = self.chain_heads(snapshot)
         if not heads:
             return None, "no chain is live: prefilled on the decode pod"
+        if num_prompt_tokens and self.config.chain_break_even:
+            worth = [head for head in heads if num_prompt_tokens >= head.break_even_tokens]
+            if not worth:
+                least = min(heads, key=lambda head: (head.break_even_tokens, head.chain_id))
+                return None, (f"below the break-even of every chain (chain {least.chain_id}: "
+                              f"{least.break_even_tokens} tokens, measured in its partition "
+                              f"table): prefilled on the decode pod")
+            heads = worth
 
         def queued(head: WorkerInfo) -> tuple:
             here = in_flight.get(head.address, InFlight())
