@@ -91,8 +91,9 @@ def render(results: dict, served: dict, description: str, rounds: int, load_aver
 
 
 SERVED_NAMES = {"vllm": "`vllm serve`",
-                "baton-up": ("`baton up` (defaults: a 2-rank chain of 1 thread per rank for prompts "
-                             ">= 512 tokens, the decode pod on every core)"),
+                "baton-up": ("`baton up` (defaults: the decode pod on every core, a 2-rank chain "
+                             "of 1 thread per rank for prompts >= 512 tokens that reach its measured "
+                             "break-even, here none)"),
                 "baton-up-2t": "`baton up --threads 2 --chain-ranks 0`",
                 "baton-up-pyramid": ("`baton up` with every default, KV compression on "
                                      "(not the same work)")}
