@@ -221,12 +221,14 @@ def test_everything_written_validates_against_the_schemas(cluster, reconciler):
         validate(obj)
 
 
-def test_the_failure_policies_reach_the_gateway(cluster, reconciler):
+def test_the_routing_settings_reach_the_gateway(cluster, reconciler):
     create_service(cluster.kube, "demo", {**SPEC, "routing": {
         "migrationLimit": 0, "chainFailure": "fail", "rerouteWaitSeconds": 5,
-        "chainMaxQueuedTokens": 0}})
+        "chainMaxQueuedTokens": 0, "prefillThresholdTokens": 2048, "chainBreakEven": False}})
     _reconcile(cluster, reconciler)
     args = _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
+    assert _flag(args, "--gateway-prefill-threshold-tokens") == "2048"
+    assert _flag(args, "--gateway-chain-break-even") == "false"
     assert _flag(args, "--gateway-migration-limit") == "0"
     assert _flag(args, "--gateway-chain-failure") == "fail"
     assert float(_flag(args, "--gateway-reroute-wait-s")) == 5
