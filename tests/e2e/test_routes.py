@@ -98,12 +98,15 @@ def test_the_automatic_route_says_why(client, prompt):
     assert not short.route.chain_id and "< prefill_threshold_tokens" in short.route.reason
 
 
-def test_a_chain_advertises_the_break_even_of_its_partition_table(cluster):
-    # The cluster's chain runs the shipped table on the CPU; its gateway ignores the
-    # break-even (chain_break_even false), so these tests can send the chain short prompts.
+def test_the_pods_advertise_what_routing_matches_them_by(cluster):
+    # The chain's break-even from the shipped table it runs on the CPU (this cluster's gateway
+    # ignores it, chain_break_even false, so these tests can send the chain short prompts),
+    # and every pod's KV dtype: a decode pod takes a chain's cache only of its own.
     store = RedisStore(cluster.redis_url)
     try:
         (head,) = [w for w in store.list_workers("prefill") if w.rank == 0]
+        pods = store.list_workers("decode")
     finally:
         store.close()
     assert head.break_even_tokens == PartitionTable.load().min_context[2] > 0
+    assert {pod.kv_dtype for pod in pods} == {head.kv_dtype} and head.kv_dtype in ("float32", "bfloat16")

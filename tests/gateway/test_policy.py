@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from baton.config import GatewayRoutingConfig
 from baton.gateway.routing_policy import InFlight, NoLiveWorkers, WorkersFull, create_policy
@@ -110,7 +112,8 @@ def test_a_pinned_prefill_route_overrides_length_and_load_and_says_so(policy):
 
 def test_every_automatic_decision_names_its_reason(policy):
     assert "< prefill_threshold_tokens 100" in policy.route(99, snapshot(decode("a")), {}).reason
-    assert "no chain is live" in policy.route(100, snapshot(decode("a")), {}).reason
+    assert policy.route(100, snapshot(decode("a")), {}).reason.endswith(
+        ": no chain of model 'tiny' is live: prefilled on the decode pod")
     assert policy.route(100, snapshot(decode("a"), rank("c0", 0)), {}).reason.endswith("chain c0")
 
 
@@ -128,3 +131,22 @@ def test_a_chain_takes_only_prompts_that_reach_its_measured_break_even(policy):
     threshold_only = create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100,
                                                         chain_break_even=False), MODEL)
     assert threshold_only.route(1000, workers, {}).chain.chain_id == "c0"
+
+
+def test_a_chain_takes_only_prompts_whose_decode_pod_accepts_its_cache(policy):
+    # A decode pod refuses a cache of another model revision or dtype (FAILED_PRECONDITION):
+    # during a revision's rollout, or on pods that resolved dtype auto differently, a long
+    # prompt goes to a chain whose cache the picked pod takes, or is prefilled there.
+    pod = dataclasses.replace(decode("a"), kv_dtype="float32")
+    new_revision = dataclasses.replace(rank("c0", 0), model_revision="rev-2")
+    bf16 = dataclasses.replace(rank("c1", 0), kv_dtype="bfloat16")
+    decision = policy.route(500, snapshot(pod, new_revision, bf16), {})
+    assert decision.chain is None and decision.reason == (
+        "prompt of 500 tokens >= prefill_threshold_tokens 100: no live chain computes a cache "
+        "decode pod a:1 takes (revision 'tiny', KV dtype float32): prefilled on the decode pod")
+    with pytest.raises(NoLiveWorkers, match="prefill_route chain, but no live chain computes"):
+        policy.route(5, snapshot(pod, new_revision, bf16), {}, prefill_route="chain")
+    fp32 = dataclasses.replace(rank("c2", 0, queued_tokens=900), kv_dtype="float32")
+    unsaid = rank("c3", 0, queued_tokens=1000)  # a record without a dtype: any
+    assert policy.route(500, snapshot(pod, new_revision, bf16, fp32), {}).chain.chain_id == "c2"
+    assert policy.route(500, snapshot(pod, unsaid), {}).chain.chain_id == "c3"

@@ -111,6 +111,7 @@ class DecodeServer:
         return WorkerInfo(worker_id=f"decode-{self.address}", role="decode", address=self.address,
                           model_id=self.loaded.model_id, model_revision=self.loaded.revision,
                           version=release_version(), load=self.worker.load,
+                          kv_dtype=str(self.loaded.model.dtype).removeprefix("torch."),
                           incarnation=self.incarnation)
 
     def _engine_stalled(self) -> None:

@@ -135,6 +135,7 @@ class PrefillServer:
         # Advertised to the gateways (0: not measured here; the threshold alone decides).
         self.break_even_tokens = (self.table.break_even(self.config.chain.ranks, self.rank.device.type)
                                   if self.table is not None else 0)
+        self.kv_dtype = str(self.rank.model.dtype).removeprefix("torch.")
         self.store = self.store or open_store(self.config.routing)
         self.frontend.check_decode = DecodePods(RoutingView(self.store, self.config.routing.view_refresh_s),
                                                 self.model_id).check
@@ -157,8 +158,8 @@ class PrefillServer:
                           address=self.address, model_id=self.model_id,
                           model_revision=self.revision, version=release_version(),
                           chain_id=chain.chain_id, rank=0, num_ranks=chain.ranks,
-                          load=self.frontend.load, break_even_tokens=self.break_even_tokens,
-                          incarnation=self.incarnation)
+                          load=self.frontend.load, kv_dtype=self.kv_dtype,
+                          break_even_tokens=self.break_even_tokens, incarnation=self.incarnation)
 
     def serve_chain(self) -> None:
         """The chain loop (rank 0: in a thread beside gRPC; other ranks: the main thread)."""

@@ -51,6 +51,9 @@ class WorkerInfo:
     rank: int = 0
     num_ranks: int = 1
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # The dtype of the KV caches it computes (decode pods and chains): a decode pod takes a
+    # chain's cache only of its own model revision and dtype. "" = not said (any).
+    kv_dtype: str = ""
     # Prefill chains: the shortest prompt their partition table measured the chain to
     # prefill faster than one process (KV-Runahead's break-even); 0 = not measured.
     break_even_tokens: int = 0

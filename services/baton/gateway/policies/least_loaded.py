@@ -42,16 +42,17 @@ class LeastLoadedPolicy(RoutingPolicy):
         if prefill_route == "local":
             return RouteDecision(decode, None, "prefill_route local: prefilled on the decode pod")
         if prefill_route == "chain":
-            chain, why = self._pick_chain(0, snapshot, in_flight)  # pinned: no queue limit
+            chain, why = self._pick_chain(0, snapshot, in_flight, decode)  # pinned: no queue limit
             if chain is None:
-                raise NoLiveWorkers(f"prefill_route chain, but no chain of model {self.model_id!r} "
-                                    f"is live")
+                raise NoLiveWorkers(f"prefill_route chain, but {why}")
             return RouteDecision(decode, chain, f"prefill_route chain: chain {chain.chain_id}")
         if num_prompt_tokens < threshold:
             return RouteDecision(decode, None, f"prompt of {num_prompt_tokens} tokens < "
                                                f"prefill_threshold_tokens {threshold}: prefilled "
                                                f"on the decode pod")
-        chain, why = self._pick_chain(num_prompt_tokens, snapshot, in_flight)
+        chain, why = self._pick_chain(num_prompt_tokens, snapshot, in_flight, decode)
+        if chain is None:
+            why += ": prefilled on the decode pod"
         return RouteDecision(decode, chain, f"prompt of {num_prompt_tokens} tokens >= "
                                             f"prefill_threshold_tokens {threshold}: {why}")
 
@@ -73,19 +74,25 @@ class LeastLoadedPolicy(RoutingPolicy):
         return min(with_room, key=load)
 
     def _pick_chain(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
-                    in_flight: Mapping[str, InFlight]) -> tuple[WorkerInfo | None, str]:
-        """The chain for a prompt of ``num_prompt_tokens`` (0: no queue limit), or None, and
-        why, in words."""
+                    in_flight: Mapping[str, InFlight], decode: WorkerInfo
+                    ) -> tuple[WorkerInfo | None, str]:
+        """The chain for a prompt of ``num_prompt_tokens`` (0: pinned, no break-even or queue
+        limit) whose cache ``decode`` takes, or None and why not, in words."""
         heads = self.chain_heads(snapshot)
         if not heads:
-            return None, "no chain is live: prefilled on the decode pod"
+            return None, f"no chain of model {self.model_id!r} is live"
+        heads = [head for head in heads if _takes_cache_of(decode, head)]
+        if not heads:
+            # a model revision rolling out, or pods that resolved dtype auto differently
+            return None, (f"no live chain computes a cache decode pod {decode.address} takes "
+                          f"(revision {decode.model_revision!r}, KV dtype {decode.kv_dtype or 'any'})")
         if num_prompt_tokens and self.config.chain_break_even:
             worth = [head for head in heads if num_prompt_tokens >= head.break_even_tokens]
             if not worth:
                 least = min(heads, key=lambda head: (head.break_even_tokens, head.chain_id))
                 return None, (f"below the break-even of every chain (chain {least.chain_id}: "
                               f"{least.break_even_tokens} tokens, measured in its partition "
-                              f"table): prefilled on the decode pod")
+                              f"table)")
             heads = worth
 
         def queued(head: WorkerInfo) -> tuple:
@@ -99,5 +106,12 @@ class LeastLoadedPolicy(RoutingPolicy):
         if limit and num_prompt_tokens and queued_tokens > 0 and queued_tokens + num_prompt_tokens > limit:
             # every chain is backed up: the decode pod prefills it sooner
             return None, (f"the least busy chain holds {queued_tokens} queued tokens (+{num_prompt_tokens} "
-                          f"> chain_max_queued_tokens {limit}): prefilled on the decode pod")
+                          f"> chain_max_queued_tokens {limit})")
         return head, f"chain {head.chain_id}"
+
+
+def _takes_cache_of(decode: WorkerInfo, chain: WorkerInfo) -> bool:
+    """Whether ``decode`` accepts what ``chain`` pushes: the same model revision, and the same
+    KV dtype where both say theirs (the pod refuses anything else, FAILED_PRECONDITION)."""
+    return (chain.model_revision == decode.model_revision
+            and (not chain.kv_dtype or not decode.kv_dtype or chain.kv_dtype == decode.kv_dtype))
