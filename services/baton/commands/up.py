@@ -130,7 +130,8 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int, pin_chain: bool)
     long_prompt = _long_prompt(client, threshold_tokens, max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     demos = (("short prompt", DEMO_SHORT_PROMPT, "auto"),
-             ("long prompt", long_prompt, "chain" if pin_chain else "auto"))
+             ("long prompt, pinned to the chain" if pin_chain else "long prompt", long_prompt,
+              "chain" if pin_chain else "auto"))
     try:
         for label, prompt, prefill_route in demos:
             num_tokens = len(client.tokenize(prompt).token_ids)
