@@ -9,7 +9,8 @@ over the pods instead of piling onto the one that looked emptiest.
 
 Chain: a prompt of at least ``prefill_threshold_tokens`` goes to the live chain with the
 fewest queued prompt tokens (reported, or in flight from here, whichever is larger); with
-no live chain it is prefilled on the decode pod, which is slower but always works. With
+no live chain it is prefilled on the decode pod, which is slower but always works. Only a
+chain whose cache the decode pod takes (its model revision and KV dtype) is a candidate. With
 ``chain_break_even`` (the default) only the chains whose advertised break-even the prompt
 reaches are candidates: below the length from which its partition table measured a chain to
 beat one process, parallel prefill costs more than it saves (KV-Runahead's appendix B). A chain
