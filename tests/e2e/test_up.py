@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from baton.gateway.local_cluster import free_port
 from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.runahead.table import PartitionTable
 from redis_server import redis_server_binary
 
 pytestmark = pytest.mark.slow
@@ -32,6 +33,8 @@ def test_up_demo_shows_both_paths_and_stops_every_process():
     assert chained[2].startswith("prefill chain chain-0 (slices [0, ") and int(chained[1]) > 0
     # the short prompt as routed; the long one pinned to the chain (its break-even is past
     # the shipped model's context on this table)
+    break_even = PartitionTable.load().min_context[2]
+    assert f"the chain takes prompts of {break_even} tokens or more: its measured break-even" in output
     short_why, long_why = re.findall(r"--- why: (.*)", output)
     assert re.fullmatch(r"prompt of \d+ tokens < prefill_threshold_tokens 200: prefilled on the "
                         r"decode pod", short_why)

@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{spec.decode_workers} decode pod(s) of {spec.threads_of('decode')} thread(s), "
                   f"chain of {spec.chain_ranks} ranks of {spec.threads_of('prefill')} thread(s), "
                   f"routing in {cluster.redis_url}", flush=True)
+            if spec.chain_ranks:
+                print(_chain_routing(cluster.redis_url, spec), flush=True)
             print(f"try: baton generate --server {cluster.gateway_address} \"import os\"", flush=True)
             if cluster.gateway_http_url:
                 print(f"OpenAI API: {cluster.gateway_http_url}", flush=True)
@@ -113,6 +115,24 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _chain_routing(redis_url: str, spec: ClusterSpec) -> str:
+    """Which prompts the gateway sends the chain, from the chain's own routing record."""
+    from baton.routing.redis_store import RedisStore
+
+    store = RedisStore(redis_url)
+    try:
+        heads = [w for w in store.list_workers("prefill") if w.rank == 0]
+    finally:
+        store.close()
+    threshold = spec.prefill_threshold_tokens
+    if not heads or not spec.chain_break_even or heads[0].break_even_tokens <= threshold:
+        return f"the chain takes prompts of {threshold} tokens or more"
+    break_even = heads[0].break_even_tokens
+    return (f"the chain takes prompts of {break_even} tokens or more: its measured break-even "
+            f"(partition table), past --prefill-threshold-tokens {threshold}; shorter ones are "
+            f"prefilled on the decode pod unless pinned (--no-chain-break-even: from {threshold})")
 
 
 def _demo(address: str, max_tokens: int, threshold_tokens: int, pin_chain: bool) -> None:
