@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPORT_DIR, machine_description, write_report
-from peer_report import plot_throughput, render
+from peer_report import OWN_ENGINES, SYSTEMS, plot_throughput, render
 from peer_workload import make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +206,14 @@ def main() -> None:
     for round_index in range(args.rounds if served and not args.offline_only else 0):
         print(f"served round {round_index + 1}/{args.rounds}")
         for dtype, rounds in served.items():
-            runs = {}
+            # Each system's own engine in this round too, so that "vs its own engine" divides
+            # by a figure of the same hour, not by the offline rounds' (minutes or days away).
+            engines = {}
+            for system in (SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]):
+                out = WORK_DIR / f"served-{dtype}-engine-{system}-{round_index}.json"
+                engines[system] = run_one(system, peer_python, models["shipped"],
+                                          workloads["shipped"], dtype, out)
+            runs = {OWN_ENGINES: engines}
             order = SERVED_SETUPS if round_index % 2 == 0 else SERVED_SETUPS[::-1]
             for name, argv in order:
                 out = WORK_DIR / f"served-{dtype}-{name}-{round_index}.json"

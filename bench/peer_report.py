@@ -9,6 +9,7 @@ from pathlib import Path
 from common import markdown_table
 
 SYSTEMS = ("vllm", "baton")
+OWN_ENGINES = "own_engines"  # a served round's key for each system's offline engine run
 
 
 def throughput(run: dict) -> float:
@@ -118,13 +119,15 @@ def served_section(results: dict, served: dict) -> list[str]:
               "door costs. Throughput is generated tokens over "
               "the time to the last token; each server is started once per round and driven by "
               "every client in turn (the order rotates). *vs its own engine*: each server's "
-              "throughput over its own offline engine's median above (same dtype), what its "
-              "serving stack keeps of its engine."), ""]
+              "throughput over its own offline engine's median (same dtype), what its serving "
+              "stack keeps of its engine; "
+              + ("the engines run in the same rounds, right before the servers, so both figures "
+                 "come from the same hour."
+                 if all(OWN_ENGINES in r for rounds in served.values() for r in rounds)
+                 else "the engine's figure is the offline median above (another run).")), ""]
     rows, verdicts = [], []
     for dtype, rounds_of_dtype in served.items():
-        offline = results.get(("shipped", dtype), [])
-        engines = {system: statistics.median(throughput(r[system]) for r in offline)
-                   if offline else float("nan") for system in ("vllm", "baton")}
+        engines = own_engines(rounds_of_dtype, results.get(("shipped", dtype), []))
         for client, client_label in SERVED_CLIENTS.items():
             peer_client = client if client != "grpc" else "http"
             for name, label in SERVED_NAMES.items():
@@ -153,6 +156,14 @@ def served_section(results: dict, served: dict) -> list[str]:
               + served_goals(verdicts)
               + " Where the served time goes is in [runtime.md](../runtime.md), \"Served\"."]
     return lines + [""]
+
+
+def own_engines(rounds_of_dtype: list[dict], offline: list[dict]) -> dict[str, float]:
+    """Each system's median engine throughput for the served rounds: the engine runs of those
+    rounds, or (results of a run before they were made) the offline rounds'."""
+    runs = [r[OWN_ENGINES] for r in rounds_of_dtype if OWN_ENGINES in r] or offline
+    return {system: statistics.median(throughput(r[system]) for r in runs) if runs else float("nan")
+            for system in SYSTEMS}
 
 
 def served_goals(verdicts: list[tuple[float, float, str]]) -> str:
