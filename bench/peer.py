@@ -13,7 +13,8 @@ directory). Offline batch: vLLM's ``LLMEngine`` step loop against baton's
 ``Engine.step`` loop. Served (shipped model): ``vllm serve`` against ``baton up``
 (as started by default, and with 2 threads and no chain), both over the OpenAI HTTP API
 and driven by the same clients, 64 concurrent streams: this project's threaded client
-and ``vllm bench serve`` (``peer_served.py``). Writes docs/benchmarks/peer.md (every
+and ``vllm bench serve`` (``peer_served.py``); every served round also runs both engines
+offline, so that what a server keeps of its engine is measured within the hour. Writes docs/benchmarks/peer.md (every
 round, medians, per-round ratios, TTFT P50/P99, token agreement) and peer.png.
 """
 

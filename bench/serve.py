@@ -139,8 +139,7 @@ def run_cluster(directory: Path, requests: list[Request]) -> list[Trace]:
     os.environ["BATON_MODEL_DTYPE"] = "float32"
     spec = ClusterSpec(model_path=str(directory), decode_workers=1, chain_ranks=2,
                        prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS, chain_break_even=False,
-                       threads_per_process=1,
-                       decode_threads=1)
+                       threads_per_process=1, decode_threads=1)
     traces = [Trace() for _ in requests]
     with LocalCluster(spec) as cluster:
         warm = BatonClient(cluster.gateway_address)
