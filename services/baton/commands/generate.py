@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     if args.server:
         return _generate_on_server(args, prompts, params)
+    from baton.dtypes import dtype_name
     from baton.model.loader import load_checkpoint
     from baton.sarathi.engine import Engine
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                     kv=from_arguments(args, KVPoolConfig, "kv"))
     if args.chain_ranks:
         request_ids = _add_chain_prefilled(engine, loaded.path, prompts, params, args.chain_ranks,
-                                           str(loaded.model.dtype).removeprefix("torch."))
+                                           dtype_name(loaded.model.dtype))
     else:
         request_ids = [engine.add_request(prompt, params) for prompt in prompts]
     results = _drive(engine, request_ids, stream=not args.json and len(prompts) == 1)

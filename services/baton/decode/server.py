@@ -26,6 +26,7 @@ from baton.decode.receiver import Incarnation, kv_spec
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
+from baton.dtypes import dtype_name
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
 from baton.mtls import Mtls
@@ -98,9 +99,10 @@ class DecodeServer:
                                    lease_s=self.config.kv.unclaimed_lease_s,
                                    max_queued_requests=self.config.server.max_queued_requests)
         self.worker.start()
-        spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
-                       str(self.loaded.model.dtype).removeprefix("torch."))
-        self.servicer.ready(self.worker, spec, self.grpc.loop, Incarnation(self.address, self.incarnation))
+        # what this pod takes from a chain; its dtype is also advertised with the routing record
+        self.kv_spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
+                               dtype_name(self.loaded.model.dtype))
+        self.servicer.ready(self.worker, self.kv_spec, self.grpc.loop, Incarnation(self.address, self.incarnation))
         log.info("decode pod %s serves %s (revision %s), %d KV blocks, token budget %d (%s)",
                  self.address, self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks,
                  engine.scheduler.config.token_budget,
@@ -111,7 +113,7 @@ class DecodeServer:
         return WorkerInfo(worker_id=f"decode-{self.address}", role="decode", address=self.address,
                           model_id=self.loaded.model_id, model_revision=self.loaded.revision,
                           version=release_version(), load=self.worker.load,
-                          kv_dtype=str(self.loaded.model.dtype).removeprefix("torch."),
+                          kv_dtype=self.kv_spec.dtype,
                           incarnation=self.incarnation)
 
     def _engine_stalled(self) -> None:

@@ -38,7 +38,7 @@ from typing import Self
 
 import torch
 
-from baton.dtypes import DTYPES
+from baton.dtypes import DTYPES, dtype_name
 from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
 from baton.kv.dense import LayerKV
 
@@ -114,13 +114,6 @@ class KVSpec:
     max_tokens: int  # positions must lie in [0, max_tokens): the model's context length
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    for name, candidate in DTYPES.items():
-        if candidate == dtype:
-            return name
-    raise ValueError(f"KV dtype {dtype} cannot be shipped; supported: {sorted(DTYPES)}")
-
-
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor as a flat memoryview (a copy only for GPU/strided input)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -183,7 +176,7 @@ def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
     for segment in segments:
         checksum = zlib.crc32(segment, checksum)
     header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
-                      dtype=_dtype_name(dtype), num_layers=len(layers),
+                      dtype=dtype_name(dtype), num_layers=len(layers),
                       layer_num_tokens=tuple(layer.num_tokens for layer in layers),
                       num_kv_heads=num_kv_heads, head_dim=head_dim, byte_order=sys.byteorder,
                       total_bytes=sum(len(segment) for segment in segments), checksum=checksum)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
+from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.loader import SHIPPED_MODEL_DIR
@@ -135,7 +136,7 @@ class PrefillServer:
         # Advertised to the gateways (0: not measured here; the threshold alone decides).
         self.break_even_tokens = (self.table.break_even(self.config.chain.ranks, self.rank.device.type)
                                   if self.table is not None else 0)
-        self.kv_dtype = str(self.rank.model.dtype).removeprefix("torch.")
+        self.kv_dtype = dtype_name(self.rank.model.dtype)
         self.store = self.store or open_store(self.config.routing)
         self.frontend.check_decode = DecodePods(RoutingView(self.store, self.config.routing.view_refresh_s),
                                                 self.model_id).check
