@@ -155,7 +155,66 @@ def served_section(results: dict, served: dict) -> list[str]:
     lines += ["", "The gRPC rows are compared with `vllm serve` under the threaded HTTP client. "
               + served_goals(verdicts)
               + " Where the served time goes is in [runtime.md](../runtime.md), \"Served\"."]
-    return lines + [""]
+    return lines + [""] + served_cpu_section(served)
+
+
+# Where a served run's CPU went, by process role (peer_timing.ROLES): a server's front door
+# and the process that runs its model; the client is this benchmark's threads.
+FRONT_DOORS = ("gateway", "vLLM API server")
+ENGINE_PROCESSES = ("decode pod", "vLLM engine core")
+
+
+def per_token_us(runs: list[dict], counted) -> float:
+    """Median over ``runs`` of the CPU per generated token (µs) of the roles ``counted(role)``."""
+    return statistics.median(
+        sum(seconds for role, seconds in run["cpu_by_role_s"].items() if counted(role)) * 1e6
+        / run["generated_tokens"] for run in runs)
+
+
+def served_cpu_section(served: dict) -> list[str]:
+    """CPU per generated token by process for the threaded clients (medians over rounds), next
+    to the same engine's offline figure: on a machine the client shares, what the serving
+    stack spends is taken from the engine."""
+    rows = []
+    served_roles = ("client", *FRONT_DOORS, *ENGINE_PROCESSES)
+    for dtype, rounds_of_dtype in served.items():
+        engine_runs = [r[OWN_ENGINES] for r in rounds_of_dtype if OWN_ENGINES in r]
+        for client in ("http", "grpc"):
+            for name, label in SERVED_NAMES.items():
+                if name not in rounds_of_dtype[0] or client not in rounds_of_dtype[0][name]["clients"]:
+                    continue
+                runs = [r[name]["clients"][client] for r in rounds_of_dtype]
+                if not all("cpu_by_role_s" in run for run in runs):
+                    continue  # results of a run before the breakdown was recorded
+                engines = [e["vllm" if name == "vllm" else "baton"] for e in engine_runs]
+                offline = statistics.median(e["own_cpu_s"] * 1e6 / e["generated_tokens"]
+                                            for e in engines) if engines else float("nan")
+                cores = statistics.median(sum(run["cpu_by_role_s"].values()) / run["wall_s"]
+                                          for run in runs)
+                rows.append([dtype, SERVED_CLIENTS[client], label,
+                             f"{per_token_us(runs, lambda role: role == 'client'):.0f}",
+                             f"{per_token_us(runs, lambda role: role in FRONT_DOORS):.0f}",
+                             f"{per_token_us(runs, lambda role: role in ENGINE_PROCESSES):.0f}",
+                             f"{per_token_us(runs, lambda role: role not in served_roles):.0f}",
+                             f"{per_token_us(runs, lambda role: True):.0f}", f"{offline:.0f}",
+                             f"{cores:.2f}"])
+    if not rows:
+        return []
+    return ["### Served: CPU per generated token", "",
+            ("Each process's CPU time (`/proc`, 10 ms ticks) over the timed part of the threaded "
+             "clients' runs, per generated token, medians over rounds. *front door*: baton's gateway "
+             "or vLLM's API server; *model process*: baton's decode pod or vLLM's engine core; "
+             "*the rest*: redis, a chain, anything else the server started. *its engine offline*: "
+             "the same engine's whole process in this round's offline run. *busy cores*: all of "
+             "it over the run's wall time (the machine has 2). With every process on the same 2 "
+             "cores, the model process's figure above its offline one is its own serving work (its "
+             "RPC loop, streaming its outputs) and what it lost to the others (its OpenMP threads "
+             "preempted, or spinning for a preempted partner), and "
+             "serving at 0.9x of the engine leaves the client, the front door and the rest about "
+             "a ninth of the engine's CPU per token."), "",
+            markdown_table(["dtype", "client", "server", "client µs", "front door µs",
+                            "model process µs", "the rest µs", "all µs",
+                            "its engine offline µs", "busy cores"], rows), ""]
 
 
 def own_engines(rounds_of_dtype: list[dict], offline: list[dict]) -> dict[str, float]:

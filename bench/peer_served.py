@@ -70,13 +70,14 @@ def drive(send, prompts: list[list[int]], new_tokens: int) -> dict:
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    with CpuWindow() as window:
+    with CpuWindow("client") as window:
         t0 = time.perf_counter()
         start.wait()
         for thread in threads:
             thread.join(REQUEST_TIMEOUT_S)
     return {"wall_s": max(last_token_s), "own_cpu_s": window.own_cpu_s,
-            "others_cpu_s": window.others_cpu_s, "generated_tokens": sum(counts),
+            "others_cpu_s": window.others_cpu_s, "cpu_by_role_s": window.by_role,
+            "generated_tokens": sum(counts),
             "ttft_s": [t if t is not None else float("nan") for t in first_token_s],
             "errors": errors}
 
@@ -167,14 +168,15 @@ def vllm_bench(peer_python: str, port: int, model_dir: str, prompts_jsonl: Path,
                "--max-concurrency", str(num_prompts), "--ignore-eos", "--temperature", "0",
                "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out.parent),
                "--result-filename", out.name]
-    with CpuWindow() as window:
+    with CpuWindow("client") as window:
         finished = subprocess.run(command, check=False, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                                   capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
     if finished.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{finished.stdout[-2000:]}\n{finished.stderr[-2000:]}")
     result = json.loads(out.read_text())
     return {"wall_s": result["duration"], "own_cpu_s": window.own_cpu_s,
-            "others_cpu_s": window.others_cpu_s, "generated_tokens": result["total_output_tokens"],
+            "others_cpu_s": window.others_cpu_s, "cpu_by_role_s": window.by_role,
+            "generated_tokens": result["total_output_tokens"],
             "ttft_s": [t if t else float("nan") for t in result["ttfts"]],
             "errors": [e for e in result.get("errors", []) if e][:5],
             "completed": result["completed"]}

@@ -13,7 +13,7 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
@@ -45,17 +45,63 @@ def _process_table() -> dict[int, tuple[int, float]]:
     return table
 
 
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and every live descendant (vLLM runs its engine in
-    child processes), plus the children that have already exited."""
-    table = _process_table()
+def _own_tree(table: dict[int, tuple[int, float]]) -> set[int]:
+    """This process and its live descendants."""
     tree, frontier = set(), {os.getpid()}
     while frontier:
         tree |= frontier
         frontier = {pid for pid, (parent, _) in table.items() if parent in frontier} - tree
-    live = sum(table[pid][1] for pid in tree if pid in table)
+    return tree
+
+
+def _exited_children_s() -> float:
     exited = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return live + exited.ru_utime + exited.ru_stime
+    return exited.ru_utime + exited.ru_stime
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and every live descendant (vLLM runs its engine in
+    child processes), plus the children that have already exited."""
+    table = _process_table()
+    return sum(table[pid][1] for pid in _own_tree(table) if pid in table) + _exited_children_s()
+
+
+# What a process of the tree is, by a piece of its command line (the first that matches).
+ROLES = (("baton.cli gateway", "gateway"), ("baton.cli decode", "decode pod"),
+         ("baton.cli prefill", "prefill chain"), ("redis-server", "redis"),
+         ("EngineCore", "vLLM engine core"),
+         ("vllm.entrypoints.openai.api_server", "vLLM API server"),
+         ("APIServer", "vLLM API server"))
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _cpu_by_role(own_role: str) -> dict[str, float]:
+    """CPU seconds so far of this process's tree, summed by role (``ROLES``). A process whose
+    command line names none takes its parent's (a chain's ranks, multiprocessing's helpers);
+    this process and its exited children are ``own_role``."""
+    table = _process_table()
+    tree = _own_tree(table)
+    roles: dict[int, str] = {os.getpid(): own_role}
+
+    def role(pid: int) -> str:
+        if pid not in roles:
+            line = _command_line(pid)
+            named = next((name for pattern, name in ROLES if pattern in line), None)
+            parent = table[pid][0]
+            roles[pid] = named or (role(parent) if parent in tree else "other")
+        return roles[pid]
+
+    totals = {own_role: _exited_children_s()}
+    for pid in tree:
+        totals[role(pid)] = totals.get(role(pid), 0.0) + table[pid][1]
+    return totals
 
 
 def wait_for_quiet(limit: float = QUIET_CORES, timeout_s: float = QUIET_WAIT_S) -> float:
@@ -73,15 +119,20 @@ def wait_for_quiet(limit: float = QUIET_CORES, timeout_s: float = QUIET_WAIT_S) 
 
 @dataclass
 class CpuWindow:
-    """Wall time, own CPU time and other processes' CPU time of a timed part."""
+    """Wall time, own CPU time and other processes' CPU time of a timed part, and the own
+    part by role (``by_role``: the client, a server's processes; ``own_role`` names this
+    process). /proc counts in clock ticks (10 ms): a role's figure is good to a few ticks."""
 
+    own_role: str = "this process"
     wall_s: float = 0.0
     own_cpu_s: float = 0.0
     others_cpu_s: float = 0.0
+    by_role: dict[str, float] = field(default_factory=dict)
 
     def __enter__(self) -> Self:
         self._wall = time.perf_counter()
         self._busy = _busy_s()
+        self._roles = _cpu_by_role(self.own_role)
         self._own = _own_cpu_s()
         return self
 
@@ -89,6 +140,8 @@ class CpuWindow:
         self.wall_s = time.perf_counter() - self._wall
         self.own_cpu_s = _own_cpu_s() - self._own
         self.others_cpu_s = max(0.0, _busy_s() - self._busy - self.own_cpu_s)
+        roles = _cpu_by_role(self.own_role)
+        self.by_role = {role: seconds - self._roles.get(role, 0.0) for role, seconds in roles.items()}
 
 
 def run_arguments() -> argparse.Namespace:
