@@ -104,7 +104,7 @@ NOT_THE_SAME_WORK = {"baton-up-pyramid"}
 
 
 SERVED_CLIENTS = {"http": "threads, HTTP", "vllm-bench": "`vllm bench serve`",
-                  "grpc": "threads, gRPC"}
+                  "grpc": "threads, gRPC", "grpc-aio": "asyncio, gRPC"}
 
 
 def served_section(results: dict, served: dict) -> list[str]:
@@ -116,7 +116,8 @@ def served_section(results: dict, served: dict) -> list[str]:
               "token ids; *`vllm bench serve`*: vLLM's own benchmark client (asyncio), the same "
               "prompts as text, `--request-rate inf --max-concurrency 64`; *threads, gRPC*: "
               "baton's own API (the same threads sharing one `BatonClient`), for what the HTTP "
-              "door costs. Throughput is generated tokens over "
+              "door costs; *asyncio, gRPC*: baton's API from one event loop (a task per request on "
+              "one `AsyncBatonClient`). Throughput is generated tokens over "
               "the time to the last token; each server is started once per round and driven by "
               "every client in turn (the order rotates). *vs its own engine*: each server's "
               "throughput over its own offline engine's median (same dtype), what its serving "
@@ -129,7 +130,7 @@ def served_section(results: dict, served: dict) -> list[str]:
     for dtype, rounds_of_dtype in served.items():
         engines = own_engines(rounds_of_dtype, results.get(("shipped", dtype), []))
         for client, client_label in SERVED_CLIENTS.items():
-            peer_client = client if client != "grpc" else "http"
+            peer_client = "http" if client.startswith("grpc") else client
             for name, label in SERVED_NAMES.items():
                 if name not in rounds_of_dtype[0] or client not in rounds_of_dtype[0][name]["clients"]:
                     continue  # a client this server does not speak, or a run without this setup
@@ -179,7 +180,7 @@ def served_cpu_section(served: dict) -> list[str]:
     served_roles = ("client", *FRONT_DOORS, *ENGINE_PROCESSES)
     for dtype, rounds_of_dtype in served.items():
         engine_runs = [r[OWN_ENGINES] for r in rounds_of_dtype if OWN_ENGINES in r]
-        for client in ("http", "grpc"):
+        for client in ("http", "grpc", "grpc-aio"):  # vllm bench serve's window holds its start-up
             for name, label in SERVED_NAMES.items():
                 if name not in rounds_of_dtype[0] or client not in rounds_of_dtype[0][name]["clients"]:
                     continue
@@ -201,8 +202,8 @@ def served_cpu_section(served: dict) -> list[str]:
     if not rows:
         return []
     return ["### Served: CPU per generated token", "",
-            ("Each process's CPU time (`/proc`, 10 ms ticks) over the timed part of the threaded "
-             "clients' runs, per generated token, medians over rounds. *front door*: baton's gateway "
+            ("Each process's CPU time (`/proc`, 10 ms ticks) over the timed part of the runs of "
+             "every client but `vllm bench serve` (whose process starts inside its window), per generated token, medians over rounds. *front door*: baton's gateway "
              "or vLLM's API server; *model process*: baton's decode pod or vLLM's engine core; "
              "*the rest*: redis, a chain, anything else the server started. *its engine offline*: "
              "the same engine's whole process in this round's offline run. *busy cores*: all of "

@@ -11,6 +11,8 @@ Each server is started once per run and then driven by every client, in turn:
   at once (``--request-rate inf``, ``--max-concurrency 64``).
 * ``grpc`` (baton only): the same threads over baton's gRPC API (one shared ``BatonClient``,
   as an application holds one), to show what the HTTP door costs.
+* ``grpc-aio`` (baton only): baton's gRPC API from one asyncio event loop, every request a
+  task on one ``AsyncBatonClient``.
 
 Greedy, 64 new tokens, end-of-sequence ignored, KV compression off (``baton up`` runs with
 ``BATON_PYRAMID_ENABLED=false``), so both compute the same thing; ``--kv-compression``
@@ -26,6 +28,7 @@ usage: peer_served.py vllm PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--strea
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -44,42 +47,102 @@ BATON_UP_FLAGS = ("threads", "decode_threads", "chain_ranks", "stream_interval_m
 REQUEST_TIMEOUT_S = 600.0
 
 
+class Tally:
+    """What one run's requests received and when (seconds from the run's start)."""
+
+    def __init__(self, requests: int) -> None:
+        self.first_token_s: list[float | None] = [None] * requests
+        self.last_token_s = [0.0] * requests
+        self.counts = [0] * requests
+        self.errors: list[str] = []
+        self.t0 = 0.0
+
+    def tokens(self, index: int, count: int) -> None:
+        now = time.perf_counter() - self.t0
+        if count and self.first_token_s[index] is None:
+            self.first_token_s[index] = now
+        self.counts[index] += count
+        self.last_token_s[index] = now
+
+    def result(self, window: CpuWindow) -> dict:
+        return {"wall_s": max(self.last_token_s), "own_cpu_s": window.own_cpu_s,
+                "others_cpu_s": window.others_cpu_s, "cpu_by_role_s": window.by_role,
+                "generated_tokens": sum(self.counts),
+                "ttft_s": [t if t is not None else float("nan") for t in self.first_token_s],
+                "errors": self.errors}
+
+
 def drive(send, prompts: list[list[int]], new_tokens: int) -> dict:
     """Send every prompt at once, each on its own thread; ``send(prompt, max_tokens, on_tokens)``
     streams one request and calls ``on_tokens(count)`` as tokens arrive."""
-    first_token_s = [None] * len(prompts)
-    counts = [0] * len(prompts)
-    last_token_s = [0.0] * len(prompts)
-    errors: list[str] = []
+    tally = Tally(len(prompts))
     start = threading.Barrier(len(prompts) + 1)
 
     def one(index: int) -> None:
-        def on_tokens(count: int) -> None:
-            now = time.perf_counter() - t0
-            if count and first_token_s[index] is None:
-                first_token_s[index] = now
-            counts[index] += count
-            last_token_s[index] = now
-
         start.wait()
         try:
-            send(prompts[index], new_tokens, on_tokens)
+            send(prompts[index], new_tokens, lambda count: tally.tokens(index, count))
         except Exception as e:  # noqa: BLE001 - reported in the result, the run goes on
-            errors.append(f"request {index}: {e!r}")
+            tally.errors.append(f"request {index}: {e!r}")
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
     with CpuWindow("client") as window:
-        t0 = time.perf_counter()
+        tally.t0 = time.perf_counter()
         start.wait()
         for thread in threads:
             thread.join(REQUEST_TIMEOUT_S)
-    return {"wall_s": max(last_token_s), "own_cpu_s": window.own_cpu_s,
-            "others_cpu_s": window.others_cpu_s, "cpu_by_role_s": window.by_role,
-            "generated_tokens": sum(counts),
-            "ttft_s": [t if t is not None else float("nan") for t in first_token_s],
-            "errors": errors}
+    return tally.result(window)
+
+
+def threaded(send):
+    """A client that runs ``drive`` over ``send``, after a warm-up of both of baton's routes."""
+
+    def run(prompts: list[list[int]], new_tokens: int) -> dict:
+        send(prompts[0], 2, lambda count: None)  # warm-up: the chain route
+        send(prompts[0][:20], 2, lambda count: None)  # and the local one
+        wait_for_quiet()
+        return drive(send, prompts, new_tokens)
+
+    return run
+
+
+def asyncio_grpc(address: str):
+    """baton's gRPC API from one event loop: every request a task on one ``AsyncBatonClient``,
+    as an asyncio application streams."""
+
+    def run(prompts: list[list[int]], new_tokens: int) -> dict:
+        return asyncio.run(_drive_async(address, prompts, new_tokens))
+
+    return run
+
+
+async def _drive_async(address: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    from baton.api.requests import GenerateRequest
+    from baton.client import AsyncBatonClient
+    from baton.model.sampling import SamplingParams
+
+    async with AsyncBatonClient(address) as client:
+        async def one(tally: Tally, index: int, prompt: list[int], max_tokens: int) -> None:
+            request = GenerateRequest(token_ids=tuple(prompt), sampling=SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            try:
+                async for step in client.stream(request, timeout_s=REQUEST_TIMEOUT_S):
+                    tally.tokens(index, len(step.token_ids))
+            except Exception as e:  # noqa: BLE001 - reported in the result, the run goes on
+                tally.errors.append(f"request {index}: {e!r}")
+
+        warm_up = Tally(1)
+        await one(warm_up, 0, prompts[0], 2)  # the chain route
+        await one(warm_up, 0, prompts[0][:20], 2)  # and the local one
+        wait_for_quiet()
+        tally = Tally(len(prompts))
+        with CpuWindow("client") as window:
+            tally.t0 = time.perf_counter()
+            await asyncio.gather(*(one(tally, i, prompt, new_tokens)
+                                   for i, prompt in enumerate(prompts)))
+    return tally.result(window)
 
 
 # --- the servers ---------------------------------------------------------------------------------
@@ -221,21 +284,15 @@ def up_spec(flags: list[str], model: str, http_port: int):
                                               "--http-port", str(http_port)]))
 
 
-def drive_all(senders: dict, bench, prompts: list[list[int]], new_tokens: int, order: int) -> dict:
-    """Every client against the running server, in turn (rotated by ``order``), each after a
-    warm-up and on a quiet machine."""
-    names = list(senders) + ["vllm-bench"]
+def drive_all(clients: dict, prompts: list[list[int]], new_tokens: int, order: int) -> dict:
+    """Every client (``run(prompts, new_tokens)`` -> its result) against the running server, in
+    turn (rotated by ``order``), each on a quiet machine."""
+    names = list(clients)
     names = names[order % len(names):] + names[:order % len(names)]
     results = {}
     for name in names:
         wait_for_quiet()
-        if name == "vllm-bench":
-            results[name] = bench()
-        else:
-            senders[name](prompts[0], 2, lambda count: None)  # warm-up: the chain route
-            senders[name](prompts[0][:20], 2, lambda count: None)  # and the local one
-            wait_for_quiet()
-            results[name] = drive(senders[name], prompts, new_tokens)
+        results[name] = clients[name](prompts, new_tokens)
     return results
 
 
@@ -269,7 +326,7 @@ def main() -> None:
     started = time.perf_counter()
     port = free_port()
 
-    def bench() -> dict:
+    def bench(prompts: list[list[int]], new_tokens: int) -> dict:
         return vllm_bench(args.peer_python, port, args.model, text_prompts, len(prompts), new_tokens,
                           out.with_suffix(".vllm-bench.json"))
 
@@ -279,8 +336,8 @@ def main() -> None:
         try:
             wait_http(port, server)
             load_s = time.perf_counter() - started
-            clients = drive_all({"http": http_sender(port, model_name)}, bench, prompts, new_tokens,
-                                args.order)
+            clients = drive_all({"http": threaded(http_sender(port, model_name)),
+                                 "vllm-bench": bench}, prompts, new_tokens, args.order)
         finally:
             server.terminate()
             server.wait(60)
@@ -293,9 +350,10 @@ def main() -> None:
         with LocalCluster(spec) as cluster:
             wait_http(port, None)
             load_s = time.perf_counter() - started
-            clients = drive_all({"http": http_sender(port, model_name),
-                                 "grpc": grpc_sender(cluster.gateway_address)},
-                                bench, prompts, new_tokens, args.order)
+            clients = drive_all({"http": threaded(http_sender(port, model_name)),
+                                 "grpc": threaded(grpc_sender(cluster.gateway_address)),
+                                 "grpc-aio": asyncio_grpc(cluster.gateway_address),
+                                 "vllm-bench": bench}, prompts, new_tokens, args.order)
     result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
               "setup": (" ".join(["baton up", *up_flags]) + (" (KV compression on)"
                                                              if args.kv_compression else "")
