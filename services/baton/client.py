@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Self
 
 import grpc
@@ -28,6 +29,25 @@ from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.model.sampling import SamplingParams
 
 SERVICE_NAME = "baton.v1.Baton"
+
+
+def _channel(module, address: str, tls: bool, tls_ca_file: str | None,
+             tls_server_name: str | None):
+    """A channel of ``module`` (``grpc`` or ``grpc.aio``): TLS when ``tls`` or a CA file is
+    given (the CA's PEM, else the system's roots), ``tls_server_name`` the name the gateway's
+    certificate must carry when it is not the address's host."""
+    if not (tls or tls_ca_file):
+        if tls_server_name:
+            raise ValueError(f"tls_server_name {tls_server_name!r} needs TLS (tls or tls_ca_file)")
+        return module.insecure_channel(address)
+    roots = Path(tls_ca_file).read_bytes() if tls_ca_file else None
+    options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+    return module.secure_channel(address, grpc.ssl_channel_credentials(roots), options=options)
+
+
+def _call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """What every call carries: the API key as the gateway reads it (``authorization``)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 @dataclass
@@ -56,12 +76,18 @@ class Completion:
 class BatonClient:
     """One channel to a gateway. It carries any number of concurrent calls from any threads
     (HTTP/2 streams on one connection): share one client rather than opening one per call,
-    which costs a connection each and more CPU per streamed token (docs/runtime.md)."""
+    which costs a connection each and more CPU per streamed token (docs/runtime.md).
 
-    def __init__(self, address: str) -> None:
+    ``api_key`` goes with every call (a gateway with ``auth.api_keys_file`` wants one);
+    ``tls`` or ``tls_ca_file`` (the PEM of the CA that signed the gateway's certificate)
+    reach a gateway that serves TLS (``server.tls_cert``)."""
+
+    def __init__(self, address: str, *, api_key: str | None = None, tls: bool = False,
+                 tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = _channel(grpc, address, tls, tls_ca_file, tls_server_name)
         self.stub = api_pb2_grpc.BatonStub(self.channel)
+        self.metadata = _call_metadata(api_key)
 
     def wait_until_serving(self, timeout_s: float) -> None:
         """Block until the server's health check says SERVING (TimeoutError after timeout_s)."""
@@ -81,7 +107,7 @@ class BatonClient:
     def stream(self, request: GenerateRequest, timeout_s: float | None = None):
         """The streaming call; iterate it for GenerationSteps, ``cancel()`` it to stop."""
         return _StepStream(self.stub.Generate(convert.generate_request_to_proto(request),
-                                              timeout=timeout_s))
+                                              timeout=timeout_s, metadata=self.metadata))
 
     def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> Completion:
         completion = Completion()
@@ -91,14 +117,16 @@ class BatonClient:
         return completion
 
     def tokenize(self, text: str, model: str = "") -> Tokenization:
-        return convert.tokenization_from_proto(
-            self.stub.Tokenize(api_pb2.TokenizeRequest(model=model, text=text)))
+        return convert.tokenization_from_proto(self.stub.Tokenize(
+            api_pb2.TokenizeRequest(model=model, text=text), metadata=self.metadata))
 
     def list_models(self) -> list[ModelInfo]:
-        return convert.models_from_proto(self.stub.ListModels(api_pb2.ListModelsRequest()))
+        return convert.models_from_proto(self.stub.ListModels(api_pb2.ListModelsRequest(),
+                                                              metadata=self.metadata))
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id)).found
+        return self.stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                               metadata=self.metadata).found
 
     def close(self) -> None:
         self.channel.close()
@@ -129,12 +157,15 @@ class AsyncBatonClient:
     """``BatonClient`` for asyncio applications: one ``grpc.aio`` channel, made and used on
     one event loop, carrying any number of concurrent calls. Many streams on one loop cost
     about half the client CPU per streamed token of as many threads on a ``BatonClient``
-    (docs/runtime.md). ``async with`` closes it."""
+    (docs/runtime.md). ``async with`` closes it. The keyword arguments are
+    ``BatonClient``'s."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None, tls: bool = False,
+                 tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = _channel(grpc.aio, address, tls, tls_ca_file, tls_server_name)
         self.stub = api_pb2_grpc.BatonStub(self.channel)
+        self.metadata = _call_metadata(api_key)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         """Until the server's health check says SERVING (TimeoutError after timeout_s)."""
@@ -155,7 +186,7 @@ class AsyncBatonClient:
     def stream(self, request: GenerateRequest, timeout_s: float | None = None) -> _StepStream:
         """The streaming call; ``async for`` it for GenerationSteps, ``cancel()`` it to stop."""
         return _StepStream(self.stub.Generate(convert.generate_request_to_proto(request),
-                                              timeout=timeout_s))
+                                              timeout=timeout_s, metadata=self.metadata))
 
     async def generate(self, request: GenerateRequest, timeout_s: float | None = None) -> Completion:
         completion = Completion()
@@ -165,14 +196,16 @@ class AsyncBatonClient:
         return completion
 
     async def tokenize(self, text: str, model: str = "") -> Tokenization:
-        return convert.tokenization_from_proto(
-            await self.stub.Tokenize(api_pb2.TokenizeRequest(model=model, text=text)))
+        return convert.tokenization_from_proto(await self.stub.Tokenize(
+            api_pb2.TokenizeRequest(model=model, text=text), metadata=self.metadata))
 
     async def list_models(self) -> list[ModelInfo]:
-        return convert.models_from_proto(await self.stub.ListModels(api_pb2.ListModelsRequest()))
+        return convert.models_from_proto(await self.stub.ListModels(api_pb2.ListModelsRequest(),
+                                                                    metadata=self.metadata))
 
     async def abort(self, request_id: str) -> bool:
-        return (await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id))).found
+        return (await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                                      metadata=self.metadata)).found
 
     async def close(self) -> None:
         await self.channel.close()
@@ -184,10 +217,11 @@ class AsyncBatonClient:
         await self.close()
 
 
-def generate_to_terminal(address: str, prompts: Sequence[str | list[int]],
+def generate_to_terminal(client: BatonClient, prompts: Sequence[str | list[int]],
                          params: SamplingParams, as_json: bool) -> int:
-    """Generate each prompt on the server at ``address``, printing as a local run would."""
-    client = BatonClient(address)
+    """Generate each prompt on ``client``'s gateway, printing as a local run would; closes
+    the client."""
+    address = client.address
     try:
         for index, prompt in enumerate(prompts):
             request = (GenerateRequest(text=prompt, sampling=params) if isinstance(prompt, str)

@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill through a local KV-Runahead chain of P processes (0 = off)")
     parser.add_argument("--server", default="", metavar="HOST:PORT",
                         help="generate on a running baton gateway instead of locally")
+    parser.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""),
+                        help="with --server: the gateway's API key (default: $BATON_API_KEY)")
+    parser.add_argument("--tls-ca", default="", metavar="FILE",
+                        help="with --server: the gateway serves TLS; its certificate's CA (PEM)")
     add_config_arguments(parser, SchedulerConfig, "scheduler")
     add_config_arguments(parser, KVPoolConfig, "kv")
 
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     if args.server:
         return _generate_on_server(args, prompts, params)
+    if args.tls_ca:
+        raise ValueError("--tls-ca applies with --server only")
     from baton.dtypes import dtype_name
     from baton.model.loader import load_checkpoint
     from baton.sarathi.engine import Engine
@@ -99,9 +105,10 @@ def _generate_on_server(args: argparse.Namespace, prompts: list, params) -> int:
     if local_only:
         raise ValueError(f"{', '.join(local_only)} apply to local runs only; the server at "
                          f"{args.server} has its own model and routing")
-    from baton.client import generate_to_terminal
+    from baton.client import BatonClient, generate_to_terminal
 
-    return generate_to_terminal(args.server, prompts, params, as_json=args.json)
+    client = BatonClient(args.server, api_key=args.api_key or None, tls_ca_file=args.tls_ca or None)
+    return generate_to_terminal(client, prompts, params, as_json=args.json)
 
 
 def _add_chain_prefilled(engine, model_dir, prompts, params, ranks: int, dtype: str) -> list[str]:
