@@ -4,9 +4,9 @@ end-to-end tests and the serving benchmark).
 ``BatonClient`` (blocking calls, any threads) and ``AsyncBatonClient`` (asyncio: calls
 are coroutines, streams async iterators) speak domain objects (``baton.api.requests``)
 and hide the protobuf messages; a server's error arrives as ``grpc.RpcError`` with the
-server's status code and message. ``generate_to_terminal`` is the ``baton generate --server`` path: the same output
-contract as a local run (streamed text, or one ``{"token_ids": [...], "text": "..."}`` line
-per prompt with ``--json``).
+server's status code and message. ``generate_to_terminal`` is the ``baton generate
+--server`` path: the same output contract as a local run (streamed text, or one
+``{"token_ids": [...], "text": "..."}`` line per prompt with ``--json``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,18 @@ from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.model.sampling import SamplingParams
 
 SERVICE_NAME = "baton.v1.Baton"
+HEALTH_CHECK = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+HEALTH_POLL_S = 0.1
+
+
+def _health_polls(address: str, timeout_s: float) -> Iterator[None]:
+    """One item per health check a client makes while it waits for ``address`` to serve;
+    TimeoutError once ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() <= deadline:
+        yield
+    raise TimeoutError(f"{address} is not serving after {timeout_s:g} s")
 
 
 def _channel(module, address: str, tls: bool, tls_ca_file: str | None,
@@ -92,17 +104,13 @@ class BatonClient:
     def wait_until_serving(self, timeout_s: float) -> None:
         """Block until the server's health check says SERVING (TimeoutError after timeout_s)."""
         health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout_s
-        while True:
+        for _ in _health_polls(self.address, timeout_s):
             try:
-                answer = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                if health.Check(HEALTH_CHECK, timeout=1).status == SERVING:
                     return
             except grpc.RpcError:
                 pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.address} is not serving after {timeout_s:g} s")
-            time.sleep(0.1)
+            time.sleep(HEALTH_POLL_S)
 
     def stream(self, request: GenerateRequest, timeout_s: float | None = None):
         """The streaming call; iterate it for GenerationSteps, ``cancel()`` it to stop."""
@@ -133,7 +141,8 @@ class BatonClient:
 
 
 class _StepStream:
-    """A Generate call that yields domain steps and can be cancelled."""
+    """A Generate call that yields domain steps (iterate a blocking call, ``async for`` an
+    aio one) and can be cancelled."""
 
     def __init__(self, call) -> None:
         self.call = call
@@ -170,18 +179,13 @@ class AsyncBatonClient:
     async def wait_until_serving(self, timeout_s: float) -> None:
         """Until the server's health check says SERVING (TimeoutError after timeout_s)."""
         health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout_s
-        while True:
+        for _ in _health_polls(self.address, timeout_s):
             try:
-                answer = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                            timeout=1)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                if (await health.Check(HEALTH_CHECK, timeout=1)).status == SERVING:
                     return
             except grpc.RpcError:
                 pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.address} is not serving after {timeout_s:g} s")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(HEALTH_POLL_S)
 
     def stream(self, request: GenerateRequest, timeout_s: float | None = None) -> _StepStream:
         """The streaming call; ``async for`` it for GenerationSteps, ``cancel()`` it to stop."""

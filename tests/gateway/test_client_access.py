@@ -107,3 +107,16 @@ def test_baton_generate_server_sends_api_key_and_tls_ca(secured):
                                         "--tls-ca", ca, "def f"]))
     with pytest.raises(ValueError, match="--tls-ca applies with --server only"):
         generate.run(parser.parse_args(["--tls-ca", ca, "def f"]))
+
+
+def test_waiting_for_a_gateway_that_never_serves_ends_in_a_timeout_naming_it():
+    address = "127.0.0.1:1"  # nothing listens there
+    with pytest.raises(TimeoutError, match=f"{address} is not serving after 0.3 s"):
+        BatonClient(address).wait_until_serving(timeout_s=0.3)
+
+    async def run():
+        async with AsyncBatonClient(address) as client:
+            await client.wait_until_serving(timeout_s=0.3)
+
+    with pytest.raises(TimeoutError, match=f"{address} is not serving after 0.3 s"):
+        asyncio.run(run())
