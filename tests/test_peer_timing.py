@@ -1,0 +1,59 @@
+"""The peer benchmark's CPU accounting (bench/peer_timing.py): a timed window splits its
+process tree's CPU by role, as peer.md's served table reports it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from peer_timing import CpuWindow, _process_table
+
+BURN_S = 0.3
+# Burns BURN_S of CPU, then stays alive (a server between runs).
+BURN = f"""
+import time
+start = time.process_time()
+while time.process_time() - start < {BURN_S}:
+    pass
+time.sleep(60)
+"""
+# A process named as a gateway that starts a child whose command line names no role.
+GATEWAY = f"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", {BURN!r}])
+exec({BURN!r})
+"""
+
+
+def test_a_window_splits_its_tree_by_role_and_an_unnamed_child_takes_its_parents():
+    gateway = None
+    try:
+        with CpuWindow("client") as window:
+            gateway = subprocess.Popen([sys.executable, "-c", GATEWAY, "-m", "baton.cli", "gateway"],
+                                       start_new_session=True)
+            wait_until_burnt(gateway.pid)  # this process sleeps meanwhile
+    finally:
+        if gateway is not None:  # the gateway and its child, still alive when the window closed
+            os.killpg(gateway.pid, signal.SIGKILL)
+            gateway.wait()
+    assert window.by_role["gateway"] >= 2 * BURN_S - 0.05  # its own and its child's
+    assert window.by_role["client"] < BURN_S
+    assert window.own_cpu_s >= window.by_role["gateway"]
+    assert set(window.by_role) == {"client", "gateway"}
+
+
+def wait_until_burnt(pid: int, timeout_s: float = 30.0) -> None:
+    """Until ``pid`` and its child have each spent BURN_S of CPU."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        table = _process_table()
+        burnt = [cpu for member, (parent, cpu) in table.items() if pid in (member, parent)]
+        if len(burnt) == 2 and min(burnt) >= BURN_S - 0.01:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} and its child did not burn {BURN_S} s each in {timeout_s} s")
