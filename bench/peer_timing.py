@@ -91,11 +91,10 @@ def _cpu_by_role(own_role: str) -> dict[str, float]:
     roles: dict[int, str] = {os.getpid(): own_role}
 
     def role(pid: int) -> str:
-        if pid not in roles:
+        if pid not in roles:  # the tree's root is in ``roles``: every parent here is in the tree
             line = _command_line(pid)
             named = next((name for pattern, name in ROLES if pattern in line), None)
-            parent = table[pid][0]
-            roles[pid] = named or (role(parent) if parent in tree else "other")
+            roles[pid] = named or role(table[pid][0])
         return roles[pid]
 
     totals = {own_role: _exited_children_s()}
