@@ -132,15 +132,14 @@ class CpuWindow:
         self._wall = time.perf_counter()
         self._busy = _busy_s()
         self._roles = _cpu_by_role(self.own_role)
-        self._own = _own_cpu_s()
         return self
 
     def __exit__(self, *exc) -> None:
         self.wall_s = time.perf_counter() - self._wall
-        self.own_cpu_s = _own_cpu_s() - self._own
-        self.others_cpu_s = max(0.0, _busy_s() - self._busy - self.own_cpu_s)
         roles = _cpu_by_role(self.own_role)
         self.by_role = {role: seconds - self._roles.get(role, 0.0) for role, seconds in roles.items()}
+        self.own_cpu_s = sum(self.by_role.values())  # the roles cover the whole tree
+        self.others_cpu_s = max(0.0, _busy_s() - self._busy - self.own_cpu_s)
 
 
 def run_arguments() -> argparse.Namespace:

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _chain_routing(redis_url: str, spec: ClusterSpec) -> str:
     """Which prompts the gateway sends the chain, from the chain's own routing record."""
+    from baton.config import GatewayRoutingConfig
     from baton.routing.redis_store import RedisStore
 
     store = RedisStore(redis_url)
@@ -127,10 +128,12 @@ def _chain_routing(redis_url: str, spec: ClusterSpec) -> str:
     finally:
         store.close()
     threshold = spec.prefill_threshold_tokens
-    if not heads or not spec.chain_break_even or heads[0].break_even_tokens <= threshold:
+    routing = GatewayRoutingConfig(prefill_threshold_tokens=threshold,
+                                   chain_break_even=spec.chain_break_even)
+    takes_from = routing.chain_takes_from(heads[0].break_even_tokens) if heads else threshold
+    if takes_from == threshold:
         return f"the chain takes prompts of {threshold} tokens or more"
-    break_even = heads[0].break_even_tokens
-    return (f"the chain takes prompts of {break_even} tokens or more: its measured break-even "
+    return (f"the chain takes prompts of {takes_from} tokens or more: its measured break-even "
             f"(partition table), past --prefill-threshold-tokens {threshold}; shorter ones are "
             f"prefilled on the decode pod unless pinned (--no-chain-break-even: from {threshold})")
 

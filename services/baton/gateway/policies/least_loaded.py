@@ -87,9 +87,10 @@ class LeastLoadedPolicy(RoutingPolicy):
             # a model revision rolling out, or pods that resolved dtype auto differently
             return None, (f"no live chain computes a cache decode pod {decode.address} takes "
                           f"(revision {decode.model_revision!r}, KV dtype {decode.kv_dtype or 'any'})")
-        if num_prompt_tokens and self.config.chain_break_even:
-            worth = [head for head in heads if num_prompt_tokens >= head.break_even_tokens]
-            if not worth:
+        if num_prompt_tokens:
+            worth = [head for head in heads
+                     if num_prompt_tokens >= self.config.chain_takes_from(head.break_even_tokens)]
+            if not worth:  # only with chain_break_even: route() checked the threshold before
                 least = min(heads, key=lambda head: (head.break_even_tokens, head.chain_id))
                 return None, (f"below the break-even of every chain (chain {least.chain_id}: "
                               f"{least.break_even_tokens} tokens, measured in its partition "
