@@ -51,6 +51,7 @@ bench: setup ## run the benchmarks; reports and plots land in docs/benchmarks/
 	$(PY) bench/serve.py
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/reliability.py
+	$(PY) bench/served_cores.py
 
 bench-peer: setup ## baton against vLLM on this machine (vLLM in its own .venv-peer); writes docs/benchmarks/peer.md
 	$(PY) bench/peer.py

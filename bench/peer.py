@@ -107,12 +107,14 @@ def run_one(system: str, peer_python: Path, model_dir: Path, workload: Path, dty
     return run_script(command, env, out, f"{system:5s} {dtype:8s}")
 
 
-def run_script(command: list[str], env: dict | None, out: Path, label: str) -> dict:
-    """Run one side in a fresh process (its output in OUT.log); returns its JSON result."""
+def run_script(command: list[str], env: dict | None, out: Path, label: str,
+               preexec_fn=None) -> dict:
+    """Run one side in a fresh process (its output in OUT.log; ``preexec_fn`` runs in the
+    child before it starts); returns its JSON result."""
     log = out.with_suffix(".log")
     with log.open("w") as handle:
         completed = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                   timeout=900, check=False)
+                                   timeout=900, check=False, preexec_fn=preexec_fn)
     if completed.returncode != 0:
         raise RuntimeError(f"{label.strip()} failed ({completed.returncode}); see {log}")
     result = json.loads(out.read_text())

@@ -19,10 +19,15 @@ Greedy, 64 new tokens, end-of-sequence ignored, KV compression off (``baton up``
 leaves baton's default on instead (PyramidInfer prunes the caches: not the same work, and
 the tokens differ), for what ``baton up`` serves with every default.
 
+``--decode-cpus 0`` moves the decode pod onto those CPUs once it serves (``served_cores.py``
+runs this script on the other core, so the client, the gateway and redis stay there);
+``--clients`` picks the clients (default: all that apply).
+
 usage: peer_served.py vllm PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--stream-interval TOKENS]
        peer_served.py baton PEER_PYTHON MODEL_DIR WORKLOAD OUT --dtype D [--threads N --decode-threads N
                       --chain-ranks P] (baton up's flags; none: its defaults)
-                      [--stream-interval-ms MS] [--kv-compression]
+                      [--stream-interval-ms MS] [--kv-compression] [--decode-cpus LIST]
+                      [--clients NAME,...]
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.runahead.local import free_port
-from peer_timing import CpuWindow, wait_for_quiet
+from peer_timing import CpuWindow, pin_tree_role, wait_for_quiet
 
 START_TIMEOUT_S = 300.0
 BATON_UP_FLAGS = ("threads", "decode_threads", "chain_ranks", "stream_interval_ms")  # passed on
@@ -296,6 +301,14 @@ def drive_all(clients: dict, prompts: list[list[int]], new_tokens: int, order: i
     return results
 
 
+def pick(clients: dict, chosen: set[str]) -> dict:
+    """The clients named in ``chosen`` (all of them when it is empty); an unknown name is an error."""
+    unknown = chosen - set(clients)
+    if unknown:
+        raise SystemExit(f"--clients: unknown {sorted(unknown)}; this server takes {sorted(clients)}")
+    return {name: run for name, run in clients.items() if not chosen or name in chosen}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("system", choices=("vllm", "baton"))
@@ -315,7 +328,12 @@ def main() -> None:
                              "this far apart (default every step)")
     parser.add_argument("--kv-compression", action="store_true",
                         help="baton up with KV compression on (its default) rather than off")
+    parser.add_argument("--decode-cpus", default="",
+                        help="baton: move the decode pod onto these CPUs (comma-separated) once it serves")
+    parser.add_argument("--clients", default="",
+                        help="the clients to run, comma-separated (default: every one that applies)")
     args = parser.parse_args()
+    chosen = set(filter(None, args.clients.split(",")))
     workload = json.loads(Path(args.workload).read_text())
     prompts, new_tokens = workload["prompts"], workload["new_tokens"]
     out = Path(args.out)
@@ -336,8 +354,8 @@ def main() -> None:
         try:
             wait_http(port, server)
             load_s = time.perf_counter() - started
-            clients = drive_all({"http": threaded(http_sender(port, model_name)),
-                                 "vllm-bench": bench}, prompts, new_tokens, args.order)
+            clients = drive_all(pick({"http": threaded(http_sender(port, model_name)),
+                                      "vllm-bench": bench}, chosen), prompts, new_tokens, args.order)
         finally:
             server.terminate()
             server.wait(60)
@@ -350,13 +368,16 @@ def main() -> None:
         with LocalCluster(spec) as cluster:
             wait_http(port, None)
             load_s = time.perf_counter() - started
-            clients = drive_all({"http": threaded(http_sender(port, model_name)),
-                                 "grpc": threaded(grpc_sender(cluster.gateway_address)),
-                                 "grpc-aio": asyncio_grpc(cluster.gateway_address),
-                                 "vllm-bench": bench}, prompts, new_tokens, args.order)
+            if args.decode_cpus:
+                pin_tree_role("decode pod", {int(cpu) for cpu in args.decode_cpus.split(",")})
+            clients = drive_all(pick({"http": threaded(http_sender(port, model_name)),
+                                      "grpc": threaded(grpc_sender(cluster.gateway_address)),
+                                      "grpc-aio": asyncio_grpc(cluster.gateway_address),
+                                      "vllm-bench": bench}, chosen), prompts, new_tokens, args.order)
     result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
               "setup": (" ".join(["baton up", *up_flags]) + (" (KV compression on)"
                                                              if args.kv_compression else "")
+                        + (f" (decode pod on CPUs {args.decode_cpus})" if args.decode_cpus else "")
                         if args.system == "baton" else
                         "vllm serve" + (f" --stream-interval {args.stream_interval}"
                                         if args.stream_interval != 1 else " (defaults)"))}

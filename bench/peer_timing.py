@@ -82,6 +82,18 @@ def _command_line(pid: int) -> str:
         return ""
 
 
+def pin_tree_role(role: str, cpus: set[int]) -> list[int]:
+    """Move every thread of this process tree's processes of ``role`` (``ROLES``) onto
+    ``cpus``; returns their pids."""
+    table = _process_table()
+    pids = [pid for pid in _own_tree(table)
+            if next((name for pattern, name in ROLES if pattern in _command_line(pid)), None) == role]
+    for pid in pids:
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(thread), cpus)
+    return pids
+
+
 def _cpu_by_role(own_role: str) -> dict[str, float]:
     """CPU seconds so far of this process's tree, summed by role (``ROLES``). A process whose
     command line names none takes its parent's (a chain's ranks, multiprocessing's helpers);

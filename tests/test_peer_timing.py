@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import peer_timing
 from peer_timing import CpuWindow, _process_table
@@ -60,3 +62,24 @@ def wait_until_burnt(pid: int, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"process {pid} and its child did not burn {BURN_S} s each in {timeout_s} s")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to move a process between")
+def test_pinning_a_role_moves_every_thread_of_its_processes_and_no_other(monkeypatch):
+    monkeypatch.setattr(peer_timing, "ROLES", (ROLE, *peer_timing.ROLES))
+    threads = "import threading, time\n[threading.Thread(target=time.sleep, args=(60,)).start() for _ in range(2)]\ntime.sleep(60)"
+    server = subprocess.Popen([sys.executable, "-c", threads, ROLE[0]], start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        target = min(os.sched_getaffinity(0))
+        deadline = time.monotonic() + 30
+        while len(os.listdir(f"/proc/{server.pid}/task")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert peer_timing.pin_tree_role(ROLE[1], {target}) == [server.pid]
+        for thread in os.listdir(f"/proc/{server.pid}/task"):
+            assert os.sched_getaffinity(int(thread)) == {target}
+        assert os.sched_getaffinity(other.pid) == os.sched_getaffinity(0)
+    finally:
+        for process in (server, other):
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
