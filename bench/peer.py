@@ -62,16 +62,24 @@ def ensure_peer_venv() -> Path:
     return python
 
 
-def prepare_models() -> dict[str, Path]:
-    """The two checkpoint directories both systems load."""
-    from baton.model.loader import SHIPPED_MODEL_DIR, save_checkpoint
-    from baton.model.presets import random_model
+def prepare_shipped_model() -> Path:
+    """A copy of the shipped model's directory, which both systems load."""
+    from baton.model.loader import SHIPPED_MODEL_DIR
 
     shipped = WORK_DIR / "shipped"
     shipped.mkdir(parents=True, exist_ok=True)
     for source in SHIPPED_MODEL_DIR.iterdir():  # what a copy of an older checkout lacks
         if not (shipped / source.name).exists():
             shutil.copy(source, shipped / source.name)
+    return shipped
+
+
+def prepare_models() -> dict[str, Path]:
+    """The two checkpoint directories both systems load."""
+    from baton.model.loader import SHIPPED_MODEL_DIR, save_checkpoint
+    from baton.model.presets import random_model
+
+    shipped = prepare_shipped_model()
     random_dir = WORK_DIR / RANDOM_MODEL
     if not (random_dir / "model.safetensors").exists():
         import torch

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, markdown_table, write_report
-from peer import WORK_DIR, prepare_models, prepare_workloads, run_script
+from peer import WORK_DIR, prepare_shipped_model, prepare_workloads, run_script
 
 ENGINE_CPU, SERVICE_CPU = 0, 1
 CLIENTS = {"http": "threads, HTTP", "grpc-aio": "asyncio, gRPC"}
@@ -165,13 +165,13 @@ def main() -> None:
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("this benchmark needs 2 CPUs (one for the engine, one for the rest)")
-    models, workloads = prepare_models(), prepare_workloads()
+    model_dir, workload = prepare_shipped_model(), prepare_workloads()["shipped"]
     description = machine_description()
     rounds: dict[str, list[dict]] = {dtype: [] for dtype in args.dtypes.split(",")}
     for index in range(args.rounds):
         print(f"round {index + 1}/{args.rounds}", flush=True)
         for dtype, runs in rounds.items():
-            runs.append(one_round(models["shipped"], workloads["shipped"], dtype, index))
+            runs.append(one_round(model_dir, workload, dtype, index))
     write_report("served-cores.md", report(rounds, description, os.getloadavg()[0]))
 
 
