@@ -163,8 +163,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
-    if len(os.sched_getaffinity(0)) < 2:
-        raise SystemExit("this benchmark needs 2 CPUs (one for the engine, one for the rest)")
+    if len(os.sched_getaffinity(0)) < 2:  # skipped, not failed: `make bench` goes on
+        print("served_cores.py: skipped, it needs 2 CPUs (one for the engine, one for the rest)")
+        return
     model_dir, workload = prepare_shipped_model(), prepare_workloads()["shipped"]
     description = machine_description()
     rounds: dict[str, list[dict]] = {dtype: [] for dtype in args.dtypes.split(",")}
