@@ -260,12 +260,6 @@ class GatewayRoutingConfig:
                 f"gateway prefill_threshold_tokens must be >= 1, got {self.prefill_threshold_tokens}")
         require(isinstance(self.chain_break_even, bool),
                 f"gateway chain_break_even must be true or false, got {self.chain_break_even!r}")
-
-    def chain_takes_from(self, break_even_tokens: int) -> int:
-        """The shortest prompt the gateway sends a chain that advertises ``break_even_tokens``
-        (unless the prompt is pinned to a chain)."""
-        return max(self.prefill_threshold_tokens,
-                   break_even_tokens if self.chain_break_even else 0)
         require(self.chain_max_queued_tokens >= 0,
                 f"gateway chain_max_queued_tokens must be >= 0, got {self.chain_max_queued_tokens}")
         require(self.policy in GATEWAY_POLICIES,
@@ -273,6 +267,12 @@ class GatewayRoutingConfig:
         require(self.kv_wait_s > 0, f"gateway kv_wait_s must be > 0, got {self.kv_wait_s}")
         require(math.isfinite(self.stall_s) and self.stall_s > 0,
                 f"gateway stall_s must be a number > 0, got {self.stall_s}")
+
+    def chain_takes_from(self, break_even_tokens: int) -> int:
+        """The shortest prompt the gateway sends a chain that advertises ``break_even_tokens``
+        (unless the prompt is pinned to a chain)."""
+        return max(self.prefill_threshold_tokens,
+                   break_even_tokens if self.chain_break_even else 0)
 
 
 @dataclass

@@ -100,6 +100,13 @@ def test_an_unknown_policy_name_is_a_value_error():
         create_policy(config, MODEL)
 
 
+@pytest.mark.parametrize("setting, value", [("chain_max_queued_tokens", -1), ("policy", "random"),
+                                            ("kv_wait_s", 0.0), ("stall_s", float("nan"))])
+def test_the_routing_settings_refuse_a_bad_value_naming_it(setting, value):
+    with pytest.raises(ValueError, match=f"gateway {setting}"):
+        GatewayRoutingConfig(**{setting: value})
+
+
 def test_a_pinned_prefill_route_overrides_length_and_load_and_says_so(policy):
     workers = snapshot(decode("a"), rank("c0", 0, queued_tokens=1_000_000))
     local = policy.route(5000, workers, {}, prefill_route="local")
