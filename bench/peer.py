@@ -142,15 +142,16 @@ SERVED_SETUPS = (("vllm", ["vllm"]),
 
 
 def run_served(argv: list[str], peer_python: Path, model_dir: Path, workload: Path, dtype: str,
-               out: Path, order: int) -> dict:
-    """One server started, then driven by every client (peer_served.py); its result."""
+               out: Path, order: int, preexec_fn=None) -> dict:
+    """One server started, then driven by every client (peer_served.py); its result.
+    ``preexec_fn`` runs in the child before it starts."""
     script = Path(__file__).resolve().parent / "peer_served.py"
     command = [sys.executable, str(script), argv[0], str(peer_python), str(model_dir), str(workload),
                str(out), "--dtype", dtype, "--order", str(order), *argv[1:]]
     log = out.with_suffix(".log")
     with log.open("w") as handle:
         completed = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=1800,
-                                   check=False)
+                                   check=False, preexec_fn=preexec_fn)
     if completed.returncode != 0:
         raise RuntimeError(f"{out.stem} failed ({completed.returncode}); see {log}")
     result = json.loads(out.read_text())

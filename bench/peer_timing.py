@@ -82,12 +82,16 @@ def _command_line(pid: int) -> str:
         return ""
 
 
+def _named_role(pid: int) -> str | None:
+    """The role (``ROLES``) a process's command line names, if any."""
+    line = _command_line(pid)
+    return next((name for pattern, name in ROLES if pattern in line), None)
+
+
 def pin_tree_role(role: str, cpus: set[int]) -> list[int]:
     """Move every thread of this process tree's processes of ``role`` (``ROLES``) onto
     ``cpus``; returns their pids."""
-    table = _process_table()
-    pids = [pid for pid in _own_tree(table)
-            if next((name for pattern, name in ROLES if pattern in _command_line(pid)), None) == role]
+    pids = [pid for pid in _own_tree(_process_table()) if _named_role(pid) == role]
     for pid in pids:
         for thread in os.listdir(f"/proc/{pid}/task"):
             os.sched_setaffinity(int(thread), cpus)
@@ -104,9 +108,7 @@ def _cpu_by_role(own_role: str) -> dict[str, float]:
 
     def role(pid: int) -> str:
         if pid not in roles:  # the tree's root is in ``roles``: every parent here is in the tree
-            line = _command_line(pid)
-            named = next((name for pattern, name in ROLES if pattern in line), None)
-            roles[pid] = named or role(table[pid][0])
+            roles[pid] = _named_role(pid) or role(table[pid][0])
         return roles[pid]
 
     totals = {own_role: _exited_children_s()}

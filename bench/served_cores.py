@@ -23,16 +23,17 @@ machine. Writes docs/benchmarks/served-cores.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, markdown_table, write_report
 from peer import WORK_DIR, prepare_shipped_model, prepare_workloads, run_script
+from peer import run_served as run_server
+from peer_report import per_token_us
+from peer_report import throughput as rate
 
 ENGINE_CPU, SERVICE_CPU = 0, 1
 CLIENTS = {"http": "threads, HTTP", "grpc-aio": "asyncio, gRPC"}
@@ -52,25 +53,10 @@ def run_engine(model_dir: Path, workload: Path, dtype: str, out: Path) -> dict:
 
 
 def run_served(model_dir: Path, workload: Path, dtype: str, out: Path, order: int) -> dict:
-    command = [sys.executable, str(SCRIPTS / "peer_served.py"), "baton", sys.executable,
-               str(model_dir), str(workload), str(out), "--dtype", dtype, "--order", str(order),
-               "--threads", "1", "--chain-ranks", "0", "--decode-cpus", str(ENGINE_CPU),
-               "--clients", ",".join(CLIENTS)]
-    log = out.with_suffix(".log")
-    with log.open("w") as handle:
-        completed = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=900,
-                                   check=False, preexec_fn=on_cpu(SERVICE_CPU))
-    if completed.returncode != 0:
-        raise RuntimeError(f"{out.stem} failed ({completed.returncode}); see {log}")
-    result = json.loads(out.read_text())
-    for name, run in result["clients"].items():
-        print(f"  served {dtype:8s} {name:8s} {rate(run):7.0f} tok/s  others' CPU "
-              f"{run['others_cpu_s']:.2f} s  errors {len(run['errors'])}", flush=True)
-    return result
-
-
-def rate(run: dict) -> float:
-    return run["generated_tokens"] / run["wall_s"]
+    argv = ["baton", "--threads", "1", "--chain-ranks", "0", "--decode-cpus", str(ENGINE_CPU),
+            "--clients", ",".join(CLIENTS)]
+    return run_server(argv, Path(sys.executable), model_dir, workload, dtype, out, order,
+                      preexec_fn=on_cpu(SERVICE_CPU))
 
 
 SETUP = """\
@@ -110,8 +96,7 @@ def report(rounds: dict[str, list[dict]], description: str, load_end: float) -> 
                             f"{min(ratios):.2f}-{max(ratios):.2f}x"])
         lines += [cpu_table(runs), ""]
     lines += ["## Summary: served throughput as a share of the engine's", "",
-                                    markdown_table(["dtype", "client", "median", "range"], summary),
-                                    "", READING]
+              markdown_table(["dtype", "client", "median", "range"], summary), "", READING]
     return "\n".join(lines) + "\n"
 
 
@@ -121,10 +106,9 @@ def cpu_table(runs: list[dict]) -> str:
     engine = statistics.median(e["engine"]["own_cpu_s"] / e["engine"]["generated_tokens"] for e in runs)
     rows = [["engine alone", "", "", f"{engine * 1e6:.0f}", ""]]
     for name, label in CLIENTS.items():
-        per_role = {role: statistics.median(
-            e["served"]["clients"][name]["cpu_by_role_s"].get(role, 0.0)
-            / e["served"]["clients"][name]["generated_tokens"] for e in runs) * 1e6 for role in roles}
-        rows.append([f"served, {label}", *[f"{per_role[role]:.0f}" for role in roles]])
+        served = [e["served"]["clients"][name] for e in runs]
+        rows.append([f"served, {label}",
+                     *[f"{per_token_us(served, lambda r, role=role: r == role):.0f}" for role in roles]])
     return ("CPU per generated token (µs, median over the rounds; /proc, 10 ms ticks):\n\n"
             + markdown_table(["run", *roles], rows))
 
