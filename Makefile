@@ -54,7 +54,8 @@ bench: setup ## run the benchmarks; reports and plots land in docs/benchmarks/
 	$(PY) bench/served_cores.py
 
 bench-peer: setup ## baton against vLLM on this machine (vLLM in its own .venv-peer); writes docs/benchmarks/peer.md
-	$(PY) bench/peer.py
+	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
+	$(PY) bench/peer/run.py
 
 gpu-check: setup ## on a CUDA machine: the GPU tests, then the GPU reports (*-gpu.md)
 	$(PY) -m pytest -q -s tests/gpu

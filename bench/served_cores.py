@@ -1,20 +1,20 @@
 """The service with a core of its own: what ``baton up`` keeps of its engine when the client
 and the gateway do not take the engine's cores.
 
-On this 2-core machine the peer benchmark's served runs (``peer.py``) put the client, the
+On this 2-core machine the peer benchmark's served runs (``peer/run.py``) put the client, the
 gateway and the decode pod's two engine threads on the same two cores: whatever the client
 and the gateway spend is taken from the engine, which is not how a cluster runs (the
 clients are elsewhere, the gateway on its own pod). This benchmark splits the machine in
 two instead:
 
-* the engine alone: ``peer_baton.py`` with one thread, on CPU 0;
+* the engine alone: ``peer/offline_baton.py`` with one thread, on CPU 0;
 * served: ``baton up --threads 1 --chain-ranks 0`` (KV compression off, every prompt
   prefilled on the decode pod, as in the engine), its decode pod moved onto CPU 0 once it
   serves; the client, the gateway and redis on CPU 1. Two clients: this project's
-  threaded HTTP client and baton's asyncio gRPC client (``peer_served.py``).
+  threaded HTTP client and baton's asyncio gRPC client (``peer/served.py``).
 
 So the decode pod's own costs (gRPC, its event loop, streaming every step, the heartbeat)
-share the engine's core, and nothing else does. The peer workload (64 requests, 64 new
+share the engine's core, and nothing else does. The peer workload's first 64 requests (64 new
 tokens each, greedy, end-of-sequence ignored), fresh processes, the two sides interleaved
 for ``--rounds`` rounds, their order flipping every round, each waiting for a quiet
 machine. Writes docs/benchmarks/served-cores.md.
@@ -23,21 +23,51 @@ machine. Writes docs/benchmarks/served-cores.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
 from common import machine_description, markdown_table, write_report
-from peer import WORK_DIR, prepare_shipped_model, prepare_workloads, run_script
-from peer import run_served as run_server
-from peer_report import per_token_us
-from peer_report import throughput as rate
+from peer.report import throughput as rate
+from peer.run import WORK_DIR, prepare_shipped_model
+from peer.workload import make_workload
 
 ENGINE_CPU, SERVICE_CPU = 0, 1
 CLIENTS = {"http": "threads, HTTP", "grpc-aio": "asyncio, gRPC"}
-SCRIPTS = Path(__file__).resolve().parent
+SCRIPTS = Path(__file__).resolve().parent / "peer"
+NUM_REQUESTS = 64
+
+
+def prepare_workload() -> Path:
+    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.model.tokenizer import Tokenizer
+
+    workload = make_workload(Tokenizer.from_dir(SHIPPED_MODEL_DIR)).first(NUM_REQUESTS)
+    return workload.save(WORK_DIR / "cores-workload.json")
+
+
+def run_script(command: list[str], env: dict | None, out: Path, label: str, preexec_fn) -> dict:
+    """One side in a fresh process (its output in OUT.log; ``preexec_fn`` runs in the child
+    before it starts); its JSON result."""
+    log = out.with_suffix(".log")
+    with log.open("w") as handle:
+        completed = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                   timeout=1800, check=False, preexec_fn=preexec_fn)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{label} failed ({completed.returncode}); see {log}")
+    return json.loads(out.read_text())
+
+
+def per_token_us(runs: list[dict], counted) -> float:
+    """Median over ``runs`` of the CPU per generated token (µs) of the roles ``counted(role)``."""
+    return statistics.median(
+        sum(seconds for role, seconds in run["cpu_by_role_s"].items() if counted(role)) * 1e6
+        / run["generated_tokens"] for run in runs)
 
 
 def on_cpu(cpu: int):
@@ -46,17 +76,17 @@ def on_cpu(cpu: int):
 
 
 def run_engine(model_dir: Path, workload: Path, dtype: str, out: Path) -> dict:
-    command = [sys.executable, str(SCRIPTS / "peer_baton.py"), str(model_dir), str(workload),
+    command = [sys.executable, str(SCRIPTS / "offline_baton.py"), str(model_dir), str(workload),
                str(out), "--dtype", dtype, "--threads", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return run_script(command, env, out, f"engine {dtype:8s}", preexec_fn=on_cpu(ENGINE_CPU))
 
 
 def run_served(model_dir: Path, workload: Path, dtype: str, out: Path, order: int) -> dict:
-    argv = ["baton", "--threads", "1", "--chain-ranks", "0", "--decode-cpus", str(ENGINE_CPU),
-            "--clients", ",".join(CLIENTS)]
-    return run_server(argv, Path(sys.executable), model_dir, workload, dtype, out, order,
-                      preexec_fn=on_cpu(SERVICE_CPU))
+    command = [sys.executable, str(SCRIPTS / "served.py"), "baton", sys.executable, str(model_dir),
+               str(workload), str(out), "--dtype", dtype, "--order", str(order), "--threads", "1",
+               "--chain-ranks", "0", "--decode-cpus", str(ENGINE_CPU), "--clients", ",".join(CLIENTS)]
+    return run_script(command, None, out, f"served {dtype}", preexec_fn=on_cpu(SERVICE_CPU))
 
 
 SETUP = """\
@@ -65,7 +95,7 @@ SETUP = """\
   (one engine thread, with its gRPC server and event loop); the client, the gateway and
   redis on CPU 1.
 
-The peer workload (`runs/peer/workload.json`: 64 requests of 50-900 prompt tokens, 64 new
+The peer workload's first 64 requests (`runs/peer/cores-workload.json`: 50-900 prompt tokens, 64 new
 tokens each, greedy, end-of-sequence ignored), all sent at once. Every run is a fresh
 process (a fresh cluster) and waits for a quiet machine; the two sides alternate.
 """
@@ -150,7 +180,7 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) < 2:  # skipped, not failed: `make bench` goes on
         print("served_cores.py: skipped, it needs 2 CPUs (one for the engine, one for the rest)")
         return
-    model_dir, workload = prepare_shipped_model(), prepare_workloads()["shipped"]
+    model_dir, workload = prepare_shipped_model(), prepare_workload()
     description = machine_description()
     rounds: dict[str, list[dict]] = {dtype: [] for dtype in args.dtypes.split(",")}
     for index in range(args.rounds):

@@ -1,4 +1,4 @@
-"""The peer benchmark's CPU accounting (bench/peer_timing.py): a timed window splits its
+"""The peer benchmark's CPU accounting (bench/peer/timing.py): a timed window splits its
 process tree's CPU by role, as peer.md's served table reports it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import peer_timing
-from peer_timing import CpuWindow, _process_table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "peer"))
+import timing as peer_timing
+from timing import CpuWindow, _process_table
 
 BURN_S = 0.3
 # Burns BURN_S of CPU, then stays alive (a server between runs).

@@ -157,13 +157,16 @@ class CpuWindow:
 
 
 def run_arguments() -> argparse.Namespace:
-    """The command line of both offline runners: MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype D."""
+    """The command line of both offline runners: MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype D
+    [--threads N] [--token-budget N]."""
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("workload")
     parser.add_argument("out")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--token-budget", type=int, default=0,
+                        help="tokens per engine step (0: the system's default)")
     return parser.parse_args()
 
 

