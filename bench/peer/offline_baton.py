@@ -4,7 +4,8 @@ Every request is added at once, then ``Engine.step()`` runs until all finish —
 the loop ``baton up``'s decode pod runs — timing each request's first token.
 Writes the same JSON result as ``peer_vllm.py``.
 
-``--token-budget`` sets the scheduler's token budget (0: the service's auto budget).
+``--token-budget`` sets the scheduler's token budget (0: the service's auto budget),
+``--max-seqs`` its ``max_running`` (0: the service's default).
 
 usage: offline_baton.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32 [--token-budget N]
 """
@@ -33,8 +34,9 @@ def main() -> None:
     workload = json.loads(Path(args.workload).read_text())
     started = time.perf_counter()
     loaded = load_checkpoint(args.model, dtype=args.dtype, device="cpu")
-    engine = Engine(loaded.model, loaded.tokenizer,  # the service's defaults but the budget
-                    scheduler=SchedulerConfig(token_budget=args.token_budget))
+    limits = {"max_running": args.max_seqs} if args.max_seqs else {}
+    engine = Engine(loaded.model, loaded.tokenizer,  # the service's defaults but these two
+                    scheduler=SchedulerConfig(token_budget=args.token_budget, **limits))
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
     engine.generate([workload["warmup"]], params)  # warm-up
@@ -53,7 +55,8 @@ def main() -> None:
                 token_ids[output.request_id] += output.new_token_ids
     write_result(args.out, "baton", args.dtype, load_s, window,
                  [first_token_s[r] for r in order], [token_ids[r] for r in order],
-                 token_budget=engine.scheduler.config.token_budget)
+                 token_budget=engine.scheduler.config.token_budget,
+                 max_seqs=engine.scheduler.config.max_running)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ TTFT per request, the token ids, and the CPU time other processes used.
 
 Configured as vLLM's CPU guide says (the caller sets the environment: tcmalloc and Intel
 OpenMP preloaded, ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``) and with its
-defaults (prefix caching on); ``--token-budget`` sets ``max_num_batched_tokens`` (0: vLLM's
-default).
+defaults (prefix caching on); ``--token-budget`` sets ``max_num_batched_tokens`` and ``--max-seqs``
+``max_num_seqs`` (0: vLLM's defaults).
 
 usage: offline_vllm.py MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype float32 [--token-budget N]
 """
@@ -35,8 +35,10 @@ def main() -> None:
     started = time.perf_counter()
     # Statistics on: each request's first-token time stamp comes from the engine core, on the
     # system-wide monotonic clock (the client process may pick outputs up later).
-    budget = {"max_num_batched_tokens": args.token_budget} if args.token_budget else {}
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0, disable_log_stats=False, **budget)
+    limits = {"max_num_batched_tokens": args.token_budget} if args.token_budget else {}
+    if args.max_seqs:
+        limits["max_num_seqs"] = args.max_seqs
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, disable_log_stats=False, **limits)
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=workload["warmup"])], params, use_tqdm=False)
@@ -56,7 +58,8 @@ def main() -> None:
     order = [str(i) for i in range(len(workload["prompts"]))]
     write_result(args.out, "vllm", args.dtype, load_s, window,
                  [first_token_s[r] for r in order], [token_ids[r] for r in order],
-                 token_budget=llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+                 token_budget=llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+                 max_seqs=llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
 
 
 if __name__ == "__main__":

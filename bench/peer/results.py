@@ -34,7 +34,8 @@ def _ms(seconds: float | None) -> float | None:
 def offline_run(result: dict) -> dict:
     """One offline run (``offline_baton.py``/``offline_vllm.py``'s JSON) in compact form."""
     return {"system": result["system"], "dtype": result["dtype"],
-            "token_budget": result.get("token_budget"), "load_s": round(result["load_s"], 2),
+            "token_budget": result.get("token_budget"), "max_seqs": result.get("max_seqs"),
+            "load_s": round(result["load_s"], 2),
             "wall_s": round(result["wall_s"], 4), "own_cpu_s": round(result["own_cpu_s"], 2),
             "others_cpu_s": round(result["others_cpu_s"], 2),
             "generated_tokens": result["generated_tokens"],

@@ -5,9 +5,11 @@ measures and how long it takes. In order:
 
 1. **Setup**: vLLM's CPU build in its own virtualenv (``vllm_setup``), the shipped model's
    directory (both systems load it), the workload (``workload.py``: 5 sets of 256 prompts).
-2. **Token-budget sweep** (fp32, offline, the first set): each system at every budget of
-   ``--budgets`` and at its own default, interleaved; each system's best budget is the one
-   with the most generated tokens/s, and every later run uses it.
+2. **Sweep** (fp32, offline, the first set), interleaved: each system at every token budget
+   of ``--budgets`` and at its own default, then at its best budget with 64, 128 and 256
+   sequences running at once (``--max-seqs``; vLLM's default is 256 offline, 128 served;
+   baton's 64); each system's best setting is the run with the most generated tokens/s,
+   and every later run, offline and served, uses it.
 3. **Offline rounds**: vLLM's ``LLMEngine`` step loop against baton's ``Engine.step`` loop,
    every request submitted at once, fresh processes, the order flipping every round, both
    dtypes. In fp32 both must produce identical tokens, or the run fails.
@@ -51,6 +53,7 @@ WORK_DIR = ROOT / "runs" / "peer"
 THREADS = 2
 SYSTEMS = ("vllm", "baton")
 BUDGETS = (2048, 4096, 8192, 16384)
+MAX_SEQS = (64, 128, 256)  # the sweep's second knob: sequences running at once
 SET_SIZE = 256  # requests of one run
 RATE_FRACTIONS = (0.25, 0.5)  # the Poisson rates, as fractions of the slower engine's request rate
 
@@ -100,18 +103,24 @@ def prepare_workload(num_sets: int, set_size: int) -> list[Path]:
 
 
 def run_offline(system: str, peer_python: Path, model_dir: Path, workload: Path, dtype: str,
-                budget: int, out: Path) -> dict:
+                setting: dict, out: Path) -> dict:
     """One system's engine over ``workload`` in a fresh process; its JSON result."""
     if system == "vllm":
         python, env = peer_python, vllm_environment(THREADS)
     else:
         python, env = Path(sys.executable), dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     command = [str(python), str(HERE / f"offline_{system}.py"), str(model_dir), str(workload),
-               str(out), "--dtype", dtype, "--threads", str(THREADS), "--token-budget", str(budget)]
+               str(out), "--dtype", dtype, "--threads", str(THREADS), *setting_flags(setting)]
     result = run_logged(command, env, out, timeout_s=1800)
     print(f"  {system:5s} {dtype:8s} budget {result.get('token_budget')!s:>6s} "
+          f"seqs {result.get('max_seqs')!s:>4s} "
           f"{throughput(result):7.0f} tok/s  others' CPU {result['others_cpu_s']:.2f} s", flush=True)
     return result
+
+
+def setting_flags(setting: dict) -> list[str]:
+    """A system's setting (token budget, max seqs; 0: its default) as the runners' flags."""
+    return ["--token-budget", str(setting["token_budget"]), "--max-seqs", str(setting["max_seqs"])]
 
 
 def run_logged(command: list[str], env: dict | None, out: Path, timeout_s: float) -> dict:
@@ -125,14 +134,14 @@ def run_logged(command: list[str], env: dict | None, out: Path, timeout_s: float
 
 
 def run_served(system: str, peer_python: Path, model_dir: Path, workload: Path, dtype: str,
-               budget: int, plan: list[tuple[Scenario, Path]], out: Path) -> dict:
+               setting: dict, plan: list[tuple[Scenario, Path]], out: Path) -> dict:
     """One server started fresh, then every scenario of ``plan`` against it (``served.py``)."""
     spec = [{"name": s.name, "prompts_jsonl": str(path), "max_concurrency": s.max_concurrency,
              "request_rate": s.request_rate, "seed": index} for index, (s, path) in enumerate(plan)]
     spec_path = out.with_suffix(".scenarios.json")
     spec_path.write_text(json.dumps(spec))
     command = [sys.executable, str(HERE / "served.py"), system, str(peer_python), str(model_dir),
-               str(workload), str(out), "--dtype", dtype, "--token-budget", str(budget),
+               str(workload), str(out), "--dtype", dtype, *setting_flags(setting),
                "--scenarios", str(spec_path)]
     return run_logged(command, None, out, timeout_s=3600)
 
@@ -162,6 +171,8 @@ def main() -> None:
     parser.add_argument("--served-dtypes", default="float32", help="dtypes of the served rounds")
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
                         help="the token budgets of the sweep (each system's default runs too)")
+    parser.add_argument("--max-seqs", default=",".join(map(str, MAX_SEQS)),
+                        help="the sweep's numbers of sequences running at once, at the best budget")
     parser.add_argument("--requests", type=int, default=SET_SIZE,
                         help="requests of every run (fewer: a quick check, not a figure)")
     parser.add_argument("--report-only", action="store_true",
@@ -187,17 +198,26 @@ def main() -> None:
                                     if k.startswith(("VLLM_", "LD_PRELOAD", "OMP_"))},
                "sweep": [], "offline": [], "served": []}
 
-    print("token-budget sweep (fp32)")
-    budgets = [0, *map(int, args.budgets.split(","))]
-    for index, budget in enumerate(budgets):
+    print("sweep (fp32): token budgets, then sequences running at once")
+
+    def sweep(system: str, setting: dict) -> None:
+        out = WORK_DIR / f"sweep-{system}-{setting['token_budget']}-{setting['max_seqs']}.json"
+        run = run_offline(system, peer_python, model_dir, sets[0], "float32", setting, out)
+        results["sweep"].append({**raw.offline_run(run), "asked": setting})
+
+    def fastest(system: str) -> dict:
+        return max((r for r in results["sweep"] if r["system"] == system), key=throughput)
+
+    for index, budget in enumerate([0, *map(int, args.budgets.split(","))]):
         for system in (SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]):
-            out = WORK_DIR / f"sweep-{system}-{budget}.json"
-            run = run_offline(system, peer_python, model_dir, sets[0], "float32", budget, out)
-            results["sweep"].append({**raw.offline_run(run), "asked_budget": budget})
-    best = {system: max((r for r in results["sweep"] if r["system"] == system),
-                        key=throughput)["token_budget"] for system in SYSTEMS}
-    results["best_budget"] = best
-    print(f"best budgets: {best}")
+            sweep(system, {"token_budget": budget, "max_seqs": 0})
+    for index, seqs in enumerate(map(int, args.max_seqs.split(","))):
+        for system in (SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]):
+            sweep(system, {"token_budget": fastest(system)["token_budget"], "max_seqs": seqs})
+    best = {system: {"token_budget": fastest(system)["token_budget"],
+                     "max_seqs": fastest(system)["max_seqs"]} for system in SYSTEMS}
+    results["best"] = best
+    print(f"best settings: {best}")
 
     for dtype in args.dtypes.split(","):
         for round_index in range(args.rounds):
@@ -241,7 +261,7 @@ def main() -> None:
                 served = run_served(system, peer_python, model_dir, sets[0], dtype, best[system],
                                     text_plan, out)
                 record = {"dtype": dtype, "round": round_index, "system": system,
-                          "token_budget": best[system], "load_s": round(served["load_s"], 1),
+                          "setting": best[system], "load_s": round(served["load_s"], 1),
                           "scenarios": {name: raw.served_run(run)
                                         for name, run in served["clients"].items()}}
                 results["served"].append(record)

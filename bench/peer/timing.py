@@ -158,7 +158,7 @@ class CpuWindow:
 
 def run_arguments() -> argparse.Namespace:
     """The command line of both offline runners: MODEL_DIR WORKLOAD_JSON OUT_JSON --dtype D
-    [--threads N] [--token-budget N]."""
+    [--threads N] [--token-budget N] [--max-seqs N]."""
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("workload")
@@ -167,6 +167,8 @@ def run_arguments() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--token-budget", type=int, default=0,
                         help="tokens per engine step (0: the system's default)")
+    parser.add_argument("--max-seqs", type=int, default=0,
+                        help="most sequences running at once (0: the system's default)")
     return parser.parse_args()
 
 
