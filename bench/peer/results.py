@@ -68,7 +68,7 @@ def provenance() -> dict:
 
 def save(results: dict, path: Path = RESULTS_PATH) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as file, gzip.GzipFile(fileobj=file, mode="wb", mtime=0) as packed:
+    with path.open("wb") as file, gzip.GzipFile(filename="", fileobj=file, mode="wb", mtime=0) as packed:
         packed.write(json.dumps(results, separators=(",", ":")).encode())  # same results, same bytes
     return path
 

@@ -154,13 +154,12 @@ def prompts_jsonl(workload: Path) -> Path:
     return path
 
 
-def check_identical(what: str, expected: list[str], got: list[str]) -> int:
-    """How many of ``got`` differ from ``expected``; raises when any does (fp32 must agree)."""
+def check_identical(what: str, expected: list[str], got: list[str]) -> None:
+    """Raises when any of ``got`` differs from ``expected`` (in fp32 every request must agree)."""
     differing = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
     if differing:
         raise RuntimeError(f"{what}: {len(differing)} of {len(expected)} requests differ from the "
                            f"reference in fp32 (first: request {differing[0]})")
-    return 0
 
 
 def main() -> None:
