@@ -38,7 +38,9 @@ def ratios(values: list[float]) -> str:
     return f"**{statistics.median(values):.2f}x** ({listed})"
 
 
-def render(results: dict) -> str:
+def render(results: dict, notes: str = "") -> str:
+    """peer.md from the raw results, with ``notes`` (the analysis of this run, written by hand:
+    causes of what falls short) when they name this run's commit on their first line."""
     lines = header(results)
     lines += sweep_section(results)
     lines += offline_section(results)
@@ -46,7 +48,19 @@ def render(results: dict) -> str:
         lines += served_section(results)
         lines += kept_section(results)
     lines += goals_section(results)
+    lines += notes_section(results, notes)
     return "\n".join(lines) + "\n"
+
+
+def notes_section(results: dict, notes: str) -> list[str]:
+    """The notes, if they were written for this run (first line ``<!-- results: COMMIT -->``);
+    notes of another run would explain figures that are not these."""
+    if not notes:
+        return []
+    first, _, body = notes.partition("\n")
+    if first.strip() != f"<!-- results: {results['commit']} -->":
+        return ["(The notes in peer-notes.md were written for another run and are left out.)", ""]
+    return [body.strip(), ""]
 
 
 def header(results: dict) -> list[str]:
@@ -157,7 +171,29 @@ def offline_section(results: dict) -> list[str]:
             "", "Every round:", "",
             markdown_table(["dtype", "round", "vLLM tok/s", "baton tok/s", "ratio",
                             "vLLM TTFT P50 s", "vLLM P99", "baton TTFT P50 s", "baton P99",
-                            "others' CPU s (vLLM / baton)"], every), ""]
+                            "others' CPU s (vLLM / baton)"], every), "",
+            *phase_table(results, dtypes)]
+
+
+def phase_table(results: dict, dtypes: list[str]) -> list[str]:
+    """Where an offline run's time goes: until the last request's first token (the burst's
+    prefills, with the decodes of the requests already started) and after it (decodes only);
+    medians over the rounds, in seconds."""
+    rows = []
+    for dtype in dtypes:
+        rounds = offline_rounds(results, dtype)
+        cells = {}
+        for system in SYSTEMS:
+            prefill = [max(t for t in r[system]["ttft_ms"] if t is not None) / 1000 for r in rounds]
+            tail = [r[system]["wall_s"] - p for r, p in zip(rounds, prefill, strict=True)]
+            cells[system] = (statistics.median(prefill), statistics.median(tail))
+        rows.append([dtype]
+                    + [f"{cells[s][0]:.2f} / {cells[s][1]:.2f}" for s in SYSTEMS]
+                    + [f"{cells['vllm'][i] / cells['baton'][i]:.2f}x" for i in (0, 1)])
+    return [("Where the offline time goes (s, medians over the rounds): until the last request's "
+            "first token, while the burst's prompts are prefilled, and after it, decoding only."),
+            "", markdown_table(["dtype", "vLLM until / after", "baton until / after",
+                                "baton faster until", "baton faster after"], rows), ""]
 
 
 def served_runs(results: dict, dtype: str, system: str, scenario: str) -> list[dict]:

@@ -56,6 +56,7 @@ BUDGETS = (2048, 4096, 8192, 16384)
 MAX_SEQS = (64, 128, 256)  # the sweep's second knob: sequences running at once
 SET_SIZE = 256  # requests of one run
 RATE_FRACTIONS = (0.25, 0.5)  # the Poisson rates, as fractions of the slower engine's request rate
+NOTES_PATH = ROOT / "docs" / "benchmarks" / "peer-notes.md"  # the published run's analysis
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,11 @@ def prompts_jsonl(workload: Path) -> Path:
     return path
 
 
+def read_notes() -> str:
+    """The hand-written analysis of the published run (``peer-notes.md``), if any."""
+    return NOTES_PATH.read_text() if NOTES_PATH.exists() else ""
+
+
 def check_identical(what: str, expected: list[str], got: list[str]) -> None:
     """Raises when any of ``got`` differs from ``expected`` (in fp32 every request must agree)."""
     differing = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
@@ -178,7 +184,7 @@ def main() -> None:
                         help="render peer.md again from docs/benchmarks/peer-results.json.gz")
     args = parser.parse_args()
     if args.report_only:
-        write_report("peer.md", render(raw.load()))
+        write_report("peer.md", render(raw.load(), read_notes()))
         return
     # A quick check is no figure: its results and report stay in runs/peer/.
     results_path = raw.RESULTS_PATH if args.requests >= SET_SIZE else WORK_DIR / "quick-results.json.gz"
@@ -277,7 +283,7 @@ def main() -> None:
     results["load_average_end"] = os.getloadavg()
     raw.save(results, results_path)
     if results_path == raw.RESULTS_PATH:
-        write_report("peer.md", render(raw.load()))
+        write_report("peer.md", render(raw.load(), read_notes()))
     else:
         (WORK_DIR / "quick-peer.md").write_text(render(raw.load(results_path)))
         print(f"wrote {WORK_DIR / 'quick-peer.md'} (a quick check, not a figure)")
