@@ -147,14 +147,6 @@ def run_served(system: str, peer_python: Path, model_dir: Path, workload: Path, 
     return run_logged(command, None, out, timeout_s=3600)
 
 
-def prompts_jsonl(workload: Path) -> Path:
-    """A set's prompts as ``vllm bench serve``'s custom dataset: one JSON line per prompt."""
-    texts = Workload.load(workload).texts
-    path = workload.with_suffix(".prompts.jsonl")
-    path.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
-    return path
-
-
 def read_notes() -> str:
     """The hand-written analysis of the published run (``peer-notes.md``), if any."""
     return NOTES_PATH.read_text() if NOTES_PATH.exists() else ""
@@ -257,7 +249,8 @@ def main() -> None:
     results["scenarios"] = [{"name": s.name, "max_concurrency": s.max_concurrency,
                              "request_rate": s.request_rate, "set": i, "describe": s.describe()}
                             for i, (s, _) in enumerate(plan)]
-    text_plan = [(scenario, prompts_jsonl(workload)) for scenario, workload in plan]
+    text_plan = [(scenario, Workload.load(workload).save_texts(workload.with_suffix(".prompts.jsonl")))
+                 for scenario, workload in plan]
     for dtype in filter(None, args.served_dtypes.split(",")):
         for round_index in range(args.served_rounds):
             print(f"served {dtype} round {round_index + 1}/{args.served_rounds}")

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.runahead.local import free_port
 from timing import CpuWindow, pin_tree_role, wait_for_quiet
 from vllm_setup import vllm_environment
+from workload import Workload
 
 START_TIMEOUT_S = 300.0
 THREADS = 2
@@ -268,15 +269,6 @@ def vllm_bench(peer_python: str, port: int, model_dir: str, prompts_jsonl: Path,
             "completed": result["completed"]}
 
 
-def prompts_as_text(model_dir: str, prompts: list[list[int]], path: Path) -> Path:
-    """The workload for ``vllm bench serve``'s custom dataset: one JSON line per prompt."""
-    from baton.model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(Path(model_dir))
-    path.write_text("".join(json.dumps({"prompt": tokenizer.decode(prompt)}) + "\n" for prompt in prompts))
-    return path
-
-
 def grpc_sender(address: str):
     """Streams over baton's gRPC API with one ``BatonClient`` shared by every thread, as an
     application holds one (a channel per request cost ~30% more client CPU a token)."""
@@ -365,7 +357,7 @@ def main() -> None:
     workload = json.loads(Path(args.workload).read_text())
     prompts, new_tokens = workload["prompts"], workload["new_tokens"]
     out = Path(args.out)
-    text_prompts = prompts_as_text(args.model, prompts, out.with_suffix(".prompts.jsonl"))
+    text_prompts = Workload.load(Path(args.workload)).save_texts(out.with_suffix(".prompts.jsonl"))
     model_name = Path(args.model).name
     up_flags = [f"--{name.replace('_', '-')}={getattr(args, name):g}" for name in BATON_UP_FLAGS
                 if getattr(args, name) is not None]  # the baton up flags given, as given

@@ -49,6 +49,11 @@ class Workload:
     def load(cls, path: Path) -> Workload:
         return cls(**json.loads(Path(path).read_text()))
 
+    def save_texts(self, path: Path) -> Path:
+        """The prompts as ``vllm bench serve``'s custom dataset: one JSON line per prompt."""
+        path.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in self.texts))
+        return path
+
     def first(self, count: int) -> Workload:
         return Workload(self.prompts[:count], self.texts[:count], self.warmup, self.new_tokens,
                         self.seed)
