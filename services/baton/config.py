@@ -288,6 +288,59 @@ class StreamConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """The autoscaling planner (baton.planner): targets, bounds and how fast it may move."""
+
+    ttft_p90_s: float = setting(2.0, "time-to-first-token target: 90% of requests get their first "
+                                "token within this many seconds (at the gateway)")
+    itl_p90_s: float = setting(0.2, "inter-token latency target: 90% of the gaps between a stream's "
+                               "tokens are at most this many seconds")
+    min_decode_pods: int = setting(1, "fewest decode pods the planner keeps")
+    max_decode_pods: int = setting(4, "most decode pods the planner asks for")
+    min_prefill_chains: int = setting(0, "fewest prefill chains the planner keeps")
+    max_prefill_chains: int = setting(2, "most prefill chains the planner asks for")
+    interval_s: float = setting(15.0, "seconds between two scrapes of the pods' metrics (and "
+                                "two decisions)")
+    window_s: float = setting(120.0, "the longest stretch of history a decision looks at (load "
+                              "must have been low over all of it before a role is lowered)")
+    scale_up_cooldown_s: float = setting(30.0, "after a role changed size, seconds before it may "
+                                         "grow again (the new pods' effect must show first)")
+    scale_down_cooldown_s: float = setting(120.0, "a role shrinks only after every decision of "
+                                           "this many seconds wanted it smaller, and as long "
+                                           "after its last change")
+    scale_down_margin: float = setting(0.2, "hysteresis: a role shrinks only when one pod fewer "
+                                       "would still meet the targets with this fraction to spare")
+    kv_high_fraction: float = setting(0.85, "decode pods' KV pools are sized to stay below this "
+                                      "fraction in use")
+    min_fit_points: int = setting(3, "measurements the performance model needs before it "
+                                  "sizes a role (until then only missed targets move it)")
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p90_s", "itl_p90_s", "interval_s", "window_s"):
+            value = getattr(self, name)
+            require(math.isfinite(value) and value > 0,
+                    f"planner {name} must be a number of seconds > 0, got {value}")
+        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s"):
+            value = getattr(self, name)
+            require(math.isfinite(value) and value >= 0,
+                    f"planner {name} must be a number of seconds >= 0, got {value}")
+        require(1 <= self.min_decode_pods <= self.max_decode_pods,
+                f"planner decode pods need 1 <= min ({self.min_decode_pods}) <= max "
+                f"({self.max_decode_pods})")
+        require(0 <= self.min_prefill_chains <= self.max_prefill_chains,
+                f"planner prefill chains need 0 <= min ({self.min_prefill_chains}) <= max "
+                f"({self.max_prefill_chains})")
+        require(self.window_s >= self.interval_s,
+                f"planner window_s {self.window_s} must be at least interval_s {self.interval_s}")
+        require(0 <= self.scale_down_margin < 1,
+                f"planner scale_down_margin must be in [0, 1), got {self.scale_down_margin}")
+        require(0 < self.kv_high_fraction <= 1,
+                f"planner kv_high_fraction must be in (0, 1], got {self.kv_high_fraction}")
+        require(self.min_fit_points >= 2,
+                f"planner min_fit_points must be >= 2 (a line needs two), got {self.min_fit_points}")
+
+
+@dataclass
 class DecodeServiceConfig:
     """`baton decode`: a SARATHI decode worker."""
 

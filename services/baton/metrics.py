@@ -22,9 +22,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 log = logging.getLogger(__name__)
 
-# Latency buckets in seconds: a token every few ms on a GPU up to a long CPU prefill.
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                     10.0, 30.0, 60.0)
+# Latency buckets in seconds: a token every few ms on a GPU up to a long CPU prefill; fine
+# enough between 10 ms and 5 s that a P90 read from them (the autoscaling planner's
+# targets) is within a bucket's width of the truth.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                     0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0,
+                     5.0, 7.5, 10.0, 15.0, 30.0, 60.0)
+# Tokens of one prompt or one answer: the planner reads their distributions from these.
+TOKEN_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+                 4096, 6144, 8192, 12288, 16384, 24576, 32768, 65536, 131072)
 # Kept / full KV entries: 1.0 = no compression.
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -102,6 +108,18 @@ class PrefillMetrics:
         self.requests_finished = Counter(
             "baton_prefill_requests_finished_total", "finished prefill requests, by outcome",
             ["outcome"], registry=registry)
+        self.prompt_tokens = Counter(
+            "baton_prefill_prompt_tokens_total", "prompt tokens this chain prefilled",
+            registry=registry)
+        self.compute_s = Histogram(
+            "baton_prefill_compute_seconds", "the chain's compute time of one prompt (its header "
+            "reaching the tail to the tail's logits; no queue)", buckets=LATENCY_BUCKETS_S,
+            registry=registry)
+
+    def record_prefill(self, num_prompt_tokens: int, compute_s: float) -> None:
+        """One prompt prefilled: what the planner's prefill model is fitted from."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.compute_s.observe(compute_s)
 
     def record_partition(self, boundaries: list[int] | tuple[int, ...]) -> None:
         """The slices [b0=0, b1, ..., bp=C] of the latest request, as fractions of C."""
@@ -146,6 +164,17 @@ class GatewayMetrics:
         self.routing_view_stale = Gauge(
             "baton_gateway_routing_view_stale", "1 while the routing store cannot be read and "
             "the gateway routes from its last view", registry=registry)
+        self.prompt_tokens = Histogram(
+            "baton_gateway_prompt_tokens", "prompt tokens of each finished request",
+            buckets=TOKEN_BUCKETS, registry=registry)
+        self.output_tokens = Histogram(
+            "baton_gateway_output_tokens", "tokens generated for each finished request",
+            buckets=TOKEN_BUCKETS, registry=registry)
+
+    def record_lengths(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A finished request's lengths (the planner sizes prefill and decode from them)."""
+        self.prompt_tokens.observe(num_prompt_tokens)
+        self.output_tokens.observe(num_output_tokens)
 
 
 class _QuietHandler(WSGIRequestHandler):

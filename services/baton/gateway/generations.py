@@ -249,6 +249,7 @@ class Generations:
     def _record_usage(self, step: GenerationStep) -> None:
         if step.usage is None:
             return
+        self.metrics.record_lengths(step.usage.prompt_tokens, step.usage.completion_tokens)
         self.metrics.kv_bytes_shipped.inc(step.usage.kv_bytes_shipped)
         if step.usage.kv_tokens_full:
             self.metrics.compression_ratio.observe(step.usage.kv_tokens_kept / step.usage.kv_tokens_full)

@@ -105,6 +105,7 @@ class TailSink:
         self.exchange.report(chain_request_id, "first",
                              {"token_id": first_token, "partition": list(result.boundaries)})
         self.metrics.record_partition(result.boundaries)
+        self.metrics.record_prefill(len(request.prompt_token_ids), result.ttft_s)
         if self.exchange.is_aborted(chain_request_id):
             self.exchange.report_error(chain_request_id, "ABORTED",
                                        f"request {request.request_id!r} was aborted")
