@@ -93,11 +93,25 @@ PACK_ROWS_HINT = 64
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@functools.cache
+def _packable_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes oneDNN packs on this CPU: fp32 everywhere; bf16 and fp16 only with the
+    instructions its kernels need (AVX-512 BW/VL/DQ or AVX-NE-CONVERT for bf16, AVX512-FP16
+    or AVX-NE-CONVERT for fp16; an AVX2-only CPU refuses the reorder)."""
+    if not torch.backends.mkldnn.is_available():
+        return frozenset()
+    supported = {torch.float32}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        supported.add(torch.bfloat16)
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        supported.add(torch.float16)
+    return frozenset(supported & set(PACKED_DTYPES))
+
+
 def packs(weight: torch.Tensor) -> bool:
-    """Does this weight run through a oneDNN-packed copy (CPU, bf16/fp16/fp32, oneDNN built
-    in, and no gradient wanted: the packed op has no backward)?"""
-    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and torch.backends.mkldnn.is_available()
+    """Does this weight run through a oneDNN-packed copy (CPU, a dtype this CPU packs, and
+    no gradient wanted: the packed op has no backward)?"""
+    return (weight.device.type == "cpu" and weight.dtype in _packable_dtypes()
             and not (weight.requires_grad and torch.is_grad_enabled()))
 
 
