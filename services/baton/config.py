@@ -41,6 +41,10 @@ class KVPoolConfig:
                                        "it within this long (the caller is gone)")
     max_pending_pushes: int = setting(64, "KV uploads a decode pod receives at once; more get "
                                       "RESOURCE_EXHAUSTED (each holds a receive buffer)")
+    prefix_cache: bool = setting(True, "keep the KV of prompts' full blocks after their request ends "
+                                 "and reuse it for later prompts that start with the same tokens "
+                                 "(same tenant, model revision and KV dtype); evicted least "
+                                 "recently used when the pool needs room")
 
     def __post_init__(self) -> None:
         require(self.block_size >= 1, f"kv block_size must be >= 1, got {self.block_size}")

@@ -18,10 +18,12 @@ def build_model(seed: int = 0) -> CausalLM:
 
 
 def make_engine(model: CausalLM, policy: str = "sarathi", token_budget: int = 32, num_blocks: int = 512,
-                block_size: int = 4, max_running: int = 16, **engine_kwargs) -> Engine:
+                block_size: int = 4, max_running: int = 16, prefix_cache: bool = True,
+                **engine_kwargs) -> Engine:
     return Engine(model, None, scheduler=SchedulerConfig(policy=policy, token_budget=token_budget,
                                                          max_running=max_running),
-                  kv=KVPoolConfig(block_size=block_size, num_blocks=num_blocks), **engine_kwargs)
+                  kv=KVPoolConfig(block_size=block_size, num_blocks=num_blocks,
+                                  prefix_cache=prefix_cache), **engine_kwargs)
 
 
 def prompts_of_lengths(*lengths: int, seed: int = 1) -> list[list[int]]:

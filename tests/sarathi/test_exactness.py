@@ -133,6 +133,9 @@ class KeepEveryOtherDeepToken:
     def observe_decode(self, queries, position) -> None:
         self.decoded_positions.append(position)
 
+    def cacheable_tokens(self) -> int:
+        return 0  # it does not say what it needs: no prefix-cache hits
+
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
         return [layer if index == 0 else _every_other(layer) for index, layer in enumerate(layers)]
 

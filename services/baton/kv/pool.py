@@ -11,6 +11,13 @@ let an engine check and claim room for a whole step up front (all layers or
 none), so a forward never runs out half way; running out raises
 ``KVPoolExhausted`` and never crashes.
 
+With a prefix cache (``baton.kv.prefix_cache``) a sequence's tables may start with
+cached blocks it shares with others: ``attach_prefix`` hands them to a new
+sequence, ``cache_blocks`` registers a sequence's computed full blocks, ``free``
+returns only its private blocks and drops its references. Cached blocks nobody
+holds count as free: the pool takes them back (least recently used first) when
+its free list runs dry.
+
 Data moves with ``index_select`` / ``index_copy_`` over the first dimension
 (blocks to read, token slots to write): on CPU that is ~10x faster than
 advanced indexing (``cache[index]``), which decode steps would otherwise pay
@@ -35,6 +42,7 @@ from baton.kv.decode_step import (
     group_by_width,
 )
 from baton.kv.dense import LayerKV
+from baton.kv.prefix_cache import CachedBlock, PrefixCache
 
 
 class KVPoolExhausted(ResourceExhausted, RuntimeError):
@@ -52,10 +60,18 @@ class _LayerTable:
     length: int = 0
 
 
+@dataclass
+class _CachedPrefix:
+    """A sequence's part in the prefix cache."""
+
+    held: list[CachedBlock] = field(default_factory=list)  # cached blocks it holds a reference to
+    num_blocks_seen: int = 0  # its leading full blocks already cached or found cached elsewhere
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", cache_prefixes: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
@@ -68,6 +84,8 @@ class KVPool:
         self.positions = torch.zeros((num_blocks, block_size), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[str, list[_LayerTable]] = {}
+        self.prefix_cache = PrefixCache(num_layers) if cache_prefixes else None
+        self._prefixes: dict[str, _CachedPrefix] = {}  # sequences holding or writing cached blocks
         # The last ungrouped decode batch's block tables (see BatchTables); dropped whenever
         # blocks are taken from a sequence, which appending alone never does.
         self._batch: BatchTables | None = None
@@ -87,11 +105,14 @@ class KVPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can claim: the free ones and the cached ones nobody holds."""
+        evictable = self.prefix_cache.num_evictable_pool_blocks if self.prefix_cache else 0
+        return len(self._free) + evictable
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks sequences hold (cached blocks nobody holds are not counted)."""
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def used_bytes(self) -> int:
@@ -149,17 +170,67 @@ class KVPool:
         tables = self._tables.setdefault(seq_id, [_LayerTable() for _ in range(self.num_layers)])
         for table, extra in zip(tables, new_tokens_per_layer):
             while len(table.blocks) < self.blocks_for(table.length + extra):
-                table.blocks.append(self._free.pop())
+                table.blocks.append(self._take_block())
+
+    def _take_block(self) -> int:
+        if not self._free:  # callers checked num_free_blocks: a cached block nobody holds is left
+            self._free.extend(reversed(self.prefix_cache.evict()))
+        return self._free.pop()
 
     def free(self, seq_id: str) -> int:
-        """Return every block of a sequence to the pool; returns how many."""
+        """Return a sequence's blocks to the pool (its cached ones stay cached, one reference
+        fewer); returns how many blocks it held."""
         tables = self._tables.pop(seq_id, [])
+        prefix = self._prefixes.pop(seq_id, None)
         self._batch = None
         count = 0
         for table in tables:
-            self._free.extend(reversed(table.blocks))
             count += len(table.blocks)
+            if prefix and prefix.held:
+                self._free.extend(b for b in reversed(table.blocks) if not self.prefix_cache.owns(b))
+            else:
+                self._free.extend(reversed(table.blocks))
+        if prefix:
+            self.prefix_cache.release(prefix.held)
         return count
+
+    # --- prefix cache ----------------------------------------------------------------------
+
+    def match_prefix(self, hashes: list[bytes]) -> list[CachedBlock]:
+        """The cached blocks of the longest prefix of ``hashes`` (none without a cache)."""
+        return self.prefix_cache.match(hashes) if self.prefix_cache else []
+
+    def attach_prefix(self, seq_id: str, blocks: list[CachedBlock]) -> None:
+        """Start a new sequence's KV with cached blocks (a reference each): every layer then
+        holds their ``len(blocks) * block_size`` tokens, and new tokens go after them."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds KV in this pool")
+        if not blocks:
+            return
+        self.prefix_cache.acquire(blocks)
+        length = len(blocks) * self.block_size
+        self._tables[seq_id] = [_LayerTable([block.blocks[layer] for block in blocks], length)
+                                for layer in range(self.num_layers)]
+        self._prefixes[seq_id] = _CachedPrefix(list(blocks), len(blocks))
+
+    def cache_blocks(self, seq_id: str, hashes: list[bytes]) -> int:
+        """Register the sequence's full blocks named by ``hashes`` (``hashes[i]``: its tokens
+        up to the end of block ``i``, computed in every layer, unpruned) that are not cached
+        yet; returns how many it registered. A block whose hash another sequence registered
+        first stays private to this one."""
+        if self.prefix_cache is None or seq_id not in self._tables:
+            return 0
+        prefix = self._prefixes.setdefault(seq_id, _CachedPrefix())
+        tables = self._tables[seq_id]
+        full = min(len(hashes), min(table.length for table in tables) // self.block_size)
+        registered = 0
+        for index in range(prefix.num_blocks_seen, full):
+            block = self.prefix_cache.insert(hashes[index], [table.blocks[index] for table in tables])
+            if block is not None:
+                prefix.held.append(block)
+                registered += 1
+        prefix.num_blocks_seen = max(prefix.num_blocks_seen, full)
+        return registered
 
     # --- data ------------------------------------------------------------------------------
 
@@ -213,6 +284,8 @@ class KVPool:
 
         The kept tokens move down in place, in order: those before the first dropped one
         stay where they are, so a pruned batch in the middle moves only what follows it."""
+        assert seq_id not in self._prefixes or not self._prefixes[seq_id].held, \
+            "pruning a sequence that shares cached blocks"
         table = self._tables[seq_id][layer]
         keep = keep.to("cpu", torch.int64)
         count = keep.numel()

@@ -11,6 +11,11 @@ factory from the deployment's ``PyramidConfig`` and the request's overrides
   decode batch) go to a ``RecentQueries`` ring buffer and ``after_decode``
   prunes every 16 tokens that leave the recent window (``GenerationCompressor``).
 
+With a prefix-cache hit the cached prompt tokens never pass ``observe``: the hit
+ends where the recent window begins (``cacheable_tokens``), so every query that
+scores is computed here, against all the keys (cached ones included), exactly as
+without the hit.
+
 The phase of a query is read off its position: positions inside the prompt
 belong to the prompt, later ones are generated tokens. So a request whose
 prompt KV came from a prefill chain (already compressed at the tail) goes
@@ -52,6 +57,11 @@ class PyramidSequenceCompressor:
 
     def observe_decode(self, queries: torch.Tensor, position: int) -> None:
         self._recent.observe_decode(queries, position)
+
+    def cacheable_tokens(self) -> int:
+        # Selection reads the scores of the recent window's queries against every key: those
+        # queries must be computed here, the keys before the window may come from the cache.
+        return self._prompt.window_start if self._prompt.needs_scores else self.prompt_length
 
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
         return self._prompt.compress(layers)

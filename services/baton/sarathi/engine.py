@@ -51,17 +51,18 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None,
                  scheduler: SchedulerConfig | None = None, kv: KVPoolConfig | None = None,
                  compressor_factory: CompressorFactory | None = None,
-                 pool: KVPool | None = None) -> None:
+                 pool: KVPool | None = None, model_revision: str = "") -> None:
+        """``model_revision``: names the weights in the prefix cache's block hashes."""
         self.model = model
         self.tokenizer = tokenizer
         self.compressor_factory = compressor_factory
-        self._init_pool(pool, kv or KVPoolConfig())
+        self._init_pool(pool, kv or KVPoolConfig(), model_revision)
         self._init_scheduler(scheduler or SchedulerConfig())
         self._init_inbox()
 
-    def _init_pool(self, pool: KVPool | None, kv: KVPoolConfig) -> None:
+    def _init_pool(self, pool: KVPool | None, kv: KVPoolConfig, model_revision: str) -> None:
         self.pool = pool or build_pool(self.model.config, kv, self.model.dtype, self.model.device)
-        self.memory = KVManager(self.pool)
+        self.memory = KVManager(self.pool, model_revision)
         self.runner = ModelRunner(self.model, self.pool)
 
     def _init_scheduler(self, config: SchedulerConfig) -> None:
@@ -86,10 +87,12 @@ class Engine:
     # --- the API (thread-safe) -------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, generated_before: int = 0) -> str:
+                    request_id: str | None = None, generated_before: int = 0,
+                    cache_salt: str = "") -> str:
         """Queue a prompt (text or token ids) for local prefill and decoding; returns its id.
         ``generated_before``: the prompt ends with this many tokens generated elsewhere (a
-        stream that moved here), so sampling goes on at that position."""
+        stream that moved here), so sampling goes on at that position. ``cache_salt``: the
+        tenant's; the prefix cache shares blocks only among requests with the same one."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_ids(prompt)
         self._check(prompt_ids, params)
@@ -97,12 +100,12 @@ class Engine:
             raise ValueError(f"generated_before {generated_before} is not within the prompt's "
                              f"{len(prompt_ids)} tokens")
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, None, None, generated_before))
+        self._put(("add", request_id, prompt_ids, params, None, None, generated_before, cache_salt))
         return request_id
 
     def add_prefilled_request(self, prompt_ids: SequenceOf[int], kv: list[LayerKV],
                               first_token: int | torch.Tensor, params: SamplingParams | None = None,
-                              request_id: str | None = None) -> str:
+                              request_id: str | None = None, cache_salt: str = "") -> str:
         """Queue a request whose prompt KV came from a prefill chain (one LayerKV per layer,
         possibly pyramid-shaped). ``first_token`` is the token the chain's tail sampled, or the
         tail's logits ([vocab]) for this request's own sampler to sample (so a seeded request
@@ -120,7 +123,7 @@ class Engine:
         else:
             self._check_token(first_token, "first_token")
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, kv, first_token, 0))
+        self._put(("add", request_id, prompt_ids, params, kv, first_token, 0, cache_salt))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -144,6 +147,8 @@ class Engine:
         self._drain_inbox(outputs)
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
+        for seq in plan.preempted:  # its recompute starts over
+            seq.compressor = self._new_compressor(seq)
         self.last_plan = plan
         for seq in plan.out_of_room:
             self._finish(seq, FINISH_LENGTH, outputs)
@@ -152,9 +157,6 @@ class Engine:
         return list(outputs.values())
 
     def _run(self, plan: SchedulerOutput, outputs: dict[str, RequestOutput]) -> None:
-        for chunk in plan.prefills:
-            if chunk.seq.num_computed == 0:  # a fresh prefill (or a recompute) gets a fresh compressor
-                chunk.seq.compressor = self._new_compressor(chunk.seq)
         completing = [chunk.seq for chunk in plan.prefills if chunk.completes]
         sampling, logits = self.runner.execute(plan)
         self.scheduler.update(plan)
@@ -218,17 +220,18 @@ class Engine:
 
     def _admit_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        kv: list[LayerKV] | None, first_token: int | torch.Tensor | None,
-                       generated_before: int, outputs: dict[str, RequestOutput]) -> None:
+                       generated_before: int, cache_salt: str,
+                       outputs: dict[str, RequestOutput]) -> None:
         seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals),
                        generated_before=generated_before, sampler=Sampler(params),
                        decoder=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
                        stop_matcher=StopStringMatcher(params.stop),
-                       stop_ids=self._stop_ids(params))
+                       stop_ids=self._stop_ids(params), cache_salt=cache_salt)
         self._sequences[request_id] = seq
+        seq.compressor = self._new_compressor(seq)
         if kv is not None:
             seq.arrived_kv = kv
             seq.num_computed = len(prompt_ids)
-            seq.compressor = self._new_compressor(seq)
             if isinstance(first_token, torch.Tensor):
                 first_token = seq.sampler.sample(first_token, seq.num_generated)
             self._accept_token(seq, first_token, outputs)
@@ -270,6 +273,7 @@ class Engine:
         seq.finish_reason = reason
         output = self._output_of(seq, outputs)
         output.finish_reason, output.kv_entries = reason, seq.kv_entries
+        output.num_cached_tokens = seq.num_cached_tokens
         self._sequences.pop(seq.request_id, None)
         with self._lock:
             self._live_ids.discard(seq.request_id)

@@ -12,7 +12,8 @@ off. For each sequence it asks the factory for a ``SequenceCompressor``
 * after every decode step of the sequence, ``after_decode(pool, seq_id)`` runs
   the generation-phase update (it may prune with ``KVPool.retain``).
 
-A recompute after preemption starts with a fresh compressor.
+A sequence gets its compressor when it arrives and a fresh one when it is
+preempted (its recompute starts over).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class SequenceCompressor(Protocol):
 
     def observe_decode(self, queries: torch.Tensor, position: int) -> None:
         """One decode step of the sequence: its token's queries of every layer [L, H, D]."""
+        ...
+
+    def cacheable_tokens(self) -> int:
+        """How many of the prompt's first tokens may come from the prefix cache without
+        changing what ``compress`` keeps (their queries need not pass ``observe``)."""
         ...
 
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:

@@ -8,6 +8,15 @@ before the step (``KVPool.reserve``: all layers or none); when the pool is
 full the newest sequence is preempted — its blocks freed, its generated
 tokens kept for a recompute later — so running out is never an
 out-of-memory crash.
+
+Prefix cache: at admission a prompt first takes the longest run of its full
+blocks the cache holds (``KVPool.attach_prefix``) and counts as computed that
+far, so the chunks and the token budget cover only the rest; after every
+forward the blocks it completed are registered for later requests. The hit
+stops where the sequence's compressor needs queries of its own
+(``SequenceCompressor.cacheable_tokens``) and always leaves the last token to
+compute, since that forward samples. A sequence registers blocks only while its
+KV is whole: once compressed it holds a private, pruned copy.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import torch
 
 from baton.config import KVPoolConfig
 from baton.kv.pool import KVPool, KVPoolExhausted
+from baton.kv.prefix_cache import cache_root, extend_block_hashes
 from baton.model.config import ModelConfig
 from baton.sarathi.request import Sequence, Status
 
@@ -36,12 +46,15 @@ def build_pool(model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dty
             raise ValueError(f"kv memory_mib {config.memory_mib} holds {num_blocks} blocks, fewer "
                              f"than one per layer ({num_layers}); raise memory_mib")
     return KVPool(num_layers, model_config.num_key_value_heads, model_config.head_dim,
-                  config.block_size, num_blocks, dtype=dtype, device=device)
+                  config.block_size, num_blocks, dtype=dtype, device=device,
+                  cache_prefixes=config.prefix_cache)
 
 
 class KVManager:
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, model_revision: str = "") -> None:
         self.pool = pool
+        self.model_revision = model_revision
+        self._roots: dict[str, bytes] = {}  # a hash chain's root per tenant salt
 
     def capacity_tokens(self) -> int:
         """The longest sequence the whole pool could hold (every layer full length)."""
@@ -56,16 +69,69 @@ class KVManager:
         ``headroom_blocks`` stay free afterwards (room for running sequences to grow)."""
         if seq.arrived_kv is not None:
             needed = self.pool.blocks_needed(seq.request_id, [kv.num_tokens for kv in seq.arrived_kv])
-        else:
-            needed = self.pool.blocks_needed(seq.request_id, seq.num_uncomputed)
-        if needed + headroom_blocks > self.pool.num_free_blocks:
-            return False
-        if seq.arrived_kv is not None:
+            if needed + headroom_blocks > self.pool.num_free_blocks:
+                return False
+            whole = all(kv.num_tokens == len(seq.prompt_ids) for kv in seq.arrived_kv)
             self.pool.store(seq.request_id, seq.arrived_kv)
             seq.arrived_kv = None
-        else:
-            self.pool.reserve(seq.request_id, seq.num_uncomputed)
+            if whole:  # an uncompressed cache from a chain is cached like one computed here
+                self.cache_computed(seq)
+            return True
+        num_hit = self._attach_cached_prefix(seq)
+        needed = self.pool.blocks_needed(seq.request_id, seq.num_uncomputed)
+        if needed + headroom_blocks > self.pool.num_free_blocks:
+            if num_hit:
+                self.pool.free(seq.request_id)
+                seq.num_computed = 0
+            return False
+        self.pool.reserve(seq.request_id, seq.num_uncomputed)
+        if self.pool.prefix_cache is not None:
+            self.pool.prefix_cache.count_lookup(seq.num_tokens, num_hit)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_hit
         return True
+
+    # --- prefix cache ----------------------------------------------------------------------
+
+    def _attach_cached_prefix(self, seq: Sequence) -> int:
+        """Start a fresh sequence with the cached blocks its tokens begin with; the tokens
+        they hold (now counted as computed)."""
+        if self.pool.prefix_cache is None or seq.num_computed:
+            return 0
+        limit = seq.num_tokens - 1  # the last token is computed: its forward samples
+        if seq.compressor is not None:
+            limit = min(limit, seq.compressor.cacheable_tokens())
+        size = self.pool.block_size
+        hashes = self._hashes(seq, limit // size * size)
+        blocks = self.pool.match_prefix(hashes[:limit // size])
+        self.pool.attach_prefix(seq.request_id, blocks)
+        seq.num_computed = len(blocks) * size
+        return seq.num_computed
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """After a forward: register the full blocks the sequence completed (while its KV is
+        whole: prefilling, or decoding without compression)."""
+        if self.pool.prefix_cache is None:
+            return
+        if seq.compressor is not None and seq.status is not Status.PREFILLING:
+            return
+        num_full = seq.num_computed // self.pool.block_size
+        if num_full <= seq.num_blocks_registered:
+            return
+        hashes = self._hashes(seq, num_full * self.pool.block_size)
+        self.pool.cache_blocks(seq.request_id, hashes[:num_full])
+        seq.num_blocks_registered = num_full
+
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The sequence's block hashes covering at least its first ``num_tokens`` tokens."""
+        size = self.pool.block_size
+        if len(seq.block_hashes) * size < num_tokens:
+            root = self._roots.get(seq.cache_salt)
+            if root is None:
+                root = cache_root(self.model_revision, str(self.pool.k_cache.dtype), seq.cache_salt)
+                self._roots[seq.cache_salt] = root
+            extend_block_hashes(seq.block_hashes, seq.token_ids[:num_tokens], size, root)
+        return seq.block_hashes
 
     def reserve_decodes(self, running: list[Sequence], holders: list[Sequence]) -> DecodeGrant:
         """Claim one slot per decoding sequence, oldest first. Whenever the pool is full the
@@ -108,5 +174,6 @@ class DecodeGrant:
 def reset_for_recompute(seq: Sequence) -> None:
     """A preempted sequence forgets its KV; its tokens (prompt + generated) stay."""
     seq.num_computed = 0
+    seq.num_blocks_registered = 0
     seq.status = Status.WAITING
     seq.num_preemptions += 1

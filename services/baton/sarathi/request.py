@@ -49,6 +49,10 @@ class Sequence:
     # KV entries over all layers once this pod prefilled the prompt: (kept, full) — kept is
     # what compression left, full what the whole prompt takes. None: not prefilled here.
     kv_entries: tuple[int, int] | None = None
+    cache_salt: str = ""  # the tenant's: prefix-cache hits only among requests with the same salt
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, filled lazily
+    num_blocks_registered: int = 0  # leading full blocks offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (first admission)
 
     @property
     def num_generated(self) -> int:
@@ -89,6 +93,7 @@ class RequestOutput:
     text_delta: str
     finish_reason: str | None = None  # set on the request's last output
     kv_entries: tuple[int, int] | None = None  # on the last output: Sequence.kv_entries
+    num_cached_tokens: int = 0  # on the last output: Sequence.num_cached_tokens
 
     @property
     def finished(self) -> bool:

@@ -111,12 +111,14 @@ class Scheduler(abc.ABC):
         """After the forward: the scheduled tokens are computed; final chunks start decoding."""
         for chunk in output.prefills:
             chunk.seq.num_computed += chunk.num_tokens
+            self.memory.cache_computed(chunk.seq)  # while still prefilling: its KV is whole
             if chunk.completes:
                 self.prefilling.remove(chunk.seq)
                 chunk.seq.status = Status.RUNNING
                 self.running.append(chunk.seq)
         for seq in output.decodes:
             seq.num_computed += 1
+            self.memory.cache_computed(seq)
 
     # --- building blocks for policies ------------------------------------------------------
 
