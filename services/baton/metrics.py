@@ -77,6 +77,36 @@ class DecodeMetrics:
         self.requests_finished = Counter(
             "baton_decode_requests_finished_total", "finished requests, by finish reason",
             ["reason"], registry=registry)
+        self.prefix_lookups = Counter(
+            "baton_decode_prefix_cache_lookups_total", "prompts admitted that looked for a cached "
+            "prefix (hit rate by requests: hits / lookups)", registry=registry)
+        self.prefix_hits = Counter(
+            "baton_decode_prefix_cache_hits_total", "prompts admitted that took at least one "
+            "cached block", registry=registry)
+        self.prefix_tokens_looked_up = Counter(
+            "baton_decode_prefix_cache_prompt_tokens_total", "tokens of the prompts that looked "
+            "(hit rate by tokens: hit_tokens / prompt_tokens)", registry=registry)
+        self.prefix_tokens_hit = Counter(
+            "baton_decode_prefix_cache_hit_tokens_total", "prompt tokens taken from the cache",
+            registry=registry)
+        self.prefix_evictions = Counter(
+            "baton_decode_prefix_cache_evictions_total", "cached blocks the pool took back",
+            registry=registry)
+        self.prefix_cached_blocks = Gauge(
+            "baton_decode_prefix_cache_blocks", "cached blocks (each spans every layer), held "
+            "or evictable", registry=registry)
+        self._prefix_seen = None  # the cache's counters at the last record_prefix_cache
+
+    def record_prefix_cache(self, stats, num_cached_blocks: int) -> None:
+        """Bring the counters up to a ``baton.kv.prefix_cache.CacheStats`` snapshot (a copy)."""
+        seen = self._prefix_seen
+        for counter, name in ((self.prefix_lookups, "lookups"), (self.prefix_hits, "hits"),
+                              (self.prefix_tokens_looked_up, "tokens_looked_up"),
+                              (self.prefix_tokens_hit, "tokens_hit"),
+                              (self.prefix_evictions, "evicted")):
+            counter.inc(getattr(stats, name) - (getattr(seen, name) if seen else 0))
+        self._prefix_seen = stats
+        self.prefix_cached_blocks.set(num_cached_blocks)
 
 
 class PrefillMetrics:

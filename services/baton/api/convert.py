@@ -276,7 +276,8 @@ def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeGenerate
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.sampling),
         compression=compression_to_proto(request.compression),
-        generated_before=request.generated_before, incarnation=request.incarnation)
+        generated_before=request.generated_before, incarnation=request.incarnation,
+        cache_salt=request.cache_salt)
 
 
 def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> DecodeRequest:
@@ -285,7 +286,7 @@ def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> Deco
                          sampling=sampling_from_proto(message.sampling),
                          compression=compression_from_proto(message.compression),
                          generated_before=message.generated_before,
-                         incarnation=message.incarnation)
+                         incarnation=message.incarnation, cache_salt=message.cache_salt)
 
 
 def kv_header_to_proto(header: KVHeader) -> kv_pb2.KVHeader:

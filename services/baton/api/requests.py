@@ -94,6 +94,7 @@ class DecodeRequest:
     compression: CompressionParams
     generated_before: int = 0  # a moved stream: the prompt ends with this many generated tokens
     incarnation: str = ""  # of the decode pod the caller meant ("" = any)
+    cache_salt: str = ""  # the caller's tenant: prefix-cache hits only within it
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a decode request needs a request_id")
@@ -133,6 +134,7 @@ class Usage:
     kv_tokens_kept: int = 0  # KV entries kept over all layers after compression
     kv_tokens_full: int = 0  # KV entries the uncompressed cache would hold
     kv_bytes_shipped: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ class DecodeServer:
             return Engine(self.loaded.model, self.loaded.tokenizer, scheduler=self.config.scheduler,
                           kv=self.config.kv,
                           compressor_factory=engine_compressor_factory(self.config.pyramid,
-                                                                       self.loaded.config))
+                                                                       self.loaded.config),
+                          model_revision=self.loaded.revision)
 
         # Only the engine thread may keep an OpenMP pool (see baton.compute_thread).
         engine = build_on_short_lived_thread(build, "decode-load")

@@ -87,7 +87,8 @@ class RequestStream:
         step = GenerationStep(self.request_id, tuple(token_ids), output.text_delta)
         if output.finished:
             self.finished = True
-            step = self._final(step, FINISH_REASONS[output.finish_reason], now_s, output.kv_entries)
+            step = self._final(step, FINISH_REASONS[output.finish_reason], now_s, output.kv_entries,
+                               output.num_cached_tokens)
         if step.token_ids or step.text or output.finished:
             self._steps.append(step)
         return gaps
@@ -97,14 +98,15 @@ class RequestStream:
         self._steps.append(error(message))
 
     def _final(self, step: GenerationStep, reason: FinishReason, now_s: float,
-               kv_entries: tuple[int, int] | None = None) -> GenerationStep:
+               kv_entries: tuple[int, int] | None = None,
+               num_cached_tokens: int = 0) -> GenerationStep:
         # KV entries mean the same on both routes: after the prompt's compression, all layers
         # (a prompt prefilled here reports what this pod kept; a pushed one what the chain sent)
         kept, full = kv_entries or (0, 0)
         pushed = self.pushed or PushedKVInfo(0, kept, full)
         usage = Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_tokens,
                       kv_tokens_kept=pushed.kv_tokens_kept, kv_tokens_full=pushed.kv_tokens_full,
-                      kv_bytes_shipped=pushed.num_bytes)
+                      kv_bytes_shipped=pushed.num_bytes, cached_prompt_tokens=num_cached_tokens)
         ttft_s = 0.0  # a pushed request's first token is timed by the chain
         if self.pushed is None and self.first_token_s is not None:
             ttft_s = self.first_token_s - self.arrival_s

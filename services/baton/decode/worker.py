@@ -75,6 +75,7 @@ class DecodeWorker:
         self._lock = threading.Lock()  # guards the three above
         self._queued_prompt_tokens = 0  # local prompts accepted, not yet at their first token
         self._queued_requests = 0  # and how many they are
+        self._prefix_mark = (0, 0)  # the prefix cache's (lookups, last event) last published
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
                                total_kv_blocks=engine.pool.num_blocks)
         self._stopping = threading.Event()
@@ -118,7 +119,8 @@ class DecodeWorker:
         # The request's compression overrides ride with its sampling params into the engine.
         params = dataclasses.replace(request.sampling, compression=request.compression)
         self._enter(stream, lambda: self.engine.add_request(
-            list(request.prompt_token_ids), params, request.request_id, request.generated_before),
+            list(request.prompt_token_ids), params, request.request_id, request.generated_before,
+            request.cache_salt),
             queued_tokens=num_prompt_tokens)
         return stream
 
@@ -295,6 +297,10 @@ class DecodeWorker:
         self.metrics.queued_prompt_tokens.set(queued_tokens)
         self.metrics.running_sequences.set(scheduler.num_active)
         self.metrics.kv_blocks_used.set(pool.num_used_blocks)
+        cache = pool.prefix_cache
+        if cache is not None and (cache.stats.lookups, cache.last_event) != self._prefix_mark:
+            self._prefix_mark = (cache.stats.lookups, cache.last_event)  # changed: admission or events
+            self.metrics.record_prefix_cache(dataclasses.replace(cache.stats), cache.num_cached_blocks)
 
     def step_running_s(self) -> float:
         """How long the engine's current step has run (0 between steps); any thread."""

@@ -266,7 +266,8 @@ class Relay:
         decode_request = DecodeRequest(request_id=live.request_id,
                                        prompt_token_ids=prompt_ids + tuple(sent),
                                        sampling=sampling, compression=request.compression,
-                                       generated_before=len(sent), incarnation=decode.incarnation)
+                                       generated_before=len(sent), incarnation=decode.incarnation,
+                                       cache_salt=live.record.owner)
         call = self.channels.session(decode.address).generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)

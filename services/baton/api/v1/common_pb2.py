@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\x81\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eos\"]\n\x11\x43ompressionParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nkeep_ratio\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_enabledB\r\n\x0b_keep_ratio\"\x83\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_kept\x18\x03 \x01(\x04\x12\x16\n\x0ekv_tokens_full\x18\x04 \x01(\x04\x12\x18\n\x10kv_bytes_shipped\x18\x05 \x01(\x04\"\x85\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x11\n\tkv_push_s\x18\x04 \x01(\x01\x12\"\n\x1amean_time_between_tokens_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\"T\n\x05Route\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x10\n\x08\x63hain_id\x18\x02 \x01(\t\x12\x11\n\tpartition\x18\x03 \x03(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xda\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x06 \x01(\x0b\x32\x11.baton.v1.Timings\x12\x1e\n\x05route\x18\x07 \x01(\x0b\x32\x0f.baton.v1.Route\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x8f\x01\n\nWorkerLoad\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\r\x12\x19\n\x11running_sequences\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\"\x0e\n\x0cStatsRequest*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\x81\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eos\"]\n\x11\x43ompressionParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nkeep_ratio\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_enabledB\r\n\x0b_keep_ratio\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_kept\x18\x03 \x01(\x04\x12\x16\n\x0ekv_tokens_full\x18\x04 \x01(\x04\x12\x18\n\x10kv_bytes_shipped\x18\x05 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"\x85\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x11\n\tkv_push_s\x18\x04 \x01(\x01\x12\"\n\x1amean_time_between_tokens_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\"T\n\x05Route\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x10\n\x08\x63hain_id\x18\x02 \x01(\t\x12\x11\n\tpartition\x18\x03 \x03(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xda\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x06 \x01(\x0b\x32\x11.baton.v1.Timings\x12\x1e\n\x05route\x18\x07 \x01(\x0b\x32\x0f.baton.v1.Route\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x8f\x01\n\nWorkerLoad\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\r\x12\x19\n\x11running_sequences\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\"\x0e\n\x0cStatsRequest*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.api.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1197
-  _globals['_FINISHREASON']._serialized_end=1319
+  _globals['_FINISHREASON']._serialized_start=1227
+  _globals['_FINISHREASON']._serialized_end=1349
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=293
   _globals['_COMPRESSIONPARAMS']._serialized_start=295
   _globals['_COMPRESSIONPARAMS']._serialized_end=388
   _globals['_USAGE']._serialized_start=391
-  _globals['_USAGE']._serialized_end=522
-  _globals['_TIMINGS']._serialized_start=525
-  _globals['_TIMINGS']._serialized_end=658
-  _globals['_ROUTE']._serialized_start=660
-  _globals['_ROUTE']._serialized_end=744
-  _globals['_GENERATERESPONSE']._serialized_start=747
-  _globals['_GENERATERESPONSE']._serialized_end=965
-  _globals['_ABORTREQUEST']._serialized_start=967
-  _globals['_ABORTREQUEST']._serialized_end=1001
-  _globals['_ABORTRESPONSE']._serialized_start=1003
-  _globals['_ABORTRESPONSE']._serialized_end=1033
-  _globals['_WORKERLOAD']._serialized_start=1036
-  _globals['_WORKERLOAD']._serialized_end=1179
-  _globals['_STATSREQUEST']._serialized_start=1181
-  _globals['_STATSREQUEST']._serialized_end=1195
+  _globals['_USAGE']._serialized_end=552
+  _globals['_TIMINGS']._serialized_start=555
+  _globals['_TIMINGS']._serialized_end=688
+  _globals['_ROUTE']._serialized_start=690
+  _globals['_ROUTE']._serialized_end=774
+  _globals['_GENERATERESPONSE']._serialized_start=777
+  _globals['_GENERATERESPONSE']._serialized_end=995
+  _globals['_ABORTREQUEST']._serialized_start=997
+  _globals['_ABORTREQUEST']._serialized_end=1031
+  _globals['_ABORTRESPONSE']._serialized_start=1033
+  _globals['_ABORTRESPONSE']._serialized_end=1063
+  _globals['_WORKERLOAD']._serialized_start=1066
+  _globals['_WORKERLOAD']._serialized_end=1209
+  _globals['_STATSREQUEST']._serialized_start=1211
+  _globals['_STATSREQUEST']._serialized_end=1225
 # @@protoc_insertion_point(module_scope)

@@ -47,18 +47,20 @@ class CompressionParams(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., keep_ratio: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "kv_tokens_kept", "kv_tokens_full", "kv_bytes_shipped")
+    __slots__ = ("prompt_tokens", "completion_tokens", "kv_tokens_kept", "kv_tokens_full", "kv_bytes_shipped", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FULL_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SHIPPED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     kv_tokens_kept: int
     kv_tokens_full: int
     kv_bytes_shipped: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_tokens_kept: _Optional[int] = ..., kv_tokens_full: _Optional[int] = ..., kv_bytes_shipped: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_tokens_kept: _Optional[int] = ..., kv_tokens_full: _Optional[int] = ..., kv_bytes_shipped: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "ttft_s", "prefill_s", "kv_push_s", "mean_time_between_tokens_s", "total_s")

@@ -287,7 +287,8 @@ def _short(value: object, limit: int = 80) -> str:
 def usage_body(usage: Usage | None) -> dict:
     usage = usage or Usage()
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
 
 
 def baton_body(request_id: str, step: GenerationStep) -> dict:
