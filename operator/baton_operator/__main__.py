@@ -54,6 +54,7 @@ def _api_client():
 async def _main(args: argparse.Namespace) -> None:
     import kopf
 
+    from baton_operator.autoscaler import Autoscaler
     from baton_operator.handlers import register
     from baton_operator.kube import Kube
     from baton_operator.leader import LeaseElector, run_as_leader
@@ -61,7 +62,7 @@ async def _main(args: argparse.Namespace) -> None:
 
     kube = Kube(_api_client())
     registry = kopf.OperatorRegistry()
-    register(registry, Reconciler(kube, args.image))
+    register(registry, Reconciler(kube, args.image), Autoscaler(kube))
     # The same credentials as our own client: in-cluster service account, or kubeconfig.
     kopf.on.login(registry=registry)(kopf.login_via_client)
     elector = LeaseElector(kube, args.lease_namespace, args.lease_name, args.identity,

@@ -17,12 +17,14 @@ from typing import Any
 
 import kopf
 
+from baton_operator.autoscaler import Autoscaler
 from baton_operator.reconcile import Reconciler
-from baton_operator.spec import InvalidSpec
+from baton_operator.spec import InvalidSpec, read_spec
 
 GROUP = "baton.dev"
 VERSION = "v1alpha1"
 RESYNC_INTERVAL_S = 30.0
+AUTOSCALE_TICK_S = 5.0  # each service's planner acts on its own spec.autoscaling.intervalSeconds
 FINALIZER = "baton.dev/cleanup"
 
 
@@ -37,8 +39,10 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.scanning.disabled = True
 
 
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
-    """Attach baton's handlers to ``registry`` (a fresh one per operator or per test)."""
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
+             autoscaler: Autoscaler | None = None) -> None:
+    """Attach baton's handlers to ``registry`` (a fresh one per operator or per test); with
+    an ``autoscaler``, services with ``spec.autoscaling.enabled`` are sized by its planner."""
     locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
     kube = reconciler.kube
 
@@ -70,6 +74,21 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     def resync(namespace: str, name: str, logger: Any, **_: Any) -> None:
         reconcile(namespace, name, logger)
 
+    if autoscaler is not None:
+        @kopf.timer(GROUP, VERSION, "batonservices", interval=AUTOSCALE_TICK_S, registry=registry)
+        def autoscale(namespace: str, name: str, logger: Any, **_: Any) -> None:
+            with locks[namespace, name]:
+                service = kube.get("BatonService", namespace, name)
+                if service is None or service["metadata"].get("deletionTimestamp"):
+                    return
+                try:
+                    spec = read_spec(service.get("spec") or {}, reconciler.default_image)
+                except InvalidSpec:
+                    return  # the reconcile reports it
+                decision = autoscaler.tick(service, spec)
+            if decision is not None and decision.changed:
+                reconcile(namespace, name, logger)
+
     @kopf.on.event(GROUP, VERSION, "batonpools", registry=registry)
     def pool_changed(event: dict, logger: Any, **_: Any) -> None:
         pool = event["object"]
@@ -87,5 +106,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     def service_deleted(namespace: str, name: str, logger: Any, **_: Any) -> None:
         with locks[namespace, name]:
             removed = reconciler.delete(name, namespace)
+            if autoscaler is not None:
+                autoscaler.forget(namespace, name)
         locks.pop((namespace, name), None)
         logger.info(f"removed {removed} children")

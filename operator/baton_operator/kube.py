@@ -17,6 +17,8 @@ from kubernetes.client import ApiClient
 # kind -> (API prefix, plural); every kind here is namespaced.
 RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Pod": ("/api/v1", "pods"),
+    "Event": ("/api/v1", "events"),
     "Service": ("/api/v1", "services"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
@@ -62,10 +64,10 @@ class Kube:
         return self._request("GET", self._path(kind, namespace, name))
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[dict]:
-        """Objects matching an equality selector ``k=v,k2=v2``."""
+        """Objects matching an equality selector ``k=v,k2=v2`` (empty: every object)."""
         found = self._request("GET", self._path(kind, namespace),
                               query={"labelSelector": label_selector})
-        wanted = dict(term.split("=", 1) for term in label_selector.split(","))
+        wanted = dict(term.split("=", 1) for term in label_selector.split(",") if term)
         # Filtered again here: deleting by selector must stay safe on an API
         # (or test emulator) that answers a list without applying the selector.
         return [obj for obj in (found or {}).get("items", [])

@@ -21,6 +21,7 @@ from baton.config import (
     HttpConfig,
     KVPoolConfig,
     ModelSourceConfig,
+    PlannerConfig,
     PyramidConfig,
     SchedulerConfig,
     StreamConfig,
@@ -95,6 +96,15 @@ class DecodeSpec:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling``: the planner's targets and bounds (off: the pools keep the size
+    they are given, by the spec or ``kubectl scale``)."""
+
+    enabled: bool = False
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+
+@dataclass(frozen=True)
 class GPUSpec:
     per_pod: int = 0
     resource_name: str = "nvidia.com/gpu"
@@ -113,6 +123,7 @@ class ServiceSpec:
     gateway: GatewaySpec
     gpu: GPUSpec
     mtls: MtlsSpec
+    autoscaling: AutoscalingSpec
     node_selector: dict[str, str]
     tolerations: list[dict]
 
@@ -248,6 +259,30 @@ def _read_gpu(spec: dict) -> GPUSpec:
                    nccl_env={k: str(v) for k, v in nccl_env.items()})
 
 
+def _read_autoscaling(spec: dict) -> AutoscalingSpec:
+    autoscaling = _section(spec, "autoscaling")
+    enabled = autoscaling.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise InvalidSpec(f"spec.autoscaling.enabled must be true or false, got {enabled!r}")
+    decode = autoscaling.get("decode") or {}
+    prefill = autoscaling.get("prefill") or {}
+    interval_s = autoscaling.get("intervalSeconds")
+    # The history a decision reads spans several scrapes whatever their interval.
+    window_s = max(PlannerConfig.window_s, 4 * interval_s) if isinstance(
+        interval_s, (int, float)) else None
+    planner = _build("autoscaling", PlannerConfig,
+                     ttft_p90_s=autoscaling.get("ttftP90Seconds"),
+                     itl_p90_s=autoscaling.get("itlP90Seconds"),
+                     min_decode_pods=decode.get("minReplicas"),
+                     max_decode_pods=decode.get("maxReplicas"),
+                     min_prefill_chains=prefill.get("minChains"),
+                     max_prefill_chains=prefill.get("maxChains"),
+                     interval_s=interval_s, window_s=window_s,
+                     scale_up_cooldown_s=autoscaling.get("scaleUpCooldownSeconds"),
+                     scale_down_cooldown_s=autoscaling.get("scaleDownCooldownSeconds"))
+    return AutoscalingSpec(enabled=enabled, planner=planner)
+
+
 def _read_mtls(spec: dict) -> MtlsSpec:
     """Certificates for every role, or an explicit ``insecure``: never neither, because the
     services refuse to start without one (``baton.mtls.Mtls.check_service``)."""
@@ -292,6 +327,7 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         gateway=_read_gateway(spec),
         gpu=_read_gpu(spec),
         mtls=_read_mtls(spec),
+        autoscaling=_read_autoscaling(spec),
         node_selector=dict(spec.get("nodeSelector") or {}),
         tolerations=list(spec.get("tolerations") or []),
     )

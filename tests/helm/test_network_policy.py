@@ -166,3 +166,15 @@ def test_clients_reach_the_http_port_exactly_as_the_grpc_port(gateway, http_port
         assert rule.get("from", []) == clients_from  # none: anyone
         # The port the policy opens is the one the operator gives the container.
         assert {p["name"]: p["containerPort"] for p in container["ports"]}.get("http") == http_port
+
+
+@pytest.mark.parametrize("autoscaling", [True, False])
+def test_the_operator_scrapes_the_pods_only_when_it_autoscales(autoscaling):
+    values = {"service": {"spec": {"autoscaling": {"enabled": autoscaling}}}}
+    policies, pods = _policies(values), _pods(values)
+    operator = next(o for o in objects(values) if o["kind"] == "Deployment")
+    operator_labels = operator["spec"]["template"]["metadata"]["labels"]
+    for role in ("gateway", "prefill", "decode"):
+        labels, ports = pods[role]
+        assert admitted(policies, operator_labels, labels, ports["metrics"]) == autoscaling, role
+        assert not admitted(policies, operator_labels, labels, ports["grpc"]) or role == "gateway"

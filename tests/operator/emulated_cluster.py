@@ -23,6 +23,8 @@ RESOURCES = {
     "apps/v1/statefulsets": ("StatefulSet", {"status", "scale"}),
     "v1/services": ("Service", {"status"}),
     "v1/configmaps": ("ConfigMap", set()),
+    "v1/pods": ("Pod", {"status"}),
+    "v1/events": ("Event", set()),
     "coordination.k8s.io/v1/leases": ("Lease", set()),
 }
 # Cluster-scoped kinds every API server has; kopf waits to discover them at startup.

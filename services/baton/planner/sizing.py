@@ -53,9 +53,11 @@ def decode_pods(observation: Observation, model: PerformanceModel, config: Plann
         needs.append(Need(math.ceil(used_blocks / room),
                           f"KV use {used_blocks:.0f} blocks, {room:.0f} per pod"))
     per_pod = model.sequences_per_pod(target_s)
-    if per_pod is None:
-        needs.append(Need(None, f"ITL model not fitted yet ({model.itl_points} measurements; "
-                                f"it needs {model.min_points}, at two loads at least)"))
+    if observation.request_rate_per_s == 0 and observation.decode_queued == 0:
+        needs.append(Need(0, "no requests"))
+    elif per_pod is None:  # unknown: no size at all, or a KV-only size would shed ITL-bound load
+        return Need(None, f"ITL model not fitted yet ({model.itl_points} measurements; "
+                          f"it needs {model.min_points}, at two loads at least)")
     elif per_pod == 0:
         needs.append(Need(None, f"a decode pod's ITL with one sequence, "
                                 f"{model.itl.at(1):.3f} s, exceeds {target_s:.3f} s: more pods "

@@ -1,0 +1,160 @@
+"""Autoscaling on a cluster: scrape the pods, run the planner (baton.planner), set the pools.
+
+    list pods -> scrape their /metrics -> planner.observe -> planner.decide(pool sizes)
+              -> scale the BatonPools -> Events and status.autoscaling
+
+The planner is pure decision code; this module is what touches Kubernetes. It writes a
+pool's replicas through the pool's scale subresource, as ``kubectl scale`` or an HPA would,
+and the ordinary reconcile resizes the Deployment and the chains from there.
+
+Loss-free scale-down: before a decode pod count goes down, the pod the planner names (the
+fewest sequences running) gets the lowest ``controller.kubernetes.io/pod-deletion-cost``,
+so the ReplicaSet removes that one. Kubernetes sends it SIGTERM; the decode server leaves
+routing (no new work), finishes its streams within ``server.grace_s`` and exits, and a
+stream still running at the end is moved to another pod by the gateway, which replays the
+prompt and the tokens already sent (docs/operations.md, "Autoscaling"). A chain is only
+removed when the planner saw it idle; the highest-numbered chain goes.
+
+Planner state (measurements, cool-downs) lives in this process, one planner per service:
+an operator that restarts or loses its lease starts learning again, and holds sizes until it
+has two scrapes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from baton.planner import Decision, Planner, Replicas
+from baton.planner.scraper import Target, scrape
+
+from baton_operator import workloads
+from baton_operator.kube import Kube
+from baton_operator.spec import ServiceSpec
+
+log = logging.getLogger(__name__)
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+DRAIN_FIRST_COST = "-1000"  # below every other pod's (default 0)
+COMPONENT = "baton-operator"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Autoscaler:
+    def __init__(self, kube: Kube, clock: Callable[[], float] = time.monotonic,
+                 scraper: Callable = scrape) -> None:
+        self.kube = kube
+        self.clock = clock
+        self.scraper = scraper
+        self._planners: dict[tuple[str, str], Planner] = {}
+        self._last_scrape_s: dict[tuple[str, str], float] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._planners.pop((namespace, name), None)
+        self._last_scrape_s.pop((namespace, name), None)
+
+    def tick(self, service: dict, spec: ServiceSpec) -> Decision | None:
+        """One planner step for ``service`` when its interval has passed; None otherwise."""
+        meta = service["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if not spec.autoscaling.enabled:
+            self.forget(*key)
+            return None
+        config = spec.autoscaling.planner
+        planner = self._planners.get(key)
+        if planner is None or planner.config != config:
+            planner = self._planners[key] = Planner(
+                config, spec.gateway.routing.prefill_threshold_tokens, self.clock)
+        now = self.clock()
+        if now - self._last_scrape_s.get(key, -float("inf")) < config.interval_s:
+            return None
+        self._last_scrape_s[key] = now
+        planner.observe(self.scraper(self._targets(*key, spec), now))
+        current = Replicas(self._pool(*key, "prefill"), self._pool(*key, "decode"))
+        decision = planner.decide(current)
+        self._apply(service, decision)
+        self._report(service, decision, planner)
+        return decision
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def _targets(self, namespace: str, name: str, spec: ServiceSpec) -> list[Target]:
+        targets = []
+        for role in ("gateway", "prefill", "decode"):
+            selector = ",".join(f"{k}={v}" for k, v in workloads.selector(name, role).items())
+            for pod in self.kube.list("Pod", namespace, selector):
+                address = (pod.get("status") or {}).get("podIP")
+                port = _metrics_port(pod)
+                if not address or not port or pod["metadata"].get("deletionTimestamp"):
+                    continue
+                host = f"[{address}]" if ":" in address else address
+                targets.append(Target(pod["metadata"]["name"], role,
+                                      f"http://{host}:{port}/metrics",
+                                      chain=pod["metadata"].get("labels", {}).get(
+                                          "baton.dev/chain", "")))
+        return targets
+
+    def _pool(self, namespace: str, name: str, role: str) -> int:
+        pool = self.kube.get("BatonPool", namespace, f"{name}-{role}") or {}
+        return int((pool.get("spec") or {}).get("replicas") or 0)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def _apply(self, service: dict, decision: Decision) -> None:
+        namespace, name = service["metadata"]["namespace"], service["metadata"]["name"]
+        if decision.drain_decode_pod:
+            self.kube.patch("Pod", namespace, decision.drain_decode_pod, {
+                "metadata": {"annotations": {DELETION_COST: DRAIN_FIRST_COST}}})
+        for role_decision in decision.roles():
+            if role_decision.changed:
+                self.kube.patch("BatonPool", namespace, f"{name}-{role_decision.role}",
+                                {"spec": {"replicas": role_decision.target}}, "scale")
+
+    def _report(self, service: dict, decision: Decision, planner: Planner) -> None:
+        meta = service["metadata"]
+        for role in decision.roles():
+            if role.changed:
+                verb = "ScaledUp" if role.target > role.current else "ScaledDown"
+                what = "decode pods" if role.role == "decode" else "prefill chains"
+                drain = (f"; draining {decision.drain_decode_pod} first" if role.role == "decode"
+                         and decision.drain_decode_pod else "")
+                self._event(service, verb, f"{what} {role.current} -> {role.target}{drain}: "
+                                           f"{role.reason}")
+        status = {"autoscaling": {
+            "lastDecisionTime": _now(),
+            **{role.role: {"current": role.current, "target": role.target,
+                           "reason": role.reason[:1024]} for role in decision.roles()},
+            "model": planner.model.describe()}}
+        if decision.changed:
+            status["autoscaling"]["lastScaleTime"] = status["autoscaling"]["lastDecisionTime"]
+        self.kube.patch("BatonService", meta["namespace"], meta["name"], {"status": status},
+                        "status")
+
+    def _event(self, service: dict, reason: str, message: str) -> None:
+        meta = service["metadata"]
+        now = _now()
+        self.kube.create({
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
+                         "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": service.get("apiVersion", "baton.dev/v1alpha1"),
+                               "kind": "BatonService", "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid", "")},
+            "reason": reason, "message": message[:1024], "type": "Normal",
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1})
+        log.info("%s/%s %s: %s", meta["namespace"], meta["name"], reason, message)
+
+
+def _metrics_port(pod: dict) -> int:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "metrics":
+                return int(port["containerPort"])
+    return 0

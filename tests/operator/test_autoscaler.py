@@ -1,0 +1,147 @@
+"""The operator's autoscaler against kmock's emulator, reading real /metrics endpoints.
+
+The pods are Pod objects in the emulator whose metrics port points at a real Prometheus
+endpoint (baton.metrics.serve_metrics) on this machine; the test plays the pods (it sets
+their metrics) and the clock. Targets missed -> the right pool grows; load gone -> it
+shrinks only after the cool-down, emptiest decode pod first; status and Events written.
+"""
+
+from __future__ import annotations
+
+import pytest
+from baton.gateway.local_cluster import free_port
+from baton.metrics import DecodeMetrics, GatewayMetrics, serve_metrics
+from baton_operator.autoscaler import DELETION_COST, Autoscaler
+from baton_operator.reconcile import Reconciler
+from baton_operator.spec import read_spec
+from baton_operator.workloads import labels
+from emulated_cluster import create_service
+from prometheus_client import CollectorRegistry
+
+NS = "serving"
+AUTOSCALING = {"enabled": True, "itlP90Seconds": 0.2, "ttftP90Seconds": 2.0,
+               "decode": {"minReplicas": 1, "maxReplicas": 4},
+               "prefill": {"minChains": 1, "maxChains": 2},
+               "intervalSeconds": 10, "scaleUpCooldownSeconds": 10,
+               "scaleDownCooldownSeconds": 60}
+SPEC = {"prefill": {"chains": 1, "ranksPerChain": 2}, "decode": {"replicas": 1},
+        "mtls": {"insecure": True}, "autoscaling": AUTOSCALING}
+
+
+class Pods:
+    """Pods of the service in the emulator, each with a live metrics endpoint."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.stops = []
+        self.metrics = {}
+
+    def add(self, name: str, role: str, kind) -> object:
+        registry = CollectorRegistry()
+        metrics = kind(registry)
+        port = free_port()
+        self.stops.append(serve_metrics("127.0.0.1", port, registry))
+        self.cluster.kube.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": labels("demo", role)},
+            "spec": {"containers": [{"name": role, "ports": [
+                {"name": "metrics", "containerPort": port}]}]},
+            "status": {"podIP": "127.0.0.1"}})
+        self.metrics[name] = metrics
+        return metrics
+
+    def close(self) -> None:
+        for stop in self.stops:
+            stop()
+
+
+@pytest.fixture
+def pods(cluster):
+    pods = Pods(cluster)
+    yield pods
+    pods.close()
+
+
+def _events(cluster) -> list[dict]:
+    return cluster.kube.list("Event", NS, "")
+
+
+def test_missed_itl_raises_decode_then_idle_lowers_it_after_the_cool_down(cluster, pods):
+    kube = cluster.kube
+    create_service(kube, "demo", SPEC)
+    Reconciler(kube, "registry.local/baton:test").reconcile(kube.get("BatonService", NS, "demo"))
+    clock = [0.0]
+    autoscaler = Autoscaler(kube, clock=lambda: clock[0])
+    gateway: GatewayMetrics = pods.add("demo-gateway-x", "gateway", GatewayMetrics)
+    first: DecodeMetrics = pods.add("demo-decode-a", "decode", DecodeMetrics)
+    first.kv_blocks_total.set(1000)
+
+    def tick():
+        service = kube.get("BatonService", NS, "demo")
+        decision = autoscaler.tick(service, read_spec(service["spec"], "img"))
+        clock[0] += 10
+        return decision
+
+    def pool(role: str) -> int:
+        return kube.get("BatonPool", NS, f"demo-{role}")["spec"]["replicas"]
+
+    assert tick() is not None  # the first scrape: nothing to compare yet
+    for _ in range(20):  # streams whose tokens come 0.5 s apart: ITL P90 far above 0.2 s
+        gateway.record_lengths(100, 50)
+        gateway.time_between_tokens_s.observe(0.5)
+    first.running_sequences.set(8)
+    decision = tick()
+    assert decision.decode.target == 2 and "ITL P90" in decision.decode.reason
+    assert pool("decode") == 2 and pool("prefill") == 1  # the role that owns ITL grew
+    status = kube.get("BatonService", NS, "demo")["status"]["autoscaling"]
+    assert status["decode"] == {"current": 1, "target": 2, "reason": decision.decode.reason}
+    assert "lastScaleTime" in status and "model" in status
+    (event,) = [e for e in _events(cluster) if e["reason"] == "ScaledUp"]
+    assert event["involvedObject"]["name"] == "demo" and "decode pods 1 -> 2" in event["message"]
+
+    # The reconcile follows the pool: the Deployment asks for two pods.
+    Reconciler(kube, "registry.local/baton:test").reconcile(kube.get("BatonService", NS, "demo"))
+    assert kube.get("Deployment", NS, "demo-decode")["spec"]["replicas"] == 2
+    second: DecodeMetrics = pods.add("demo-decode-b", "decode", DecodeMetrics)
+    second.kv_blocks_total.set(1000)
+    second.running_sequences.set(2)
+    first.running_sequences.set(0)  # the emptier one: it goes first
+
+    # Load gone (the burst was in the 10..20 s interval): nothing lowers until the planner's
+    # window (120 s) no longer holds the burst
+    # and the cool-down (60 s) has passed since it first wanted fewer.
+    lowered_at = None
+    for _ in range(25):
+        before = clock[0]
+        decision = tick()
+        if decision is not None and decision.decode.changed:
+            lowered_at = before
+            break
+    assert lowered_at is not None, decision.decode.reason
+    assert lowered_at >= 10 + 120 + 60, f"lowered at {lowered_at}, inside the window or cool-down"
+    assert decision.decode.target == 1 and pool("decode") == 1
+    drained = kube.get("Pod", NS, "demo-decode-a")["metadata"]["annotations"]
+    assert drained[DELETION_COST] == "-1000"  # the ReplicaSet removes this one first
+    assert "annotations" not in kube.get("Pod", NS, "demo-decode-b")["metadata"] or \
+        DELETION_COST not in kube.get("Pod", NS, "demo-decode-b")["metadata"]["annotations"]
+    reasons = [e["reason"] for e in _events(cluster)]
+    assert reasons.count("ScaledDown") == 1
+    assert pool("prefill") == 1  # min chains: the chain stays
+
+
+def test_autoscaling_off_touches_nothing(cluster):
+    kube = cluster.kube
+    create_service(kube, "demo", {**SPEC, "autoscaling": {"enabled": False}})
+    Reconciler(kube, "img").reconcile(kube.get("BatonService", NS, "demo"))
+    service = kube.get("BatonService", NS, "demo")
+    assert Autoscaler(kube, clock=lambda: 0.0).tick(service, read_spec(service["spec"], "i")) is None
+    assert "autoscaling" not in (kube.get("BatonService", NS, "demo").get("status") or {})
+
+
+@pytest.mark.parametrize("bad", [{"decode": {"minReplicas": 3, "maxReplicas": 2}},
+                                 {"itlP90Seconds": 0}, {"enabled": "yes"}])
+def test_bad_autoscaling_settings_are_an_invalid_spec(bad):
+    from baton_operator.spec import InvalidSpec
+
+    with pytest.raises(InvalidSpec, match="autoscaling"):
+        read_spec({**SPEC, "autoscaling": {**AUTOSCALING, **bad}}, "img")
