@@ -201,3 +201,14 @@ def test_the_prefill_route_can_be_pinned_over_http_and_is_named_with_its_reason(
         api.completions.create(model=model_id, prompt=PROMPT, max_tokens=4,
                                extra_body={"prefill_route": "nearest"})
     assert error.value.body["param"] == "prefill_route"
+
+
+def test_usage_reports_the_prompt_tokens_a_decode_pod_had_cached(api, model_id):
+    prompt = PROMPT * 12  # several full blocks
+    answers = [api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"prefill_route": "local"})
+               for _ in range(3)]  # two decode pods: at least one pod sees the prompt twice
+    assert len({answer.choices[0].text for answer in answers}) == 1
+    cached = [answer.usage.prompt_tokens_details.cached_tokens for answer in answers]
+    assert max(cached) > 0, cached
+    assert all(c < answers[0].usage.prompt_tokens for c in cached), "the last token is computed"
