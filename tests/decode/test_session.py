@@ -176,7 +176,11 @@ async def _gateway_end(port: int, server, reference) -> None:
         long = session.generate(request("gw-long", max_tokens=500))
         steps = long.__aiter__()
         await steps.__anext__()
-        assert server.worker.load.running_sequences == 1
+        # the pod publishes its load after it has sent the step's tokens
+        deadline = time.monotonic() + 10
+        while server.worker.load.running_sequences != 1:
+            assert time.monotonic() < deadline, "the running request never showed in the pod's load"
+            await asyncio.sleep(0.01)
         long.cancel()
         with pytest.raises(asyncio.CancelledError):
             await steps.__anext__()
