@@ -377,6 +377,10 @@ class HttpConfig:
     host: str = setting("127.0.0.1", "address the HTTP API binds (0.0.0.0 in a pod)")
     port: int = setting(8000, "port of the OpenAI-compatible HTTP API (/v1/completions, "
                         "/v1/chat/completions, /v1/models, /health, /metrics); 0 = off")
+    metrics_textfile: str = setting("", "a Prometheus text file (node_exporter's textfile format) "
+                                    "whose samples GET /metrics adds to the gateway's own: `baton "
+                                    "up --autoscale` writes the planner's targets there; empty = "
+                                    "none")
 
     def __post_init__(self) -> None:
         require(bool(self.host), "http host must not be empty")

@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "") 
             metavar=None if f.metadata.get("choices") else _scalar_type(annotation).__name__.upper()
             if isinstance(_scalar_type(annotation), type)
             else "LIST",
-            help=f"{help_text} (default: {shown!r}; env {env})",
+            # argparse %-formats help: a "90%" in a help string must reach it as "90%%"
+            help=f"{help_text} (default: {shown!r}; env {env})".replace("%", "%%"),
         )
 
 

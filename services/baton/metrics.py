@@ -207,6 +207,20 @@ class GatewayMetrics:
         self.output_tokens.observe(num_output_tokens)
 
 
+class PlannerMetrics:
+    """`baton up --autoscale`: the planner's size per role beside what runs; the supervisor
+    writes them as a text file that the gateway's HTTP ``/metrics`` adds to its own."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.target_replicas = Gauge(
+            "baton_planner_target_replicas", "decode pods or prefill chains the planner's latest "
+            "decision asks for, by role", ["role"], registry=registry)
+        self.replicas = Gauge(
+            "baton_replicas", "decode pods or prefill chains running or starting now, by role (a "
+            "decode pod draining for removal no longer counts)", ["role"], registry=registry)
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args) -> None:  # a scrape every few seconds: no log line
         pass

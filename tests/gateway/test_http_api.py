@@ -38,12 +38,14 @@ def checkpoint(tmp_path_factory):
 
 class Gateway:
     def __init__(self, checkpoint, keys_file: str = "", max_streams: int = 4096,
-                 wait_s: float = 0.3, store=None, stall_s: float = 30.0) -> None:
+                 wait_s: float = 0.3, store=None, stall_s: float = 30.0,
+                 metrics_textfile: str = "") -> None:
         config = GatewayServiceConfig(
             server=ServerConfig(listen="127.0.0.1:0", max_streams=max_streams, max_message_mib=1),
             model=ModelSourceConfig(path=str(checkpoint)),
             gateway=GatewayRoutingConfig(reroute_wait_s=wait_s, stall_s=stall_s),
-            http=HttpConfig(port=free_port()), auth=AuthConfig(api_keys_file=keys_file))
+            http=HttpConfig(port=free_port(), metrics_textfile=metrics_textfile),
+            auth=AuthConfig(api_keys_file=keys_file))
         self.server, self.grpc_port = create_server(config, store=store or InMemoryStore())
         self.url = f"http://127.0.0.1:{config.http.port}"
 
@@ -100,6 +102,33 @@ def test_unknown_paths_and_methods_answer_openai_error_bodies(gateway):
     assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
     status, body, _ = gateway.get("/v1/completions")
     assert status == 405
+
+
+def test_metrics_add_the_samples_of_the_textfile_once_it_is_written(checkpoint, tmp_path):
+    from baton.metrics import PlannerMetrics
+    from baton.planner import parse_pod
+    from prometheus_client import CollectorRegistry, write_to_textfile
+
+    textfile = tmp_path / "planner.prom"
+    gateway = Gateway(checkpoint, metrics_textfile=str(textfile))
+
+    def scrape():
+        with urllib.request.urlopen(gateway.url + "/metrics", timeout=30) as response:
+            return parse_pod("gateway", "gateway", response.read().decode())
+
+    try:
+        assert scrape().has("baton_gateway_requests_in_flight")
+        assert not scrape().has("baton_planner_target_replicas")  # not written yet
+        planner = PlannerMetrics(CollectorRegistry())
+        planner.target_replicas.labels(role="decode").set(3)
+        planner.replicas.labels(role="decode").set(2)
+        write_to_textfile(str(textfile), planner.registry)
+        samples = scrape()
+        assert samples.value("baton_planner_target_replicas", role="decode") == 3
+        assert samples.value("baton_replicas", role="decode") == 2
+        assert samples.has("baton_gateway_requests_in_flight")
+    finally:
+        gateway.close()
 
 
 def test_a_gateway_streaming_its_limit_refuses_more_with_429(checkpoint):

@@ -5,12 +5,17 @@
     baton up --demo                   ... then stream a short and a long prompt (`make run`)
     baton up --no-chain-break-even    long prompts go to the chain from the threshold on
     baton up --demo --exit-after-demo for scripts: stop once the demo is shown
+    baton up --autoscale --min-decode-pods 1 --max-decode-pods 2 --itl-p90-s 0.05
+                                      the planner starts and stops decode pods (its targets
+                                      and the live counts on the HTTP API's /metrics)
 
 Routing state must be shared by the processes, so without ``--redis URL`` a private
 ``redis-server`` is started on a free port and stopped on exit (``make setup`` installs it).
 Ctrl-C (or SIGTERM) stops every process; so does any failure during start-up. Once up,
 a process that dies is restarted with backoff and the restart is printed
-(``LocalCluster.supervise``): the service as a whole keeps serving.
+(``LocalCluster.supervise``): the service as a whole keeps serving. With ``--autoscale``
+the operator's planner sizes the decode pods from the pods' own metrics
+(``baton.gateway.local_autoscaler``); its settings are ``PlannerConfig``'s flags.
 Heavy imports happen in ``run`` only.
 """
 
@@ -21,11 +26,15 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
+from baton import configtree
+from baton.config import PlannerConfig
+
 if TYPE_CHECKING:
     from baton.gateway.local_cluster import ClusterSpec
 
 DEMO_SHORT_PROMPT = "def fibonacci(n):\n"
 DEMO_LINES_PER_ROUND = 8  # the long demo prompt grows by this many source lines until long enough
+SUPERVISE_S = 0.5  # restarts, reaping drained pods and planner ticks happen this often at most
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,13 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exit-after-demo", action="store_true",
                         help="with --demo: stop the service after the demo")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per demo generation")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="start and stop decode pods by the autoscaling planner's decisions "
+                             "(--decode-workers is then the count to start with)")
+    configtree.add_arguments(parser.add_argument_group(
+        "autoscaling (with --autoscale; baton up keeps its one chain, the planner's prefill "
+        "target is only shown)"), PlannerConfig)
 
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     """The cluster the command line asks for (``--threads`` given alone sets every process)."""
     from baton.gateway.local_cluster import ClusterSpec
 
-    return ClusterSpec(model_path=args.model, decode_workers=args.decode_workers,
+    planner = configtree.from_arguments(args, PlannerConfig) if args.autoscale else None
+    decode_workers = args.decode_workers
+    if planner is not None:  # start within the planner's bounds
+        decode_workers = max(planner.min_decode_pods, min(planner.max_decode_pods, decode_workers))
+    return ClusterSpec(model_path=args.model, decode_workers=decode_workers,
                        chain_ranks=args.chain_ranks, redis_url=args.redis,
                        gateway_listen=args.listen, gateway_http_port=args.http_port,
                        prefill_threshold_tokens=args.prefill_threshold_tokens,
@@ -77,10 +96,11 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                        threads_per_process=1 if args.threads is None else args.threads,
                        decode_threads=next(value for value in (args.decode_threads, args.threads, 0)
                                            if value is not None),
-                       stream_interval_ms=args.stream_interval_ms)
+                       stream_interval_ms=args.stream_interval_ms, autoscale=planner)
 
 
 def run(args: argparse.Namespace) -> int:
+    from baton.gateway.local_autoscaler import LocalAutoscaler
     from baton.gateway.local_cluster import LocalCluster
 
     if args.exit_after_demo and not args.demo:
@@ -106,15 +126,29 @@ def run(args: argparse.Namespace) -> int:
                     _demo_http(cluster.gateway_http_url, args.max_tokens)
                 if args.exit_after_demo:
                     return 0
+            autoscaler = LocalAutoscaler(cluster) if spec.autoscale else None
+            if autoscaler is not None:
+                print(_autoscaling(spec, cluster.gateway_http_url), flush=True)
             print("serving; Ctrl-C stops every process", flush=True)
-            while not stopping.wait(0.5):
+            while not stopping.wait(SUPERVISE_S):
                 for event in cluster.supervise():
                     print(f"supervisor: {event}", flush=True)
+                for event in autoscaler.tick() if autoscaler is not None else ():
+                    print(f"autoscaler: {event}", flush=True)
     except KeyboardInterrupt:
         print("\nstopping", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _autoscaling(spec: ClusterSpec, http_url: str) -> str:
+    planner = spec.autoscale
+    where = (f"; targets on {http_url.removesuffix('/v1')}/metrics (baton_planner_target_replicas, "
+             f"baton_replicas)" if http_url else "")
+    return (f"autoscaling decode pods between {planner.min_decode_pods} and "
+            f"{planner.max_decode_pods} for TTFT P90 {planner.ttft_p90_s:g} s and ITL P90 "
+            f"{planner.itl_p90_s:g} s, deciding every {planner.interval_s:g} s{where}")
 
 
 def _chain_routing(redis_url: str, spec: ClusterSpec) -> str:

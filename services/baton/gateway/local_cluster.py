@@ -29,6 +29,14 @@ gateway on the address it had), the whole chain when one of its ranks died (a ch
 ranks start together: they meet at a fresh rendezvous port), the private redis-server on
 its own port. Each restart waits twice as long as the one before (``RESTART_BACKOFF_S``
 up to ``RESTART_BACKOFF_MAX_S``); a unit that stayed up ``RESTART_STABLE_S`` starts over.
+
+Autoscaled (``spec.autoscale``, driven by ``baton.gateway.local_autoscaler``): every pod
+serves ``/metrics`` on a free port (``metrics_targets()`` names them for the planner), the
+gateway's ``/metrics`` adds the planner's file (``planner_textfile``), and decode pods come
+and go: ``add_decode_worker()``, and ``retire_decode_worker(name)``, which sends SIGTERM as
+Kubernetes does to a pod it scales away (the pod leaves routing, gives its streams
+``decode_grace_s``, exits; the gateway moves a stream still running to another pod) and is
+never restarted; ``supervise()`` reaps it, or kills it ``STOP_TIMEOUT_S`` past its grace.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from baton.config import MtlsConfig, StreamConfig
+from baton.config import MtlsConfig, PlannerConfig, ServerConfig, StreamConfig
+from baton.planner.scraper import Target
 
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 STOP_TIMEOUT_S = 10.0
@@ -57,6 +66,7 @@ RESTART_BACKOFF_S = 0.5  # the wait before the first restart of a unit
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_BACKOFF_S again
 PR_SET_PDEATHSIG = 1
+MAX_DECODE_WORKERS = 8
 
 
 def free_port() -> int:
@@ -117,6 +127,10 @@ class ClusterSpec:
     worker_ttl_s: float = 2.0
     # more flags per role, e.g. {"decode": ["--pyramid-enabled", "false"]}
     extra_args: dict[str, list[str]] = field(default_factory=dict)
+    # The planner's settings when the decode pods are autoscaled (decode_workers is then the
+    # count to start with); None = they stay as decode_workers made them.
+    autoscale: PlannerConfig | None = None
+    decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
 
     def threads_of(self, role: str) -> int:
         """Torch threads of one process of ``role`` (the gateway runs no torch work)."""
@@ -124,11 +138,20 @@ class ClusterSpec:
             return self.threads_per_process
         if self.decode_threads:
             return self.decode_threads
-        return max(1, len(os.sched_getaffinity(0)) // self.decode_workers)
+        most = self.autoscale.max_decode_pods if self.autoscale else self.decode_workers
+        return max(1, len(os.sched_getaffinity(0)) // most)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.decode_workers <= 8:
-            raise ValueError(f"decode_workers must be in 1..8, got {self.decode_workers}")
+        if not 1 <= self.decode_workers <= MAX_DECODE_WORKERS:
+            raise ValueError(f"decode_workers must be in 1..{MAX_DECODE_WORKERS}, got "
+                             f"{self.decode_workers}")
+        if self.autoscale is not None:
+            low, high = self.autoscale.min_decode_pods, self.autoscale.max_decode_pods
+            if high > MAX_DECODE_WORKERS or not low <= self.decode_workers <= high:
+                raise ValueError(f"autoscaled decode pods need min ({low}) <= decode_workers "
+                                 f"({self.decode_workers}) <= max ({high}) <= "
+                                 f"{MAX_DECODE_WORKERS} on one machine")
+        ServerConfig(grace_s=self.decode_grace_s)  # a bad value fails before any process
         if self.chain_ranks < 0:
             raise ValueError(f"chain_ranks must be >= 0, got {self.chain_ranks}")
         if self.threads_per_process < 1 or self.decode_threads < 0:
@@ -145,6 +168,7 @@ class Child:
     process: subprocess.Popen
     log_path: Path
     args: list[str] = field(default_factory=list)  # the role's own flags, to start it again
+    metrics_port: int = 0  # its /metrics (autoscaled clusters only)
 
     def log_tail(self, num_chars: int = 3000) -> str:
         return _tail(self.log_path, num_chars)
@@ -228,6 +252,8 @@ class LocalCluster:
         self.redis: ManagedRedis | None = None
         self.redis_url = spec.redis_url
         self.children: list[Child] = []
+        self.retiring: list[tuple[Child, float]] = []  # decode pods sent SIGTERM, kill deadline
+        self._num_decode_started = 0  # decode pods are named in start order, never reused
         self.gateway_address = ""
         self._restarts: dict[str, tuple[int, float]] = {}  # unit -> (restarts, last start)
         self._pki: dict[str, MtlsConfig] = {}  # role -> its certificate (spec.mtls)
@@ -254,15 +280,17 @@ class LocalCluster:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> Self:
         try:
             self._start_store(timeout_s)
-            for index in range(self.spec.decode_workers):
-                self._spawn(f"decode-{index}", "decode", [])
+            for _ in range(self.spec.decode_workers):
+                self.add_decode_worker()
             for rank in range(self.spec.chain_ranks):
                 self._spawn(f"prefill-{rank}", "prefill", self._chain_args(rank))
+            textfile = ["--http-metrics-textfile", str(self.planner_textfile)] if self.spec.autoscale else []
             self._spawn("gateway", "gateway", [
                 "--server-listen", self.spec.gateway_listen,
                 "--http-port", str(self.spec.gateway_http_port),
                 "--gateway-prefill-threshold-tokens", str(self.spec.prefill_threshold_tokens),
-                "--gateway-chain-break-even", str(self.spec.chain_break_even).lower()])
+                "--gateway-chain-break-even", str(self.spec.chain_break_even).lower(),
+                *textfile])
             self.wait_until_registered(timeout_s)
         except BaseException:
             self.stop()
@@ -286,8 +314,10 @@ class LocalCluster:
                 "--chain-backend", local_backend("auto", self.spec.chain_ranks)]
 
     def _spawn(self, name: str, role: str, args: list[str]) -> Child:
-        command = [sys.executable, "-m", "baton.cli", role, *self._common_args(role), *args,
-                   *self.spec.extra_args.get(role, [])]
+        metrics_port = free_port() if self.spec.autoscale else 0
+        metrics = ["--server-metrics-port", str(metrics_port)] if metrics_port else []
+        command = [sys.executable, "-m", "baton.cli", role, *self._common_args(role), *metrics,
+                   *args, *self.spec.extra_args.get(role, [])]
         log_path = self.log_dir / f"{name}.log"
         threads = str(self.spec.threads_of(role))
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
@@ -295,7 +325,7 @@ class LocalCluster:
         with log_path.open("ab") as log_file:  # a restart appends: the crash stays readable
             process = _popen_dying_with_parent(command, stdout=log_file, stderr=subprocess.STDOUT,
                                                env=env)
-        child = Child(name, role, process, log_path, args)
+        child = Child(name, role, process, log_path, args, metrics_port)
         self.children.append(child)
         return child
 
@@ -308,7 +338,8 @@ class LocalCluster:
             args += ["--server-listen", "127.0.0.1:0",
                      "--model-threads", str(self.spec.threads_of(role))]
         if role == "decode":
-            args += ["--stream-interval-ms", str(self.spec.stream_interval_ms)]
+            args += ["--stream-interval-ms", str(self.spec.stream_interval_ms),
+                     "--server-grace-s", str(self.spec.decode_grace_s)]
         if self.spec.model_path:
             args += ["--model-path", self.spec.model_path]
         mtls = self.mtls_for(role)
@@ -352,7 +383,7 @@ class LocalCluster:
         """Restart whatever died and is due (see the module's docstring); one line per
         restart, naming the exit code and the attempt."""
         now = time.monotonic()
-        events = []
+        events = self._reap_retired(now)
         if self.redis is not None and self.redis.process.poll() is not None and self._due("redis", now):
             code = self.redis.process.returncode
             self.redis.start()
@@ -397,10 +428,11 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every child (gateway first, so no request lands on a dying worker), then Redis."""
-        for child in reversed(self.children):
+        everyone = [*self.children, *(child for child, _ in self.retiring)]
+        for child in reversed(everyone):
             if child.process.poll() is None:
                 child.process.terminate()
-        for child in reversed(self.children):
+        for child in reversed(everyone):
             _terminate(child.process)
         if self.redis is not None:
             self.redis.stop()
@@ -420,5 +452,52 @@ class LocalCluster:
 
     def add_decode_worker(self) -> Child:
         """Start one more decode pod; it joins routing by itself once it registers."""
-        count = sum(child.role == "decode" for child in self.children)
-        return self._spawn(f"decode-{count}", "decode", [])
+        self._num_decode_started += 1
+        return self._spawn(f"decode-{self._num_decode_started - 1}", "decode", [])
+
+    # --- autoscaling ----------------------------------------------------------------------
+
+    @property
+    def planner_textfile(self) -> Path:
+        """Where the planner's metrics go for the gateway's ``/metrics`` (autoscaled only)."""
+        return self.log_dir / "planner.prom"
+
+    @property
+    def num_chains(self) -> int:
+        return 1 if self.spec.chain_ranks else 0
+
+    def decode_pods(self) -> list[Child]:
+        """The decode pods serving or starting (not those retiring)."""
+        return [child for child in self.children if child.role == "decode"]
+
+    def metrics_targets(self) -> list[Target]:
+        """Every pod's ``/metrics`` but the retiring ones', for the planner's scrape."""
+        return [Target(child.name, child.role, f"http://127.0.0.1:{child.metrics_port}/metrics",
+                       chain="chain-0" if child.role == "prefill" else "")
+                for child in self.children if child.metrics_port]
+
+    def retire_decode_worker(self, name: str) -> Child:
+        """Take decode pod ``name`` out of the cluster loss-free: SIGTERM makes it leave
+        routing, finish its streams within ``decode_grace_s`` and exit (the gateway moves a
+        stream it did not finish); it is not restarted, and killed if it outstays its grace."""
+        child = next(c for c in self.decode_pods() if c.name == name)
+        self.children.remove(child)
+        child.process.terminate()
+        self.retiring.append((child, time.monotonic() + self.spec.decode_grace_s + STOP_TIMEOUT_S))
+        return child
+
+    def _reap_retired(self, now: float) -> list[str]:
+        """Forget the retired decode pods that exited; kill those past their deadline."""
+        events, still = [], []
+        for child, deadline in self.retiring:
+            if child.process.poll() is not None:
+                events.append(f"{child.name} drained and exited ({child.process.returncode})")
+            elif now > deadline:
+                child.process.kill()
+                child.process.wait()
+                events.append(f"{child.name} did not exit within "
+                              f"{self.spec.decode_grace_s + STOP_TIMEOUT_S:g} s of SIGTERM: killed")
+            else:
+                still.append((child, deadline))
+        self.retiring = still
+        return events

@@ -2,8 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (and ``/v1/models/{id}``), ``GET /health`` (200 only while a request could be routed),
-``GET /metrics`` (the gateway's Prometheus registry). Generation goes through the same
-``Generations`` as gRPC: the same checks, routes, limits, migration and aborts.
+``GET /metrics`` (the gateway's Prometheus registry, then ``http.metrics_textfile``'s
+samples). Generation goes through the same ``Generations`` as gRPC: the same checks,
+routes, limits, migration and aborts.
 
 Streaming answers are Server-Sent Events: ``data: {chunk}`` per step, ``data: [DONE]`` at
 the end. Errors before the first chunk get their HTTP status and OpenAI's error body;
@@ -71,6 +72,16 @@ def error_response(status: int, message: str, param: str | None = None,
 def _error_fields(error: BaseException) -> tuple[str | None, str | None]:
     """OpenAI's ``param`` and ``code`` of an error, where baton knows them."""
     return getattr(error, "param", None), "model_not_found" if isinstance(error, UnknownModel) else None
+
+
+def _read_textfile(path: str) -> bytes:
+    """A Prometheus text file's samples ("" while it does not exist), newline-terminated."""
+    try:
+        with open(path, "rb") as file:
+            text = file.read()
+    except FileNotFoundError:
+        return b""
+    return text if not text or text.endswith(b"\n") else text + b"\n"
 
 
 def _sse(body: dict | str) -> bytes:
@@ -166,7 +177,13 @@ class OpenAIServer:
         return error_response(503, "no decode pod is live: requests cannot be routed now")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry),
+        """The gateway's registry, then the samples of ``http.metrics_textfile`` if it names
+        one (read off the loop; a file not written yet adds nothing)."""
+        extra = b""
+        if self.config.metrics_textfile:
+            extra = await asyncio.get_running_loop().run_in_executor(
+                None, _read_textfile, self.config.metrics_textfile)
+        return web.Response(body=generate_latest(self.registry) + extra,
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _model_card(self) -> dict:
