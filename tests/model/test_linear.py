@@ -36,7 +36,18 @@ def test_linear_module_keeps_nn_linear_parameters_and_takes_any_shape():
     assert torch.allclose(layer(row), F.linear(row, layer.weight, layer.bias), atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@torch.no_grad()
+def test_bf16_packs_only_where_onednn_can_reorder_it():
+    layer = Linear(8, 8).to(torch.bfloat16)
+    can = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert packs(layer.weight) == can
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), "either way, F.linear's result"
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="oneDNN packs bf16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
 @torch.no_grad()  # as served; a forward that trains takes the plain kernels
 def test_a_packed_bf16_weight_gives_f_linear_exactly_and_follows_weight_changes():
     torch.manual_seed(0)
