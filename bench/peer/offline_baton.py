@@ -26,7 +26,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from baton.config import SchedulerConfig
+    from baton.config import KVPoolConfig, SchedulerConfig
     from baton.model import load_checkpoint
     from baton.model.sampling import SamplingParams
     from baton.sarathi.engine import Engine
@@ -36,7 +36,8 @@ def main() -> None:
     loaded = load_checkpoint(args.model, dtype=args.dtype, device="cpu")
     limits = {"max_running": args.max_seqs} if args.max_seqs else {}
     engine = Engine(loaded.model, loaded.tokenizer,  # the service's defaults but these two
-                    scheduler=SchedulerConfig(token_budget=args.token_budget, **limits))
+                    scheduler=SchedulerConfig(token_budget=args.token_budget, **limits),
+                    kv=KVPoolConfig(prefix_cache=not args.no_prefix_cache))
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)
     engine.generate([workload["warmup"]], params)  # warm-up

@@ -38,6 +38,8 @@ def main() -> None:
     limits = {"max_num_batched_tokens": args.token_budget} if args.token_budget else {}
     if args.max_seqs:
         limits["max_num_seqs"] = args.max_seqs
+    if args.no_prefix_cache:
+        limits["enable_prefix_caching"] = False
     llm = LLM(model=args.model, dtype=args.dtype, seed=0, disable_log_stats=False, **limits)
     load_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=workload["new_tokens"], ignore_eos=True)

@@ -120,8 +120,10 @@ def run_offline(system: str, peer_python: Path, model_dir: Path, workload: Path,
 
 
 def setting_flags(setting: dict) -> list[str]:
-    """A system's setting (token budget, max seqs; 0: its default) as the runners' flags."""
-    return ["--token-budget", str(setting["token_budget"]), "--max-seqs", str(setting["max_seqs"])]
+    """A system's setting (token budget, max seqs; 0: its default; prefix cache, on unless
+    False) as the runners' flags."""
+    flags = ["--token-budget", str(setting["token_budget"]), "--max-seqs", str(setting["max_seqs"])]
+    return flags + (["--no-prefix-cache"] if setting.get("prefix_cache") is False else [])
 
 
 def run_logged(command: list[str], env: dict | None, out: Path, timeout_s: float) -> dict:

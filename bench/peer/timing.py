@@ -169,6 +169,8 @@ def run_arguments() -> argparse.Namespace:
                         help="tokens per engine step (0: the system's default)")
     parser.add_argument("--max-seqs", type=int, default=0,
                         help="most sequences running at once (0: the system's default)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="turn the system's prefix cache off (both have it on by default)")
     return parser.parse_args()
 
 

@@ -84,3 +84,38 @@ def make_workload(tokenizer, num_requests: int = NUM_REQUESTS, seed: int = SEED,
         texts.append(text)
     warmup, _ = cut(WARMUP_TOKENS)
     return Workload(prompts, texts, warmup, new_tokens, seed)
+
+
+def make_shared_prefix_workload(tokenizer, num_groups: int = 4, num_documents: int = 8,
+                                num_questions: int = 8, seed: int = SEED,
+                                document_tokens: tuple[int, int] = (660, 700),
+                                question_tokens: tuple[int, int] = (40, 140),
+                                new_tokens: int = NEW_TOKENS) -> Workload:
+    """Prompts that share prefixes, as RAG or a shared system prompt makes them: each group has
+    ``num_documents`` documents, each asked ``num_questions`` different questions (document +
+    question in one prompt), the questions interleaved across documents (document 0's first
+    question, document 1's first, ...), the groups one after another. Documents and questions
+    are cut from the standard library's source like ``make_workload``'s prompts."""
+    rng = random.Random(seed)
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+    def cut(length: int) -> str:
+        while True:
+            ids = tokenizer.encode(rng.choice(sources).read_text(errors="replace"))
+            if len(ids) >= length:
+                start = rng.randint(0, len(ids) - length)
+                return tokenizer.decode(ids[start:start + length])
+
+    prompts, texts = [], []
+    for _ in range(num_groups):
+        documents = [cut(rng.randint(*document_tokens)) for _ in range(num_documents)]
+        questions = [[cut(rng.randint(*question_tokens)) for _ in range(num_questions)]
+                     for _ in documents]
+        for question in range(num_questions):
+            for document, asked in zip(documents, questions):
+                # the text both systems tokenize, and the ids that text gives (stable by round trip)
+                text = tokenizer.decode(tokenizer.encode(document + "\n" + asked[question]))
+                prompts.append(tokenizer.encode(text))
+                texts.append(text)
+    warmup = tokenizer.encode(cut(WARMUP_TOKENS))
+    return Workload(prompts, texts, warmup, new_tokens, seed)
