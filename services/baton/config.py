@@ -157,6 +157,9 @@ class RoutingConfig:
     heartbeat_s: float = setting(1.0, "seconds between worker heartbeats")
     worker_ttl_s: float = setting(5.0, "a worker without a heartbeat for this long leaves routing")
     request_ttl_s: float = setting(600.0, "how long the gateway remembers where a request lives")
+    prefix_ttl_s: float = setting(60.0, "a decode pod's prefix-cache events and snapshot leave the "
+                                  "routing store this long after its last write (a live pod "
+                                  "rewrites them at least every third of it)")
     namespace: str = setting("baton", "prefix of every routing key in Redis (one per deployment)")
     redis_timeout_s: float = setting(1.0, "a Redis call taking longer counts as Redis being down")
     view_refresh_s: float = setting(0.5, "the gateway re-reads the workers at most this often")
@@ -172,6 +175,8 @@ class RoutingConfig:
         require(self.worker_ttl_s > self.heartbeat_s,
                 f"routing worker_ttl_s {self.worker_ttl_s} must exceed heartbeat_s {self.heartbeat_s}")
         require(self.request_ttl_s > 0, f"routing request_ttl_s must be > 0, got {self.request_ttl_s}")
+        require(math.isfinite(self.prefix_ttl_s) and self.prefix_ttl_s > 0,
+                f"routing prefix_ttl_s must be a positive number of seconds, got {self.prefix_ttl_s}")
 
 
 @dataclass
@@ -225,7 +230,7 @@ class MtlsConfig:
                 f"three or none")
 
 
-GATEWAY_POLICIES = ("least-loaded",)
+GATEWAY_POLICIES = ("cache-aware", "least-loaded")
 CHAIN_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -239,9 +244,12 @@ class GatewayRoutingConfig:
     chain_max_queued_tokens: int = setting(4096, "a chain already holding this many prompt tokens not yet "
                                            "prefilled takes no more: the prompt is prefilled on its decode "
                                            "pod instead (a chain prefills one request at a time); 0 = no limit")
-    policy: str = setting("least-loaded", "how the gateway picks pods: least-loaded = the decode pod "
-                          "with the fewest sequences, then queued prompt tokens, then the most "
-                          "free KV blocks (none free = full); the chain with the fewest queued tokens",
+    policy: str = setting("cache-aware", "how the gateway picks pods: cache-aware = the decode pod "
+                          "with the soonest first token, counting the prompt tokens its prefix "
+                          "cache holds, and a chain only for what no pod holds; least-loaded = "
+                          "the decode pod with the fewest sequences, then queued prompt tokens, "
+                          "then the most free KV blocks (none free = full); both: the chain with "
+                          "the fewest queued tokens",
                           choices=GATEWAY_POLICIES)
     kv_wait_s: float = setting(60.0, "how long a decode pod waits for the KV a chain pushes")
     migration_limit: int = setting(3, "times one request's stream moves to another decode pod when its "

@@ -194,6 +194,10 @@ class GatewayMetrics:
         self.routing_view_stale = Gauge(
             "baton_gateway_routing_view_stale", "1 while the routing store cannot be read and "
             "the gateway routes from its last view", registry=registry)
+        self.prefix_index_age_s = Gauge(
+            "baton_gateway_prefix_index_lag_seconds", "age of the gateway's index of the decode "
+            "pods' prefix caches at the latest routing decision (time since it last read their "
+            "events)", registry=registry)
         self.prompt_tokens = Histogram(
             "baton_gateway_prompt_tokens", "prompt tokens of each finished request",
             buckets=TOKEN_BUCKETS, registry=registry)

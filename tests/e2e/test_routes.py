@@ -92,10 +92,22 @@ def test_stop_strings_end_every_route_at_the_same_place(client, engine, prompt):
 
 
 def test_the_automatic_route_says_why(client, prompt):
-    long = client.generate(GenerateRequest(token_ids=prompt, sampling=SAMPLINGS["greedy"])).last
+    fresh = list(reversed(prompt))  # as long, and in no decode pod's prefix cache yet
+    whole = CompressionParams(enabled=False)  # a pruned cache is private to its request
+    long = client.generate(GenerateRequest(token_ids=fresh, sampling=SAMPLINGS["greedy"],
+                                           compression=whole)).last
     short = client.generate(GenerateRequest(token_ids=prompt[:10], sampling=SAMPLINGS["greedy"])).last
     assert long.route.chain_id and f">= prefill_threshold_tokens {CHAIN_THRESHOLD_TOKENS}" in long.route.reason
     assert not short.route.chain_id and "< prefill_threshold_tokens" in short.route.reason
+    # The chain's KV (compression off here) is cached on its decode pod like any other: the
+    # same prompt again is prefilled there, only its last block, and the reason names the hit.
+    again = client.generate(GenerateRequest(token_ids=fresh, sampling=SAMPLINGS["greedy"],
+                                            compression=whole))
+    assert not again.last.route.chain_id and "prompt tokens cached on" in again.last.route.reason
+    assert again.last.usage.cached_prompt_tokens >= len(fresh) - 2 * 16
+    assert again.token_ids == client.generate(GenerateRequest(
+        token_ids=fresh, sampling=SAMPLINGS["greedy"], compression=whole,
+        prefill_route="chain")).token_ids
 
 
 def test_the_pods_advertise_what_routing_matches_them_by(cluster):

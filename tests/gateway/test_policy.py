@@ -34,7 +34,7 @@ def snapshot(*workers: WorkerInfo) -> RoutingSnapshot:
 
 @pytest.fixture
 def policy():
-    return create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100), MODEL)
+    return create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100, policy="least-loaded"), MODEL)
 
 
 def test_the_decode_pod_with_the_fewest_sequences_wins_then_queued_tokens_then_free_blocks(policy):

@@ -36,17 +36,6 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
     return condition()
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store(request):
-    if request.param == "memory":
-        yield InMemoryStore()
-        return
-    server = request.getfixturevalue("redis_server")
-    redis_store = RedisStore(server.url, namespace="test")
-    yield redis_store
-    redis_store.close()
-
-
 def test_register_and_list(store):
     store.register_worker(worker("d2", free_kv_blocks=5), ttl_s=30)
     store.register_worker(worker("d1", free_kv_blocks=9), ttl_s=30)

@@ -230,7 +230,8 @@ def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequ
         request_id=request.request_id, model=request.model,
         prompt_token_ids=request.prompt_token_ids, sampling=sampling_to_proto(request.sampling),
         compression=compression_to_proto(request.compression),
-        decode_address=request.decode_address, decode_incarnation=request.decode_incarnation)
+        decode_address=request.decode_address, decode_incarnation=request.decode_incarnation,
+        cache_salt=request.cache_salt)
 
 
 def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRequest:
@@ -239,7 +240,8 @@ def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRe
         prompt_token_ids=tuple(message.prompt_token_ids),
         sampling=sampling_from_proto(message.sampling),
         compression=compression_from_proto(message.compression),
-        decode_address=message.decode_address, decode_incarnation=message.decode_incarnation)
+        decode_address=message.decode_address, decode_incarnation=message.decode_incarnation,
+        cache_salt=message.cache_salt)
 
 
 def prefill_event_to_proto(event: PrefillFirstToken | PrefillShipped) -> prefill_pb2.PrefillResponse:
@@ -303,7 +305,7 @@ def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
         kv=kv_header_to_proto(handoff.kv), prompt_token_ids=handoff.prompt_token_ids,
         first_token_id=handoff.first_token_id, sampling=sampling_to_proto(handoff.sampling),
         compression=compression_to_proto(handoff.compression),
-        decode_incarnation=handoff.decode_incarnation)
+        decode_incarnation=handoff.decode_incarnation, cache_salt=handoff.cache_salt)
 
 
 def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
@@ -312,7 +314,7 @@ def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
                      first_token_id=message.first_token_id,
                      sampling=sampling_from_proto(message.sampling),
                      compression=compression_from_proto(message.compression),
-                     decode_incarnation=message.decode_incarnation)
+                     decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt)
 
 
 def push_kv_messages(handoff: KVHandoff, chunks: Iterable[bytes],

@@ -76,6 +76,7 @@ class PrefillRequest:
     compression: CompressionParams
     decode_address: str
     decode_incarnation: str = ""  # of the decode pod at decode_address the gateway chose
+    cache_salt: str = ""  # the caller's tenant, for the decode pod's prefix cache
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a prefill request needs a request_id")
@@ -115,6 +116,7 @@ class KVHandoff:
     sampling: SamplingParams
     compression: CompressionParams
     decode_incarnation: str = ""  # of the decode pod the push is meant for ("" = any)
+    cache_salt: str = ""  # the caller's tenant, for the decode pod's prefix cache
 
     @property
     def request_id(self) -> str:

@@ -11,6 +11,7 @@ pod's streams, leaves routing, refuses new calls and exits with ``EXIT_ENGINE_ST
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -32,6 +33,7 @@ from baton.model.loader import load_checkpoint
 from baton.mtls import Mtls
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
+from baton.routing.prefix_index import PrefixPublisher
 from baton.sarathi.engine import Engine
 from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
@@ -103,6 +105,11 @@ class DecodeServer:
         # what this pod takes from a chain; its dtype is also advertised with the routing record
         self.kv_spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
                                dtype_name(self.loaded.model.dtype))
+        self.prefix_publisher = None
+        if engine.pool.prefix_cache is not None:  # what it caches, for cache-aware routing
+            self.prefix_publisher = PrefixPublisher(self.store, self.describe_identity().prefix_stream,
+                                                    self.config.routing.prefix_ttl_s).start()
+            self.worker.prefix_publisher = self.prefix_publisher
         self.servicer.ready(self.worker, self.kv_spec, self.grpc.loop, Incarnation(self.address, self.incarnation))
         log.info("decode pod %s serves %s (revision %s), %d KV blocks, token budget %d (%s)",
                  self.address, self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks,
@@ -111,11 +118,16 @@ class DecodeServer:
 
     def describe(self) -> WorkerInfo:
         """This pod's routing record with its live load (called by every heartbeat)."""
+        return dataclasses.replace(self.describe_identity(), load=self.worker.load)
+
+    def describe_identity(self) -> WorkerInfo:
+        """This pod's routing record without its load."""
+        pool = self.worker.engine.pool
         return WorkerInfo(worker_id=f"decode-{self.address}", role="decode", address=self.address,
                           model_id=self.loaded.model_id, model_revision=self.loaded.revision,
-                          version=release_version(), load=self.worker.load,
-                          kv_dtype=self.kv_spec.dtype,
-                          incarnation=self.incarnation)
+                          version=release_version(), kv_dtype=self.kv_spec.dtype,
+                          incarnation=self.incarnation,
+                          kv_block_size=pool.block_size if pool.prefix_cache is not None else 0)
 
     def _engine_stalled(self) -> None:
         """The watchdog's verdict (its streams are failed already): leave routing, refuse new
@@ -133,6 +145,8 @@ class DecodeServer:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.heartbeat.stop()
+        if self.prefix_publisher is not None:
+            self.prefix_publisher.stop()
         self.servicer.drain()
         self.grpc.stop(grace_s)
         self.worker.stop()

@@ -31,12 +31,14 @@ from baton.errors import Aborted, AlreadyExists, NotFound, ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.limits import check_prompt
+from baton.routing.prefix_index import PrefixPublisher
 from baton.routing.store import WorkerLoad
 from baton.sarathi.engine import Engine
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.1  # how long the idle loop sleeps before checking that it should stop
+PREFILL_RATE_WEIGHT = 0.2  # the newest step's share of the advertised prefill rate
 BLOCKED_WAIT_S = 0.01  # a plan with nothing to run (all waiting for KV): wait for a change
 DEFAULT_LEASE_S = 30.0  # how long a pushed request waits for its Attach (kv.unclaimed_lease_s)
 ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
@@ -76,6 +78,9 @@ class DecodeWorker:
         self._queued_prompt_tokens = 0  # local prompts accepted, not yet at their first token
         self._queued_requests = 0  # and how many they are
         self._prefix_mark = (0, 0)  # the prefix cache's (lookups, last event) last published
+        self._prefill_rate = 0.0  # prompt tokens a second (see _measure_prefill)
+        # Set by the pod: where the prefix cache's events go (for cache-aware routing).
+        self.prefix_publisher: PrefixPublisher | None = None
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
                                total_kv_blocks=engine.pool.num_blocks)
         self._stopping = threading.Event()
@@ -140,7 +145,7 @@ class DecodeWorker:
         params = dataclasses.replace(handoff.sampling, compression=handoff.compression)
         self._enter(stream, lambda: self.engine.add_prefilled_request(
             list(handoff.prompt_token_ids), cache.layers, handoff.first_token_id,
-            params, handoff.request_id))
+            params, handoff.request_id, handoff.cache_salt))
         self.metrics.kv_bytes_received.inc(cache.num_bytes)
         self.metrics.compression_ratio.observe(kept / full)
 
@@ -214,7 +219,9 @@ class DecodeWorker:
                 self._fail_all(f"the decode engine failed: {e!r}")
                 continue
             finally:
+                step_s = time.monotonic() - self._step_started_s
                 self._step_started_s = None
+            self._measure_prefill(step_s)
             self._publish(outputs)
             self._expire_leases()
             self._publish_load()
@@ -292,15 +299,38 @@ class DecodeWorker:
         queued_tokens = sum(seq.num_uncomputed for seq in waiting + scheduler.prefilling)
         self.load = WorkerLoad(free_kv_blocks=pool.num_free_blocks, total_kv_blocks=pool.num_blocks,
                                running_sequences=scheduler.num_active,
-                               queued_requests=len(waiting), queued_prompt_tokens=queued_tokens)
+                               queued_requests=len(waiting), queued_prompt_tokens=queued_tokens,
+                               prefill_tokens_per_s=round(self._prefill_rate, 1))
         self.metrics.queued_requests.set(len(waiting))
         self.metrics.queued_prompt_tokens.set(queued_tokens)
         self.metrics.running_sequences.set(scheduler.num_active)
         self.metrics.kv_blocks_used.set(pool.num_used_blocks)
         cache = pool.prefix_cache
         if cache is not None and (cache.stats.lookups, cache.last_event) != self._prefix_mark:
+            published = self._prefix_mark[1]
             self._prefix_mark = (cache.stats.lookups, cache.last_event)  # changed: admission or events
             self.metrics.record_prefix_cache(dataclasses.replace(cache.stats), cache.num_cached_blocks)
+            if self.prefix_publisher is not None and cache.last_event != published:
+                self._publish_prefix_events(cache, published)
+
+    def _measure_prefill(self, step_s: float) -> None:
+        """The prefill rate the pod advertises: prompt tokens over step time, decodes and all,
+        averaged over the steps that prefilled (old ones fade with ``PREFILL_RATE_WEIGHT``)."""
+        plan = self.engine.last_plan
+        if plan is None or not plan.prefills or step_s <= 0:
+            return
+        rate = plan.num_prefill_tokens / step_s
+        self._prefill_rate = (rate if not self._prefill_rate else
+                              PREFILL_RATE_WEIGHT * rate + (1 - PREFILL_RATE_WEIGHT) * self._prefill_rate)
+
+    def _publish_prefix_events(self, cache, published: int) -> None:
+        """Hand the cache's events after ``published`` to the publisher (the engine thread's
+        only part: no store call here); a snapshot when the journal no longer has them all."""
+        events = cache.events_after(published)
+        if not events or events[0].sequence != published + 1:
+            self.prefix_publisher.offer_snapshot(cache.last_event, [h.hex() for h in cache.hashes()])
+            return
+        self.prefix_publisher.offer([(e.sequence, e.stored, e.hash.hex()) for e in events])
 
     def step_running_s(self) -> float:
         """How long the engine's current step has run (0 between steps); any thread."""

@@ -28,7 +28,13 @@ from baton.api.requests import FinishReason, GenerateRequest, GenerationStep, Ro
 from baton.errors import Passed, PermissionDenied
 from baton.gateway.relay import ChainIncomplete, Relay
 from baton.gateway.request_table import LiveRequest, RequestTable
-from baton.gateway.routing_policy import NoLiveWorkers, RouteDecision, RoutingPolicy, WorkersFull
+from baton.gateway.routing_policy import (
+    NoLiveWorkers,
+    RouteDecision,
+    RoutedPrompt,
+    RoutingPolicy,
+    WorkersFull,
+)
 from baton.gateway.served_model import ServedModel
 from baton.metrics import GatewayMetrics
 from baton.routing import RequestRecord, RoutingView, WorkerInfo
@@ -198,7 +204,9 @@ class Generations:
         pinned = request.prefill_route
         try:
             snapshot = self._snapshot()
-            decision = self.policy.route(len(prompt_ids), snapshot, self.table.in_flight(), pinned)
+            routed = RoutedPrompt(tuple(prompt_ids), owner)
+            decision = self.policy.route(len(prompt_ids), snapshot, self.table.in_flight(), pinned,
+                                         routed)
             if (decision.chain is None and pinned == "auto" and not self.policy.chain_heads(snapshot)
                     and len(prompt_ids) >= self.policy.config.prefill_threshold_tokens):
                 raise NoLiveWorkers("no chain in the view")
@@ -207,7 +215,8 @@ class Generations:
             # start-up): one fresh read of the store before the caller is told there is no
             # pod, or a long prompt is prefilled without a chain.
             decision = self.policy.route(len(prompt_ids), self._snapshot(fresh=True),
-                                         self.table.in_flight(), pinned)
+                                         self.table.in_flight(), pinned,
+                                         RoutedPrompt(tuple(prompt_ids), owner))
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
                                chain_id=decision.chain.chain_id if decision.chain else "",
                                prefill_address=decision.chain.address if decision.chain else "",
@@ -234,6 +243,8 @@ class Generations:
     def _snapshot(self, fresh: bool = False):
         snapshot = self.view.snapshot(fresh)
         self.metrics.routing_view_stale.set(1 if snapshot.stale else 0)
+        if snapshot.prefixes is not None and snapshot.prefixes.last_refresh_s:
+            self.metrics.prefix_index_age_s.set(max(0.0, time.time() - snapshot.prefixes.last_refresh_s))
         for role in ("decode", "prefill"):
             self.metrics.live_workers.labels(role=role).set(len(snapshot.of_role(role)))
         return snapshot

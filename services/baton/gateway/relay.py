@@ -289,7 +289,8 @@ class Relay:
         prefill_request = PrefillRequest(
             request_id=live.request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
-            decode_address=decision.decode.address, decode_incarnation=decision.decode.incarnation)
+            decode_address=decision.decode.address, decode_incarnation=decision.decode.incarnation,
+            cache_salt=live.record.owner)
         call = self.channels.prefill(decision.chain.address).Prefill(
             convert.prefill_request_to_proto(prefill_request))
         live.watch(call)

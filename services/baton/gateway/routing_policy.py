@@ -38,6 +38,15 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class RoutedPrompt:
+    """What a policy may read of the request beyond its length: a cache-aware policy hashes
+    the token ids the way a decode pod's prefix cache does, under the caller's salt."""
+
+    token_ids: tuple[int, ...]
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True)
 class RouteDecision:
     decode: WorkerInfo
     chain: WorkerInfo | None = None  # rank 0 of the chain; None = prefill on the decode pod
@@ -51,10 +60,13 @@ class RoutingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
-              in_flight: Mapping[str, InFlight], prefill_route: str = "auto") -> RouteDecision:
+              in_flight: Mapping[str, InFlight], prefill_route: str = "auto",
+              prompt: RoutedPrompt | None = None) -> RouteDecision:
         """Pick the decode pod, and a chain for a long prompt; ``in_flight`` is keyed by
         address. ``prefill_route`` is the caller's pin (``baton.api.requests.PREFILL_ROUTES``):
-        "chain" raises NoLiveWorkers while no chain is live, "local" never takes one."""
+        "chain" raises NoLiveWorkers while no chain is live, "local" never takes one.
+        ``prompt``: the request's tokens, for a policy that looks at them (None on a reroute
+        after a failure, which replays more than the prompt)."""
 
     def decode_workers(self, snapshot: RoutingSnapshot) -> list[WorkerInfo]:
         """The live decode pods serving this gateway's model."""

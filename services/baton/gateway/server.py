@@ -31,6 +31,7 @@ from baton.gateway.servicer import BatonServicer
 from baton.metrics import GatewayMetrics, serve_metrics
 from baton.mtls import Mtls
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
+from baton.routing.prefix_index import PrefixIndex
 from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class GatewayServer:
         self.channels = Channels(Mtls(config.mtls))
         self.generations = Generations(
             model=self.model,
-            view=RoutingView(self.store, config.routing.view_refresh_s),
+            view=RoutingView(self.store, config.routing.view_refresh_s, prefixes=PrefixIndex()),
             policy=create_policy(config.gateway, self.model.info.id),
             table=RequestTable(self.store, config.routing.request_ttl_s),
             relay=Relay(self.channels, self.model.tokenizer, self.model.info.id, config.gateway,

@@ -25,13 +25,14 @@ for a router to follow which prefixes this pool holds.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 HASH_BYTES = 16  # blake2b-128: collisions are out of reach; ~1 µs a 16-token block
-JOURNAL_LENGTH = 4096  # store/evict events kept for routers to read (older ones are dropped)
+JOURNAL_LENGTH = 65536  # store/evict events kept for routers to read (older ones are dropped)
 
 
 def cache_root(model_revision: str, kv_dtype: str, salt: str = "") -> bytes:
@@ -162,7 +163,10 @@ class PrefixCache:
     def events_after(self, sequence: int) -> list[CacheEvent]:
         """Journal events numbered above ``sequence`` (a reader that sees a gap before the
         first one has missed some and must resynchronise from ``hashes()``)."""
-        return [event for event in self.journal if event.sequence > sequence]
+        if not self.journal:
+            return []
+        skip = max(0, sequence + 1 - self.journal[0].sequence)  # the journal's numbers are contiguous
+        return list(itertools.islice(self.journal, skip, None))
 
     def hashes(self) -> list[bytes]:
         """Every cached block's hash (a snapshot for a reader that resynchronises)."""

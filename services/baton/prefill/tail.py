@@ -117,7 +117,8 @@ class TailSink:
         push_start = time.monotonic()
         encoded = encode_kv(layers, request.request_id, self.model_id, self.revision)
         handoff = KVHandoff(encoded.header, request.prompt_token_ids, first_token,
-                            request.sampling, request.compression, request.decode_incarnation)
+                            request.sampling, request.compression, request.decode_incarnation,
+                            request.cache_salt)
         stub = decode_pb2_grpc.DecodeStub(self._channel(request.decode_address))
         stub.PushKV(convert.push_kv_messages(handoff, encoded.chunks()), timeout=PUSH_TIMEOUT_S)
         push_s = time.monotonic() - push_start

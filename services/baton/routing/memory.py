@@ -10,7 +10,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from baton.routing.store import RequestRecord, RoutingStore, WorkerInfo, check_ttl
+from baton.routing.store import (
+    MAX_PREFIX_EVENTS,
+    PrefixEvent,
+    RequestRecord,
+    RoutingStore,
+    WorkerInfo,
+    check_ttl,
+)
 
 
 class InMemoryStore(RoutingStore):
@@ -19,9 +26,11 @@ class InMemoryStore(RoutingStore):
         self._lock = threading.Lock()
         self._workers: dict[str, tuple[float, WorkerInfo]] = {}
         self._requests: dict[str, tuple[float, RequestRecord]] = {}
+        self._prefix_events: dict[str, tuple[float, list[PrefixEvent]]] = {}
+        self._prefix_snapshots: dict[str, tuple[float, tuple[int, list[str]]]] = {}
 
     def _sweep(self, now: float) -> None:
-        for table in (self._workers, self._requests):
+        for table in (self._workers, self._requests, self._prefix_events, self._prefix_snapshots):
             for key in [key for key, (expiry, _) in table.items() if expiry <= now]:
                 del table[key]
 
@@ -61,3 +70,31 @@ class InMemoryStore(RoutingStore):
     def remove_request(self, request_id: str) -> None:
         with self._lock:
             self._requests.pop(request_id, None)
+
+    def append_prefix_events(self, stream: str, events: list[PrefixEvent], ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        with self._lock:
+            now = self._clock()
+            self._sweep(now)
+            _, held = self._prefix_events.get(stream, (0.0, []))
+            held = (held + list(events))[-MAX_PREFIX_EVENTS:]
+            self._prefix_events[stream] = (now + ttl_s, held)
+
+    def read_prefix_events(self, stream: str, after: int, limit: int) -> list[PrefixEvent]:
+        with self._lock:
+            expiry, held = self._prefix_events.get(stream, (0.0, []))
+            if expiry <= self._clock():
+                return []
+            return [event for event in held if event[0] > after][:limit]
+
+    def put_prefix_snapshot(self, stream: str, upto: int, hashes: list[str], ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        with self._lock:
+            now = self._clock()
+            self._sweep(now)
+            self._prefix_snapshots[stream] = (now + ttl_s, (upto, list(hashes)))
+
+    def get_prefix_snapshot(self, stream: str) -> tuple[int, list[str]] | None:
+        with self._lock:
+            expiry, snapshot = self._prefix_snapshots.get(stream, (0.0, None))
+            return snapshot if expiry > self._clock() else None

@@ -4,6 +4,9 @@ Keys (``namespace`` lets deployments share one Redis):
 
     {namespace}:worker:{worker_id}    a WorkerInfo as JSON, SET with PX = the worker TTL
     {namespace}:request:{request_id}  a RequestRecord as JSON, SET with PX (NX for a new id)
+    {namespace}:prefix:{stream}       a pod's prefix-cache events: a Redis stream whose entry
+                                      ids are the events' numbers (``N-1``), capped by MAXLEN
+    {namespace}:prefix-snapshot:{stream}  {"upto": N, "hashes": [...]} as JSON, SET with PX
 
 Listing workers is a SCAN over the worker prefix plus one MGET: there is no index to keep
 consistent, and an expired key is gone from both. Every Redis connection or timeout error
@@ -14,6 +17,7 @@ connection that died with a Redis restart.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,7 +26,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from baton.routing.store import RequestRecord, RoutingStore, StoreUnavailable, WorkerInfo, check_ttl
+from baton.routing.store import (
+    MAX_PREFIX_EVENTS,
+    PrefixEvent,
+    RequestRecord,
+    RoutingStore,
+    StoreUnavailable,
+    WorkerInfo,
+    check_ttl,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,6 +110,41 @@ class RedisStore(RoutingStore):
     @_unavailable_on_redis_errors
     def remove_request(self, request_id: str) -> None:
         self._client.delete(self._request_key(request_id))
+
+    @_unavailable_on_redis_errors
+    def append_prefix_events(self, stream: str, events: list[PrefixEvent], ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        key = f"{self.namespace}:prefix:{stream}"
+        pipeline = self._client.pipeline(transaction=False)
+        for number, stored, block_hash in events:
+            pipeline.xadd(key, {"e": f"{'s' if stored else 'e'}{block_hash}"}, id=f"{number}-1",
+                          maxlen=MAX_PREFIX_EVENTS, approximate=True)
+        pipeline.pexpire(key, max(1, round(ttl_s * 1000)))
+        pipeline.execute()
+
+    @_unavailable_on_redis_errors
+    def read_prefix_events(self, stream: str, after: int, limit: int) -> list[PrefixEvent]:
+        entries = self._client.xrange(f"{self.namespace}:prefix:{stream}", min=f"{after + 1}-0",
+                                      count=limit)
+        events = []
+        for entry_id, fields in entries:
+            value = fields[b"e"].decode()
+            events.append((int(entry_id.split(b"-")[0]), value[0] == "s", value[1:]))
+        return events
+
+    @_unavailable_on_redis_errors
+    def put_prefix_snapshot(self, stream: str, upto: int, hashes: list[str], ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        self._client.set(f"{self.namespace}:prefix-snapshot:{stream}",
+                         json.dumps({"upto": upto, "hashes": hashes}), px=max(1, round(ttl_s * 1000)))
+
+    @_unavailable_on_redis_errors
+    def get_prefix_snapshot(self, stream: str) -> tuple[int, list[str]] | None:
+        value = self._client.get(f"{self.namespace}:prefix-snapshot:{stream}")
+        if value is None:
+            return None
+        snapshot = json.loads(value)
+        return snapshot["upto"], snapshot["hashes"]
 
     def close(self) -> None:
         self._client.close()

@@ -5,6 +5,11 @@ TTL and refreshes it by heartbeat, so a dead worker disappears by itself; the ga
 records where each request lives (for abort and recovery), also with a TTL. Records are
 JSON (never pickle), so anything that speaks Redis can read them.
 
+Decode pods also publish what their prefix caches hold, for cache-aware routing: a stream of
+numbered events per pod process (a block stored or evicted, named by its hash), bounded and
+expiring, and now and then a snapshot of every hash held; a reader that finds a gap in the
+numbers (it fell behind the bound) starts again from the snapshot.
+
 Two implementations share this interface and one test suite: ``RedisStore`` for a cluster
 and ``InMemoryStore`` for a single process. ``StoreUnavailable`` is the one error a caller
 has to handle: the store cannot be reached right now (callers keep their last view).
@@ -20,6 +25,11 @@ from dataclasses import fields as dataclass_fields
 from baton.errors import Unavailable
 
 ROLES = ("prefill", "decode", "gateway")
+MAX_PREFIX_EVENTS = 65536  # a pod's prefix-cache events the store keeps (older ones are dropped)
+
+# One prefix-cache event: (its number, from 1 per pod process; True = stored, False = evicted;
+# the block's hash in hex)
+PrefixEvent = tuple[int, bool, str]
 
 
 class StoreUnavailable(Unavailable, RuntimeError):
@@ -35,6 +45,10 @@ class WorkerLoad:
     running_sequences: int = 0
     queued_requests: int = 0
     queued_prompt_tokens: int = 0
+    # Prompt tokens a second the pod's recent steps computed, decodes riding along (a
+    # moving average over the steps that prefilled; 0 = none yet): what a cache-aware
+    # router divides the tokens left to prefill by.
+    prefill_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,14 @@ class WorkerInfo:
     # This process's id, new at every start: work routed to an earlier process on the same
     # address is refused instead of landing on a stranger (FAILED_PRECONDITION).
     incarnation: str = ""
+    # Decode pods with a prefix cache: tokens per KV block (0 = no cache); the cache's
+    # events are published under ``prefix_stream``.
+    kv_block_size: int = 0
+
+    @property
+    def prefix_stream(self) -> str:
+        """The name of this process's prefix-cache event stream in the store."""
+        return f"{self.worker_id}:{self.incarnation}"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -130,6 +152,24 @@ class RoutingStore(abc.ABC):
     @abc.abstractmethod
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
+
+    @abc.abstractmethod
+    def append_prefix_events(self, stream: str, events: list[PrefixEvent], ttl_s: float) -> None:
+        """Add a pod's prefix-cache events (numbered in order, after those already there); the
+        stream keeps the last ``MAX_PREFIX_EVENTS`` and expires ``ttl_s`` after the last write."""
+
+    @abc.abstractmethod
+    def read_prefix_events(self, stream: str, after: int, limit: int) -> list[PrefixEvent]:
+        """Up to ``limit`` events numbered above ``after``, in order (none for an unknown or
+        expired stream)."""
+
+    @abc.abstractmethod
+    def put_prefix_snapshot(self, stream: str, upto: int, hashes: list[str], ttl_s: float) -> None:
+        """Every hash the pod's cache holds after its event ``upto``."""
+
+    @abc.abstractmethod
+    def get_prefix_snapshot(self, stream: str) -> tuple[int, list[str]] | None:
+        """The latest snapshot (upto, hashes), or None."""
 
     def close(self) -> None:
         """Release connections (nothing to do by default)."""

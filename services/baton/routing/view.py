@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from baton.routing.prefix_index import PrefixIndex
 from baton.routing.store import RoutingStore, StoreUnavailable, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class RoutingSnapshot:
     workers: tuple[WorkerInfo, ...]
     read_at: float  # clock time of the store read these workers come from (0 = never read)
     stale: bool  # the latest attempt to re-read failed
+    prefixes: PrefixIndex | None = None  # what the decode pods' prefix caches hold (live object)
 
     def of_role(self, role: str) -> list[WorkerInfo]:
         return [worker for worker in self.workers if worker.role == role]
@@ -35,13 +37,16 @@ FRESH_READ_WAIT_S = 1.0  # how long a caller that asks waits for a read in progr
 
 class RoutingView:
     def __init__(self, store: RoutingStore, refresh_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 prefixes: PrefixIndex | None = None) -> None:
+        """``prefixes``: an index of the decode pods' prefix caches, refreshed with the workers."""
         if refresh_s < 0:
             raise ValueError(f"routing view refresh_s must be >= 0, got {refresh_s}")
         self.store = store
         self.refresh_s = refresh_s
         self._clock = clock
-        self._snapshot = RoutingSnapshot(workers=(), read_at=0.0, stale=True)
+        self.prefixes = prefixes
+        self._snapshot = RoutingSnapshot(workers=(), read_at=0.0, stale=True, prefixes=prefixes)
         self._last_attempt = -float("inf")
         self._refreshing = threading.Lock()
 
@@ -79,8 +84,14 @@ class RoutingView:
                 log.warning("routing from the last view of %d workers: %s",
                             len(self._snapshot.workers), e)
             self._snapshot = RoutingSnapshot(self._snapshot.workers, self._snapshot.read_at,
-                                             stale=True)
+                                             stale=True, prefixes=self.prefixes)
             return
         if self._snapshot.stale and self._snapshot.read_at:
             log.info("routing store is back: %d workers", len(workers))
-        self._snapshot = RoutingSnapshot(workers, read_at=self._last_attempt, stale=False)
+        self._snapshot = RoutingSnapshot(workers, read_at=self._last_attempt, stale=False,
+                                         prefixes=self.prefixes)
+        if self.prefixes is not None:
+            try:
+                self.prefixes.refresh(self.store, [w for w in workers if w.role == "decode"])
+            except StoreUnavailable as e:  # the workers were read: route on the index as it is
+                log.warning("prefix-cache index not refreshed: %s", e)

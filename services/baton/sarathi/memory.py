@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.config import KVPoolConfig
+from baton.dtypes import dtype_name
 from baton.kv.pool import KVPool, KVPoolExhausted
 from baton.kv.prefix_cache import cache_root, extend_block_hashes
 from baton.model.config import ModelConfig
@@ -128,7 +129,8 @@ class KVManager:
         if len(seq.block_hashes) * size < num_tokens:
             root = self._roots.get(seq.cache_salt)
             if root is None:
-                root = cache_root(self.model_revision, str(self.pool.k_cache.dtype), seq.cache_salt)
+                root = cache_root(self.model_revision, dtype_name(self.pool.k_cache.dtype),
+                                  seq.cache_salt)
                 self._roots[seq.cache_salt] = root
             extend_block_hashes(seq.block_hashes, seq.token_ids[:num_tokens], size, root)
         return seq.block_hashes

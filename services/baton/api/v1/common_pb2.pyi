@@ -121,18 +121,20 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("free_kv_blocks", "total_kv_blocks", "running_sequences", "queued_requests", "queued_prompt_tokens")
+    __slots__ = ("free_kv_blocks", "total_kv_blocks", "running_sequences", "queued_requests", "queued_prompt_tokens", "prefill_tokens_per_s")
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     free_kv_blocks: int
     total_kv_blocks: int
     running_sequences: int
     queued_requests: int
     queued_prompt_tokens: int
-    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

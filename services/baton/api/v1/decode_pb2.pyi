@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PushKVHeader(_message.Message):
-    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation")
+    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation", "cache_salt")
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DECODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     kv: _kv_pb2.KVHeader
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _common_pb2.SamplingParams
     compression: _common_pb2.CompressionParams
     decode_incarnation: str
-    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
     __slots__ = ("header", "chunk")

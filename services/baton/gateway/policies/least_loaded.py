@@ -27,6 +27,7 @@ from baton.gateway.routing_policy import (
     InFlight,
     NoLiveWorkers,
     RouteDecision,
+    RoutedPrompt,
     RoutingPolicy,
     WorkersFull,
     register_policy,
@@ -37,7 +38,8 @@ from baton.routing import RoutingSnapshot, WorkerInfo
 @register_policy("least-loaded")
 class LeastLoadedPolicy(RoutingPolicy):
     def route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
-              in_flight: Mapping[str, InFlight], prefill_route: str = "auto") -> RouteDecision:
+              in_flight: Mapping[str, InFlight], prefill_route: str = "auto",
+              prompt: RoutedPrompt | None = None) -> RouteDecision:
         decode = self._pick_decode(snapshot, in_flight)
         threshold = self.config.prefill_threshold_tokens
         if prefill_route == "local":
