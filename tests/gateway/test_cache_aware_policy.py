@@ -102,3 +102,18 @@ def test_tenants_never_share_an_entry(policy):
     decision = policy.route(len(PROMPT), view(store, index, a, b), {},
                             prompt=RoutedPrompt(PROMPT, cache_salt="tenant-b"))
     assert decision.decode.worker_id == "a" and "no cached prefix" in decision.reason
+
+
+def test_a_chain_routed_prompt_is_expected_on_its_pod_only_when_its_kv_stays_whole(policy):
+    store, index = InMemoryStore(), PrefixIndex()
+    a, b = decode("a"), decode("b")
+    workers = view(store, index, a, b, chain_head())
+    pruned = policy.route(len(PROMPT), workers, {}, prompt=RoutedPrompt(PROMPT))
+    assert pruned.chain is not None
+    again = policy.route(len(PROMPT), workers, {}, prompt=RoutedPrompt(PROMPT))
+    assert again.chain is not None, "a compressed cache from a chain is not cached: nothing to expect"
+    other = PROMPT[::-1]
+    whole = policy.route(len(other), workers, {}, prompt=RoutedPrompt(other, whole_kv=True))
+    assert whole.chain is not None
+    follower = policy.route(len(other), workers, {}, prompt=RoutedPrompt(other, whole_kv=True))
+    assert follower.chain is None and follower.decode.worker_id == whole.decode.worker_id

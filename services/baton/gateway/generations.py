@@ -204,7 +204,7 @@ class Generations:
         pinned = request.prefill_route
         try:
             snapshot = self._snapshot()
-            routed = RoutedPrompt(tuple(prompt_ids), owner)
+            routed = RoutedPrompt(tuple(prompt_ids), owner, whole_kv=request.compression.enabled is False)
             decision = self.policy.route(len(prompt_ids), snapshot, self.table.in_flight(), pinned,
                                          routed)
             if (decision.chain is None and pinned == "auto" and not self.policy.chain_heads(snapshot)
@@ -216,7 +216,8 @@ class Generations:
             # pod, or a long prompt is prefilled without a chain.
             decision = self.policy.route(len(prompt_ids), self._snapshot(fresh=True),
                                          self.table.in_flight(), pinned,
-                                         RoutedPrompt(tuple(prompt_ids), owner))
+                                         RoutedPrompt(tuple(prompt_ids), owner,
+                                                      request.compression.enabled is False))
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
                                chain_id=decision.chain.chain_id if decision.chain else "",
                                prefill_address=decision.chain.address if decision.chain else "",

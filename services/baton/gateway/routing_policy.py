@@ -44,6 +44,9 @@ class RoutedPrompt:
 
     token_ids: tuple[int, ...]
     cache_salt: str = ""
+    # Its KV will be cached whole wherever it is computed (compression off for it); with
+    # compression on only the local route caches it, and only up to the pruning's window.
+    whole_kv: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,14 @@ rest, and the route's reason names the hit.
 
 Right after routing a prompt to a pod the index expects that pod to hold its blocks
 (``PrefixIndex.expect``) until the pod's own events say so or the expectation lapses, so a
-burst of prompts sharing a prefix lands on one pod instead of computing it everywhere.
+burst of prompts sharing a prefix lands on one pod instead of computing it everywhere: for
+a prompt prefilled there, and for one whose chain-computed KV it will cache (compression off).
+Routing and expecting happen under one lock, so concurrent requests see each other's.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 from baton.gateway.policies.least_loaded import LeastLoadedPolicy
@@ -41,11 +44,21 @@ UNMEASURED_RATE = 1000.0  # prompt tokens a second assumed while no pod has meas
 
 @register_policy("cache-aware")
 class CacheAwarePolicy(LeastLoadedPolicy):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._routing = threading.Lock()
+
     def route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
               in_flight: Mapping[str, InFlight], prefill_route: str = "auto",
               prompt: RoutedPrompt | None = None) -> RouteDecision:
         if prompt is None or snapshot.prefixes is None or prefill_route == "chain":
             return super().route(num_prompt_tokens, snapshot, in_flight, prefill_route, prompt)
+        with self._routing:
+            return self._route(num_prompt_tokens, snapshot, in_flight, prefill_route, prompt)
+
+    def _route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
+               in_flight: Mapping[str, InFlight], prefill_route: str,
+               prompt: RoutedPrompt) -> RouteDecision:
         decode, cached = self._pick_cached(prompt, snapshot, in_flight)
         hashes = prompt_hashes(decode, prompt.token_ids, prompt.cache_salt)
         threshold = self.config.prefill_threshold_tokens
@@ -63,7 +76,7 @@ class CacheAwarePolicy(LeastLoadedPolicy):
             if chain is None:
                 why += ": prefilled on the decode pod"
             reason = f"{hit}; {uncached} uncached tokens >= prefill_threshold_tokens {threshold}: {why}"
-        if chain is None:  # the pod will hold the whole prompt's blocks once it has prefilled it
+        if chain is None or prompt.whole_kv:  # the pod will hold the prompt's blocks
             snapshot.prefixes.expect(decode, hashes)
         return RouteDecision(decode, chain, reason)
 
