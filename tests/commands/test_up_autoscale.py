@@ -31,6 +31,7 @@ def test_the_planner_flags_set_the_cluster_and_it_starts_within_their_bounds():
                                            interval_s=2.0)
     assert spec.decode_workers == 2  # --decode-workers 1 raised to the minimum
     assert spec.threads_of("decode") == max(1, CORES // 3)  # room for the most pods
+    assert parse("--decode-grace-s", "2").decode_grace_s == 2.0
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -27,7 +27,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from baton import configtree
-from baton.config import PlannerConfig
+from baton.config import PlannerConfig, ServerConfig
 
 if TYPE_CHECKING:
     from baton.gateway.local_cluster import ClusterSpec
@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval-ms", type=float, default=0.0,
                         help="the decode pods' --stream-interval-ms: hold each stream's messages "
                              "this far apart, the tokens meanwhile going as one (0 = every step)")
+    parser.add_argument("--decode-grace-s", type=float, default=ServerConfig.grace_s,
+                        help="seconds a decode pod that is stopped (or retired by --autoscale) "
+                             "gives its streams; the gateway moves the unfinished ones to another "
+                             "pod by replaying their tokens")
     parser.add_argument("--demo", action="store_true",
                         help="once up, stream a short and a long prompt and show their routes")
     parser.add_argument("--exit-after-demo", action="store_true",
@@ -96,7 +100,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                        threads_per_process=1 if args.threads is None else args.threads,
                        decode_threads=next(value for value in (args.decode_threads, args.threads, 0)
                                            if value is not None),
-                       stream_interval_ms=args.stream_interval_ms, autoscale=planner)
+                       stream_interval_ms=args.stream_interval_ms, autoscale=planner,
+                       decode_grace_s=args.decode_grace_s)
 
 
 def run(args: argparse.Namespace) -> int:
