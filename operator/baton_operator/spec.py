@@ -195,7 +195,7 @@ def _read_decode(spec: dict) -> DecodeSpec:
     return DecodeSpec(
         replicas=_count(decode, "decode", "replicas", DecodeSpec.replicas),
         kv=_build("decode", KVPoolConfig, memory_mib=decode.get("kvMemoryMiB"),
-                  block_size=decode.get("kvBlockSize")),
+                  block_size=decode.get("kvBlockSize"), prefix_cache=decode.get("prefixCache")),
         scheduler=_build("decode", SchedulerConfig, token_budget=decode.get("tokenBudget"),
                          max_running=decode.get("maxRunning"), policy=decode.get("policy")),
         stream=_build("decode", StreamConfig, interval_ms=decode.get("streamIntervalMs")),
@@ -239,6 +239,7 @@ def _read_gateway(spec: dict) -> GatewaySpec:
         api_keys_secret_key=api_keys_key,
         http=_read_http(gateway),
         routing=_build("routing", GatewayRoutingConfig,
+                       policy=routing.get("policy"),
                        prefill_threshold_tokens=routing.get("prefillThresholdTokens"),
                        chain_break_even=routing.get("chainBreakEven"),
                        chain_max_queued_tokens=routing.get("chainMaxQueuedTokens"),

@@ -224,7 +224,8 @@ def test_everything_written_validates_against_the_schemas(cluster, reconciler):
 def test_the_routing_settings_reach_the_gateway(cluster, reconciler):
     create_service(cluster.kube, "demo", {**SPEC, "routing": {
         "migrationLimit": 0, "chainFailure": "fail", "rerouteWaitSeconds": 5,
-        "chainMaxQueuedTokens": 0, "prefillThresholdTokens": 2048, "chainBreakEven": False}})
+        "chainMaxQueuedTokens": 0, "prefillThresholdTokens": 2048, "chainBreakEven": False,
+        "policy": "least-loaded"}, "decode": {**SPEC.get("decode", {}), "prefixCache": False}})
     _reconcile(cluster, reconciler)
     args = _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
     assert _flag(args, "--gateway-prefill-threshold-tokens") == "2048"
@@ -233,6 +234,9 @@ def test_the_routing_settings_reach_the_gateway(cluster, reconciler):
     assert _flag(args, "--gateway-chain-failure") == "fail"
     assert float(_flag(args, "--gateway-reroute-wait-s")) == 5
     assert _flag(args, "--gateway-chain-max-queued-tokens") == "0"
+    assert _flag(args, "--gateway-policy") == "least-loaded"
+    decode_args = _args(cluster.kube.get("Deployment", NS, "demo-decode"))
+    assert _flag(decode_args, "--kv-prefix-cache") == "false"
 
 
 def _container(obj: dict) -> dict:
