@@ -24,7 +24,12 @@ def machine_description() -> str:
     except OSError:
         pass
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} CPU cores ({cpu}), {device}, torch {torch.__version__}, "
+    # The vector instructions decide which kernels run (baton's own need AVX-512 with BF16;
+    # torch's and vLLM's pick a build per instruction set): two "AMD EPYC" differ here.
+    vectors = torch.backends.cpu.get_cpu_capability()
+    if vectors.startswith("AVX512") and torch.cpu._is_avx512_bf16_supported():
+        vectors += " with BF16"
+    return (f"{os.cpu_count()} CPU cores ({cpu}, {vectors}), {device}, torch {torch.__version__}, "
             f"load average {os.getloadavg()[0]:.1f} at start")
 
 

@@ -8,9 +8,10 @@ Two workloads, greedy, compression off (every hit usable), fp32, 2 decode pods a
 2-rank chain (``--no-chain-break-even``: prompts of 512 tokens and more may take it):
 
 * **multi-turn chat**: 16 conversations of 4-8 turns, all open at once; a conversation's
-  first prompt is a 300-500-token context and a question, each later turn resends the
-  history (every prompt and answer so far) plus a new question of 30-80 tokens; 32 new
-  tokens a turn; a conversation's turns one after another.
+  first prompt is a 200-300-token context and a question of 20-50 tokens, each later turn
+  resends the history (every prompt and answer so far) plus a new question of 20-50
+  tokens; 32 new tokens a turn (the last turn stays within the shipped model's 1,024
+  tokens); a conversation's turns one after another.
 * **shared system prompt**: one 700-token system prompt, 64 questions of 40-140 tokens
   after it, 8 requests in flight at a time; 32 new tokens each.
 
@@ -91,8 +92,8 @@ class Texts:
 
 def chat_conversations(texts: Texts, count: int = 16) -> list[dict]:
     """Each: its opening context and the questions of its later turns (token ids)."""
-    return [{"opening": texts.cut(300, 500) + texts.cut(30, 80),
-             "questions": [texts.cut(30, 80) for _ in range(texts.rng.randint(3, 7))]}
+    return [{"opening": texts.cut(200, 300) + texts.cut(20, 50),
+             "questions": [texts.cut(20, 50) for _ in range(texts.rng.randint(3, 7))]}
             for _ in range(count)]
 
 
@@ -137,6 +138,26 @@ class Log:
         return tokens
 
 
+def in_threads(target, args_list: list[tuple]) -> None:
+    """``target(*args)`` for each args in its own thread; raises the first failure after all end
+    (a request that fails makes the run fail: every configuration must serve every request)."""
+    failures: list[BaseException] = []
+
+    def run(*args) -> None:
+        try:
+            target(*args)
+        except BaseException as error:  # noqa: BLE001 - re-raised below, in the caller's thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=run, args=args) for args in args_list]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(threads)} clients failed") from failures[0]
+
+
 def run_chat(client: BatonClient, log: Log, conversations: list[dict]) -> None:
     def converse(conversation: dict) -> None:
         history = list(conversation["opening"])
@@ -145,11 +166,7 @@ def run_chat(client: BatonClient, log: Log, conversations: list[dict]) -> None:
             history += question
             history += log.send(client, "chat", history)
 
-    threads = [threading.Thread(target=converse, args=(c,)) for c in conversations]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    in_threads(converse, [(c,) for c in conversations])
 
 
 def run_system_prompt(client: BatonClient, log: Log, prompts: list[list[int]], in_flight: int = 8) -> None:
@@ -164,11 +181,7 @@ def run_system_prompt(client: BatonClient, log: Log, prompts: list[list[int]], i
                 _, prompt = queue.pop(0)
             log.send(client, "system", prompt)
 
-    threads = [threading.Thread(target=worker) for _ in range(in_flight)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    in_threads(worker, [()] * in_flight)
 
 
 def run_config(name: str, conversations: list[dict], system_prompts: list[list[int]]) -> dict:
