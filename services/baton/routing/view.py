@@ -95,3 +95,5 @@ class RoutingView:
                 self.prefixes.refresh(self.store, [w for w in workers if w.role == "decode"])
             except StoreUnavailable as e:  # the workers were read: route on the index as it is
                 log.warning("prefix-cache index not refreshed: %s", e)
+            except (ValueError, KeyError, TypeError):  # a record this release cannot read
+                log.exception("prefix-cache index not refreshed (routing goes on without it)")

@@ -63,19 +63,19 @@ class CacheAwarePolicy(LeastLoadedPolicy):
         hashes = prompt_hashes(decode, prompt.token_ids, prompt.cache_salt)
         threshold = self.config.prefill_threshold_tokens
         uncached = num_prompt_tokens - cached
-        hit = (f"prefix cache: {cached} of {num_prompt_tokens} prompt tokens cached on "
-               f"{decode.address}" if cached else f"no cached prefix ({decode.address})")
+        # Without a hit the reason reads as least-loaded's; with one it starts with the hit.
+        hit = f"prefix cache: {cached} of {num_prompt_tokens} prompt tokens cached on {decode.address}"
+        length = f"{hit}; {uncached} uncached tokens" if cached else f"prompt of {num_prompt_tokens} tokens"
         chain = None
         if prefill_route == "local":
-            reason = f"prefill_route local: prefilled on the decode pod; {hit}"
+            reason = "prefill_route local: prefilled on the decode pod" + (f"; {hit}" if cached else "")
         elif uncached < threshold:
-            reason = (f"{hit}; {uncached} uncached tokens < prefill_threshold_tokens {threshold}: "
-                      f"prefilled on the decode pod")
+            reason = f"{length} < prefill_threshold_tokens {threshold}: prefilled on the decode pod"
         else:
             chain, why = self._pick_chain(uncached, snapshot, in_flight, decode)
             if chain is None:
                 why += ": prefilled on the decode pod"
-            reason = f"{hit}; {uncached} uncached tokens >= prefill_threshold_tokens {threshold}: {why}"
+            reason = f"{length} >= prefill_threshold_tokens {threshold}: {why}"
         if chain is None or prompt.whole_kv:  # the pod will hold the prompt's blocks
             snapshot.prefixes.expect(decode, hashes)
         return RouteDecision(decode, chain, reason)
