@@ -42,6 +42,10 @@ REPORT_NAME = "peer-prefix.md"
 NUM_REQUESTS = 256
 DEFAULTS = {"token_budget": 0, "max_seqs": 0}  # each system's own defaults, caches on
 CACHE_OFF = {**DEFAULTS, "prefix_cache": False}
+# The shared-prefix runs of a round: vLLM, baton, and baton with its cache off (what it gains)
+SHARED_SETTINGS = {"vllm": ("vllm", DEFAULTS), "baton": ("baton", DEFAULTS),
+                   "baton-off": ("baton", CACHE_OFF)}
+SHARED_RUNS = tuple(SHARED_SETTINGS)
 GOAL_THROUGHPUT = 1.3  # baton / vLLM generated tokens/s, shared prefixes
 GOAL_TTFT = 0.8  # baton / vLLM TTFT P50, shared prefixes
 GOAL_NO_REUSE = 0.97  # baton cache on / off, no reuse
@@ -67,14 +71,16 @@ def measure(rounds: int, dtypes: list[str]) -> dict:
     for dtype in dtypes:
         for index in range(rounds):
             print(f"shared prefixes {dtype} round {index + 1}/{rounds}", flush=True)
-            order = ("vllm", "baton") if index % 2 == 0 else ("baton", "vllm")
-            runs = {system: run_offline(system, peer_python, model_dir, shared, dtype, DEFAULTS,
-                                        WORK_DIR / f"prefix-{dtype}-{index}-{system}.json")
-                    for system in order}
+            order = SHARED_RUNS if index % 2 == 0 else SHARED_RUNS[::-1]
+            runs = {name: run_offline(SHARED_SETTINGS[name][0], peer_python, model_dir, shared, dtype,
+                                      SHARED_SETTINGS[name][1],
+                                      WORK_DIR / f"prefix-{dtype}-{index}-{name}.json")
+                    for name in order}
             if dtype == "float32":
-                check_identical(f"shared prefixes round {index + 1}",
-                                runs["vllm"]["token_ids"], runs["baton"]["token_ids"])
-            results["shared"].append({system: raw.offline_run(runs[system]) for system in order})
+                for name in ("baton", "baton-off"):
+                    check_identical(f"shared prefixes round {index + 1} ({name})",
+                                    runs["vllm"]["token_ids"], runs[name]["token_ids"])
+            results["shared"].append({name: raw.offline_run(runs[name]) for name in order})
     for index in range(rounds):
         print(f"no reuse, baton cache on/off round {index + 1}/{rounds}", flush=True)
         settings = {"on": DEFAULTS, "off": CACHE_OFF}
@@ -97,6 +103,14 @@ def describe(path: Path) -> dict:
 # --- the report (from the raw results alone) ------------------------------------------------
 
 
+def off_cells(runs: dict, baton: dict) -> str:
+    """The cache-off run's cells of a shared-prefix round (runs before it had none)."""
+    off = runs.get("baton-off")
+    if off is None:
+        return "- | - |"
+    return f"{throughput(off):,.0f} | {throughput(baton) / throughput(off):.2f}x |"
+
+
 def render(results: dict) -> str:
     provenance = results["provenance"]
     shared, no_reuse = results["workloads"]["shared"], results["workloads"]["no_reuse"]
@@ -112,15 +126,16 @@ def render(results: dict) -> str:
         "of 660-700 tokens, each asked 8 questions of 40-140 tokens, interleaved, "
         f"{shared['new_tokens']} new tokens each, greedy. vLLM's engine at its defaults (prefix "
         "cache on) against baton's at its defaults (prefix cache on), every request submitted at "
-        "once, 2 threads, fresh processes, the order flipping every round."),
+        "once, 2 threads, fresh processes, the order flipping every round; and baton with its "
+        "cache off, for what the cache gains it."),
         (f"* **No reuse**: the peer workload's first {no_reuse['requests']} prompts "
         f"({no_reuse['prompt_tokens']:,} tokens): baton with its prefix cache on against off."),
         "",
         "## Shared prefixes",
         "",
         ("| dtype | round | vLLM tok/s | baton tok/s | baton / vLLM | vLLM TTFT P50 | baton TTFT P50 "
-        "| baton / vLLM | identical tokens |"),
-        "|---|---|---|---|---|---|---|---|---|",
+         "| baton / vLLM | identical tokens | baton, cache off tok/s | baton cache on / off |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_dtype: dict[str, list[tuple[float, float]]] = {}
     for index, runs in enumerate(results["shared"]):
@@ -134,7 +149,7 @@ def render(results: dict) -> str:
                      f"{throughput(baton):,.0f} | {speed:.2f}x | "
                      f"{percentile(vllm['ttft_ms'], 0.5):,.0f} ms | "
                      f"{percentile(baton['ttft_ms'], 0.5):,.0f} ms | {ttft:.2f}x | "
-                     f"{same}/{len(vllm['token_digests'])} |")
+                     f"{same}/{len(vllm['token_digests'])} | {off_cells(runs, baton)}")
     lines += ["", "| dtype | baton / vLLM tok/s, median (rounds) | goal | baton / vLLM TTFT P50 | goal |",
               "|---|---|---|---|---|"]
     for dtype, pairs in by_dtype.items():
