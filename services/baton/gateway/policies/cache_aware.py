@@ -30,10 +30,8 @@ from collections.abc import Mapping
 from baton.gateway.policies.least_loaded import LeastLoadedPolicy
 from baton.gateway.routing_policy import (
     InFlight,
-    NoLiveWorkers,
     RouteDecision,
     RoutedPrompt,
-    WorkersFull,
     register_policy,
 )
 from baton.routing import RoutingSnapshot, WorkerInfo
@@ -83,13 +81,7 @@ class CacheAwarePolicy(LeastLoadedPolicy):
     def _pick_cached(self, prompt: RoutedPrompt, snapshot: RoutingSnapshot,
                      in_flight: Mapping[str, InFlight]) -> tuple[WorkerInfo, int]:
         """The pod with the soonest first token, and the prompt tokens it holds cached."""
-        workers = self.decode_workers(snapshot)
-        if not workers:
-            raise NoLiveWorkers(f"no decode worker of model {self.model_id!r} is live")
-        with_room = [w for w in workers if w.load.free_kv_blocks > 0 or w.load.total_kv_blocks == 0]
-        if not with_room:
-            raise WorkersFull(f"all {len(workers)} decode workers of model {self.model_id!r} are "
-                              f"out of KV blocks; retry later")
+        with_room = self.decode_with_room(snapshot)
         measured = [w.load.prefill_tokens_per_s for w in with_room if w.load.prefill_tokens_per_s > 0]
         default_rate = max(measured, default=UNMEASURED_RATE)
         num_tokens = len(prompt.token_ids)

@@ -59,7 +59,9 @@ class LeastLoadedPolicy(RoutingPolicy):
         return RouteDecision(decode, chain, f"prompt of {num_prompt_tokens} tokens >= "
                                             f"prefill_threshold_tokens {threshold}: {why}")
 
-    def _pick_decode(self, snapshot: RoutingSnapshot, in_flight: Mapping[str, InFlight]) -> WorkerInfo:
+    def decode_with_room(self, snapshot: RoutingSnapshot) -> list[WorkerInfo]:
+        """The live decode pods that report a free KV block (NoLiveWorkers without any pod,
+        WorkersFull when every pod is full)."""
         workers = self.decode_workers(snapshot)
         if not workers:
             raise NoLiveWorkers(f"no decode worker of model {self.model_id!r} is live")
@@ -67,6 +69,10 @@ class LeastLoadedPolicy(RoutingPolicy):
         if not with_room:
             raise WorkersFull(f"all {len(workers)} decode workers of model {self.model_id!r} are "
                               f"out of KV blocks; retry later")
+        return with_room
+
+    def _pick_decode(self, snapshot: RoutingSnapshot, in_flight: Mapping[str, InFlight]) -> WorkerInfo:
+        with_room = self.decode_with_room(snapshot)
 
         def load(worker: WorkerInfo) -> tuple:
             here = in_flight.get(worker.address, InFlight())
