@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -145,6 +146,26 @@ def test_a_gateway_streaming_its_limit_refuses_more_with_429(checkpoint):
             waiting.join()
     finally:
         full.close()
+
+
+def test_a_stop_returns_once_the_open_requests_are_answered_not_at_the_end_of_their_grace(checkpoint):
+    """An open request (waiting for a decode pod) gives up when the gateway drains, and is
+    answered; the stop waits for that answer, not for the grace it could have given."""
+    gateway = Gateway(checkpoint, wait_s=120.0)
+    answers = []
+    waiting = threading.Thread(target=lambda: answers.append(
+        gateway.post("/v1/completions", {"prompt": "def"})))
+    waiting.start()
+    try:
+        wait_for(lambda: gateway.server.http.streams == 1)
+        started = time.monotonic()
+        gateway.server.stop(grace_s=120.0)
+        assert time.monotonic() - started < 60.0
+    finally:
+        waiting.join(30)
+    status, body, _ = answers[0]
+    assert status == 503 and "shutting down" in body["error"]["message"]
+    assert gateway.server.http.streams == 0
 
 
 def test_api_keys_are_required_on_both_apis_and_a_rotated_file_applies_at_once(checkpoint, tmp_path):

@@ -51,7 +51,6 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 
                "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "FAILED_PRECONDITION": 503,
                "DEADLINE_EXCEEDED": 504, "DATA_LOSS": 502, "ABORTED": 409, "CANCELLED": 499}
 IDENTITY = web.RequestKey("identity", str)  # whose API key the request came with ("" = no keys)
-STOP_POLL_S = 0.05
 RETRY_AFTER_S = 1  # told to a client refused for being one too many (429) or too early (503)
 
 
@@ -106,6 +105,8 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.stall_s = stall_s
         self.streams = 0
+        self._idle = asyncio.Event()  # set while no request is open: what stop() waits for
+        self._idle.set()
         self.app = web.Application(client_max_size=max_body_bytes,
                                    middlewares=[self._errors, self._authenticate])
         self.app.add_routes([web.post("/v1/completions", self.completions),
@@ -136,9 +137,11 @@ class OpenAIServer:
         runner, self._runner = self._runner, None
         for site in list(runner.sites):
             await site.stop()
-        deadline = asyncio.get_running_loop().time() + grace_s
-        while self.streams and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(STOP_POLL_S)
+        try:
+            async with asyncio.timeout(grace_s):
+                await self._idle.wait()
+        except TimeoutError:
+            pass
         await runner.cleanup()  # cancels what is still open
 
     # --- middleware -----------------------------------------------------------------------
@@ -214,6 +217,7 @@ class OpenAIServer:
             self.generations.count_refused(error)
             raise error
         self.streams += 1  # taken before the first await: concurrent requests see it
+        self._idle.clear()
         try:
             try:
                 completion = read(await self._json(request))
@@ -238,6 +242,8 @@ class OpenAIServer:
                 return await self._whole(answer, completion, first, steps)
         finally:
             self.streams -= 1
+            if not self.streams:
+                self._idle.set()
 
     async def _json(self, request: web.Request) -> object:
         try:
