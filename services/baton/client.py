@@ -31,16 +31,23 @@ from baton.model.sampling import SamplingParams
 SERVICE_NAME = "baton.v1.Baton"
 HEALTH_CHECK = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
 SERVING = health_pb2.HealthCheckResponse.SERVING
-HEALTH_POLL_S = 0.1
+# A health service that answered with an error (not "unavailable", which a new watch waits
+# out for the connection) cannot say when that changes: it is asked again this long after.
+HEALTH_ERROR_RETRY_S = 0.5
 
 
-def _health_polls(address: str, timeout_s: float) -> Iterator[None]:
-    """One item per health check a client makes while it waits for ``address`` to serve;
-    TimeoutError once ``timeout_s`` has passed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() <= deadline:
-        yield
-    raise TimeoutError(f"{address} is not serving after {timeout_s:g} s")
+def _not_serving(address: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(f"{address} is not serving after {timeout_s:g} s")
+
+
+def _retry_after_s(error: grpc.RpcError | None, address: str, timeout_s: float) -> float:
+    """How long to wait before watching health again after a watch ended (``error``: how;
+    None: the server closed it): raises TimeoutError when the deadline ended it."""
+    if error is None:
+        return HEALTH_ERROR_RETRY_S
+    if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        raise _not_serving(address, timeout_s) from None
+    return 0.0 if error.code() == grpc.StatusCode.UNAVAILABLE else HEALTH_ERROR_RETRY_S
 
 
 def _channel(module, address: str, tls: bool, tls_ca_file: str | None,
@@ -102,15 +109,26 @@ class BatonClient:
         self.metadata = _call_metadata(api_key)
 
     def wait_until_serving(self, timeout_s: float) -> None:
-        """Block until the server's health check says SERVING (TimeoutError after timeout_s)."""
+        """Block until the server's health says SERVING (TimeoutError after timeout_s).
+
+        Watches the health service (a stream of its status changes) rather than asking it
+        again and again; ``wait_for_ready`` holds the watch until the connection is up."""
         health = health_pb2_grpc.HealthStub(self.channel)
-        for _ in _health_polls(self.address, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while (remaining_s := deadline - time.monotonic()) > 0:
+            watch = health.Watch(HEALTH_CHECK, timeout=remaining_s, wait_for_ready=True)
+            error = None
             try:
-                if health.Check(HEALTH_CHECK, timeout=1).status == SERVING:
+                if any(answer.status == SERVING for answer in watch):
                     return
-            except grpc.RpcError:
-                pass
-            time.sleep(HEALTH_POLL_S)
+            except grpc.RpcError as e:
+                error = e
+            finally:
+                watch.cancel()
+            retry_s = _retry_after_s(error, self.address, timeout_s)
+            if retry_s:
+                time.sleep(min(retry_s, max(0.0, deadline - time.monotonic())))  # retry back-off
+        raise _not_serving(self.address, timeout_s)
 
     def stream(self, request: GenerateRequest, timeout_s: float | None = None):
         """The streaming call; iterate it for GenerationSteps, ``cancel()`` it to stop."""
@@ -177,15 +195,25 @@ class AsyncBatonClient:
         self.metadata = _call_metadata(api_key)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
-        """Until the server's health check says SERVING (TimeoutError after timeout_s)."""
+        """Until the server's health says SERVING (TimeoutError after timeout_s); watches it
+        as ``BatonClient.wait_until_serving`` does."""
         health = health_pb2_grpc.HealthStub(self.channel)
-        for _ in _health_polls(self.address, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while (remaining_s := deadline - time.monotonic()) > 0:
+            watch = health.Watch(HEALTH_CHECK, timeout=remaining_s, wait_for_ready=True)
+            error = None
             try:
-                if (await health.Check(HEALTH_CHECK, timeout=1)).status == SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            await asyncio.sleep(HEALTH_POLL_S)
+                async for answer in watch:
+                    if answer.status == SERVING:
+                        return
+            except grpc.RpcError as e:
+                error = e
+            finally:
+                watch.cancel()
+            retry_s = _retry_after_s(error, self.address, timeout_s)
+            if retry_s:
+                await asyncio.sleep(min(retry_s, max(0.0, deadline - time.monotonic())))  # back-off
+        raise _not_serving(self.address, timeout_s)
 
     def stream(self, request: GenerateRequest, timeout_s: float | None = None) -> _StepStream:
         """The streaming call; ``async for`` it for GenerationSteps, ``cancel()`` it to stop."""
