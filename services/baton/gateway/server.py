@@ -36,7 +36,10 @@ from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run
 
 log = logging.getLogger(__name__)
 
-READINESS_CHECK_S = 0.5
+# The routing store cannot notify: a decode pod that registers or expires is seen at the next
+# read of it, this long after the last one.
+READINESS_RECHECK_S = 0.5
+READINESS_STOP_S = 5.0  # the most a stop waits for the readiness tracker to end
 
 
 class GatewayServer:
@@ -81,6 +84,7 @@ class GatewayServer:
                                    config.routing.worker_ttl_s).start()
         self._stop_metrics = serve_metrics(config.server.metrics_host, config.server.metrics_port,
                                            self.metrics.registry, lambda: self.grpc.serving)
+        self._stopping = asyncio.Event()  # set by stop(): the readiness tracker ends
         self._readiness = self.grpc.call(self._start_readiness())
 
     async def _start_readiness(self):
@@ -88,12 +92,14 @@ class GatewayServer:
 
     async def _track_readiness(self) -> None:
         """SERVING while the routing view holds a live decode pod of the model (a gateway with
-        nobody to send work to is not ready), NOT_SERVING otherwise; re-checked every
-        ``READINESS_CHECK_S``."""
+        nobody to send work to is not ready), NOT_SERVING otherwise; re-read every
+        ``READINESS_RECHECK_S`` until the gateway stops."""
         loop = asyncio.get_running_loop()
         serving = None
-        while not self.generations.draining:
+        while True:
             snapshot = await loop.run_in_executor(None, self.generations.view.snapshot)
+            if self._stopping.is_set():  # what was read must not undo the drain's NOT_SERVING
+                return
             ready = bool(self.generations.policy.decode_workers(snapshot))
             self.ready = ready
             if ready != serving:
@@ -101,7 +107,18 @@ class GatewayServer:
                 if serving is not None:
                     log.info("gateway %s", "ready again" if ready else "has no live decode pod: NOT_SERVING")
                 serving = ready
-            await asyncio.sleep(READINESS_CHECK_S)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), READINESS_RECHECK_S)
+                return
+            except TimeoutError:
+                pass
+
+    async def _stop_tracking_readiness(self) -> None:
+        """End the readiness tracker before the drain turns health NOT_SERVING, so that no
+        update of its lands after that (a store read in flight ends within the store's
+        timeout, and the tracker drops it)."""
+        self._stopping.set()
+        await asyncio.wait([self._readiness], timeout=READINESS_STOP_S)
 
     def _register(self, server) -> None:
         api_pb2_grpc.add_BatonServicer_to_server(self.servicer, server)
@@ -115,7 +132,7 @@ class GatewayServer:
     def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING and UNAVAILABLE for new calls, in-flight streams get ``grace_s``."""
         self.generations.draining = True
-        self.grpc.loop.call_soon_threadsafe(self._readiness.cancel)
+        self.grpc.call(self._stop_tracking_readiness(), timeout_s=2 * READINESS_STOP_S)
         self.heartbeat.stop()
         self.grpc.stop(grace_s, cleanup=self.channels.close,
                        alongside=self.http.stop if self.http is not None else None)
