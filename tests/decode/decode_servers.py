@@ -20,7 +20,7 @@ from baton.config import (
     SchedulerConfig,
     StreamConfig,
 )
-from baton.decode.server import create_server, exit_stalled_process
+from baton.decode.server import create_server
 from baton.kv import DenseKV
 from baton.kv.wire import encode_kv
 from baton.model import prefill
@@ -45,7 +45,7 @@ def make_checkpoint(directory):
 def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
                         metrics_port: int = 0, lease_s: float = 30.0, max_pending_pushes: int = 64,
                         mtls: MtlsConfig | None = None, stream_interval_ms: float = 0.0,
-                        step_stall_s: float = 120.0, exit_process=exit_stalled_process):
+                        step_stall_s: float = 120.0, exit_process=None):
     config = DecodeServiceConfig(
         model=ModelSourceConfig(path=str(checkpoint), dtype="float32"),
         kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks, unclaimed_lease_s=lease_s,

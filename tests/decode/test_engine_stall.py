@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import grpc
+from baton.decode import server as decode_server
 from decode_servers import StuckEngine, decode_stub, start_decode_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_server import generate_request, status_of, wait_until
@@ -42,6 +43,35 @@ def test_a_stuck_engine_fails_its_streams_unavailable_leaves_routing_and_exits(c
         engine.release.set()
         channel.close()
         server.stop(0)
+
+
+def test_by_default_a_stalled_pod_stops_its_grpc_server_once_its_streams_failed_then_exits(
+        checkpoint, store, monkeypatch):
+    """The way out of a real process: the failed stream's status reaches its caller, the
+    gRPC server stops, and only then the process ends (here: recorded, not ended)."""
+    exits: list[bool] = []
+    server, _ = start_decode_server(checkpoint, store, step_stall_s=STALL_S)
+    monkeypatch.setattr(decode_server, "exit_stalled_process",
+                        lambda: exits.append(server.grpc.loop.is_running()))
+    engine = StuckEngine(server.worker.engine)
+    channel, stub = decode_stub(server.port)
+    try:
+        stream = stub.Generate(generate_request("stuck", max_tokens=500, ignore_eos=True), timeout=30)
+        next(stream)
+        engine.armed.set()
+        code, details = status_of(lambda: stream)
+        assert code == grpc.StatusCode.UNAVAILABLE and "made no progress" in details
+        wait_until(lambda: exits)
+        assert exits == [False], "the gRPC server's loop still ran when the process ended"
+        code, _ = status_of(lambda: stub.Generate(generate_request("after"), timeout=10))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        engine.release.set()
+        channel.close()
+        server.watchdog.stop()  # the rest of server.stop(): its gRPC server has stopped
+        server.worker.stop()
+        if server.prefix_publisher is not None:
+            server.prefix_publisher.stop()
 
 
 def test_steps_that_return_are_never_taken_for_a_stall(checkpoint, store):

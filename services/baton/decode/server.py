@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -41,23 +40,25 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 EXIT_ENGINE_STALLED = 75  # EX_TEMPFAIL: start it again
-STALLED_EXIT_DELAY_S = 1.0  # for the failed streams' statuses to reach the gateway first
+# The most a stalled pod's gRPC server waits for its calls (the streams just failed) to end
+# on its way out, so that their statuses reach the gateway before the process ends.
+STALLED_EXIT_GRACE_S = 1.0
 STALLED_LEAVE_S = 5.0  # the most the health status change may take on the way out
 
 
 def exit_stalled_process() -> None:
     """End the process now: its engine thread is stuck and cannot be joined."""
-    time.sleep(STALLED_EXIT_DELAY_S)
     logging.shutdown()
     os._exit(EXIT_ENGINE_STALLED)
 
 
 class DecodeServer:
     def __init__(self, config: DecodeServiceConfig, store: RoutingStore | None = None,
-                 exit_process: Callable[[], None] = exit_stalled_process) -> None:
-        """``exit_process`` ends the process once a stuck engine was found (tests record it)."""
+                 exit_process: Callable[[], None] | None = None) -> None:
+        """``exit_process`` ends the process once a stuck engine was found (tests record it);
+        None: ``_stop_and_exit``."""
         self.config = config
-        self.exit_process = exit_process
+        self.exit_process = exit_process or self._stop_and_exit
         self.store = store or open_store(config.routing)
         self.registry = CollectorRegistry()
         self.metrics = DecodeMetrics(self.registry)
@@ -141,6 +142,16 @@ class DecodeServer:
         finally:
             self.exit_process()
 
+    def _stop_and_exit(self) -> None:
+        """Stop the gRPC server once its calls ended (``STALLED_EXIT_GRACE_S`` at most: the
+        failed streams' statuses go out first), then end the process."""
+        try:
+            self.grpc.stop(STALLED_EXIT_GRACE_S)
+        except Exception:
+            log.exception("stopping the gRPC server of a stalled pod failed")
+        finally:
+            exit_stalled_process()
+
     def stop(self, grace_s: float | None = None) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -155,7 +166,7 @@ class DecodeServer:
 
 
 def create_server(config: DecodeServiceConfig, store: RoutingStore | None = None,
-                  exit_process: Callable[[], None] = exit_stalled_process) -> tuple[DecodeServer, int]:
+                  exit_process: Callable[[], None] | None = None) -> tuple[DecodeServer, int]:
     """A started, SERVING decode server (``server.listen`` may name port 0) and its port."""
     server = DecodeServer(config, store, exit_process)
     return server, server.port

@@ -3,7 +3,8 @@
 A stuck step (a hung GPU kernel or collective, a deadlock in a library) leaves the process
 alive and its gRPC server answering, so neither the channels' keepalive pings nor the
 routing TTL notice it, and every stream on the pod would wait forever. The watchdog, a
-thread of its own, looks every quarter of ``stall_s``; once a step has run longer than
+thread of its own, wakes when the running step would pass ``stall_s`` (between steps,
+``stall_s`` on: the soonest a step not yet begun could); once a step has run longer than
 ``stall_s`` it fails every stream UNAVAILABLE (``EngineStalled``: the gateway moves them to
 another pod, replaying what they had) without touching the engine, and calls
 ``on_stalled``: the server then leaves routing and exits, for its supervisor (Kubernetes,
@@ -38,7 +39,10 @@ class EngineWatchdog:
         self._thread.join()
 
     def _watch(self) -> None:
-        while not self._stopping.wait(self.stall_s / 4):
+        # The engine loop does not announce its steps, so each wait ends at a deadline: the
+        # running step's stall, or (between steps) the soonest one could stall. A step seen
+        # still running at its deadline has stalled; one that returned leaves nothing to do.
+        while not self._stopping.wait(max(0.0, self.stall_s - self.worker.step_running_s())):
             running_s = self.worker.step_running_s()
             if running_s > self.stall_s:
                 log.critical("the engine's step has run for %.1f s (scheduler.step_stall_s %g): "
