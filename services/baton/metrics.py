@@ -114,14 +114,14 @@ class PrefillMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.ttft_s = Histogram(
-            "baton_prefill_time_to_first_token_seconds", "request arrival at rank 0 to the tail's "
-            "first token", buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.queue_s = Histogram(
+            "baton_prefill_queue_seconds", "request arrival at rank 0 to the chain starting it",
+            buckets=LATENCY_BUCKETS_S, registry=registry)
         self.kv_push_s = Histogram(
             "baton_prefill_kv_push_seconds", "shipping one cache to a decode pod",
             buckets=LATENCY_BUCKETS_S, registry=registry)
         self.queued_requests = Gauge(
-            "baton_prefill_queued_requests", "requests accepted by rank 0 and not yet shipped",
+            "baton_prefill_queued_requests", "requests accepted by rank 0 whose caller still waits on the chain",
             registry=registry)
         self.queued_prompt_tokens = Gauge(
             "baton_prefill_queued_prompt_tokens", "prompt tokens of those requests",

@@ -16,9 +16,8 @@ from baton.api.requests import (
     GenerationStep,
     KVHandoff,
     ModelInfo,
-    PrefillFirstToken,
     PrefillRequest,
-    PrefillShipped,
+    PrefillStarted,
     Route,
     SamplingParams,
     Timings,
@@ -61,10 +60,8 @@ def through_the_wire(message):
     (convert.step_to_proto, convert.step_from_proto,
      GenerationStep("r4", (12, 13), " y", FinishReason.LENGTH, Usage(5, 17, 300, 600, 4096),
                     Timings(0.01, 0.2, 0.15, 0.03, 0.02, 1.5), Route("d:1", "chain-0", (0, 40, 70)))),
-    (convert.prefill_event_to_proto, convert.prefill_event_from_proto,
-     PrefillFirstToken("r5", 42, 0.12, (0, 600, 1024))),
-    (convert.prefill_event_to_proto, convert.prefill_event_from_proto,
-     PrefillShipped("r5", 1 << 20, 500, 1000, 0.4, 0.05)),
+    (convert.prefill_started_to_proto, convert.prefill_started_from_proto,
+     PrefillStarted("r5", (0, 600, 1024), 0.12)),
     (convert.worker_load_to_proto, convert.worker_load_from_proto, WorkerLoad(10, 64, 3, 2, 900)),
     (convert.model_info_to_proto, convert.model_info_from_proto,
      ModelInfo("baton-pystdlib", "v1", 4096, 2048, 6)),
@@ -119,7 +116,8 @@ def test_push_kv_stream_round_trip():
     layers = [LayerKV(torch.randn(n, 2, 4), torch.randn(n, 2, 4), torch.arange(n) * 2)
               for n in (9, 5)]
     encoded = encode_kv(layers, "r6", "m", "rev")
-    handoff = KVHandoff(encoded.header, (1, 2, 3), 77, SAMPLING, COMPRESSION)
+    handoff = KVHandoff(encoded.header, (1, 2, 3), 77, SAMPLING, COMPRESSION, prefill_s=0.25,
+                        partition=(0, 2, 3))
     stream = [through_the_wire(m) for m in convert.push_kv_messages(handoff, encoded.chunks(64))]
     assert stream[0].WhichOneof("part") == "header"
     received, chunks = convert.read_push_kv(iter(stream))

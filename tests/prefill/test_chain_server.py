@@ -153,18 +153,23 @@ def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_se
     reference = reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
     stub = prefill_pb2_grpc.PrefillStub(chain.channel)
     decode_channel, decode = decode_stub(decode_server, pki)
+    # As the gateway does: the request's stream opens on the decode pod while the chain runs.
     attach = decode.Attach(decode_pb2.AttachRequest(request_id="chain-1", wait_s=60), timeout=120)
-    events = list(stub.Prefill(prefill_request("chain-1", decode_server.address), timeout=120))
-    first, shipped = events[0].first_token, events[1].shipped
-    assert events[0].WhichOneof("event") == "first_token"
-    assert events[1].WhichOneof("event") == "shipped"
-    assert next(iter(first.partition)) == 0 and list(first.partition)[-1] == len(PROMPT)
-    assert len(first.partition) == 3
+    call = stub.Prefill(prefill_request("chain-1", decode_server.address), timeout=120)
+    started = next(call).started  # the chain took it; the call stays open while it may hold it
+    assert list(started.partition)[0] == 0 and list(started.partition)[-1] == len(PROMPT)
+    assert len(started.partition) == 3
     tokens, messages = collect(attach)
+    call.cancel()
     decode_channel.close()
-    assert [first.token_id] + tokens == reference
-    assert shipped.kv_tokens_kept == shipped.kv_tokens_full  # compression off
-    assert shipped.kv_bytes == messages[-1].usage.kv_bytes_shipped > 0
+    # Every token, the chain's first included, came from the decode pod.
+    assert tokens == reference
+    usage, timings = messages[-1].usage, messages[-1].timings
+    assert usage.kv_tokens_kept == usage.kv_tokens_full  # compression off
+    assert usage.kv_tokens_full % len(PROMPT) == 0  # every layer holds the whole prompt
+    assert usage.kv_bytes_shipped > 0
+    assert list(messages[-1].route.partition) == list(started.partition)
+    assert timings.prefill_s > 0 and timings.kv_push_s > 0
 
 
 def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_server, checkpoint, pki):
@@ -195,12 +200,13 @@ def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
     # Still serving.
     decode_channel, decode = decode_stub(decode_server, pki)
-    events = list(stub.Prefill(prefill_request("after-bad", address), timeout=120))
-    assert events[-1].WhichOneof("event") == "shipped"
-    tokens, _ = collect(decode.Attach(decode_pb2.AttachRequest(request_id="after-bad"), timeout=60))
+    call = stub.Prefill(prefill_request("after-bad", address), timeout=120)
+    assert next(call).HasField("started")
+    tokens, _ = collect(decode.Attach(decode_pb2.AttachRequest(request_id="after-bad", wait_s=60),
+                                      timeout=60))
+    call.cancel()
     decode_channel.close()
-    assert [events[0].first_token.token_id] + tokens == reference_tokens(checkpoint, PROMPT,
-                                                                        MAX_TOKENS)
+    assert tokens == reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
 
 
 def listening_addresses(port: int) -> list[str]:

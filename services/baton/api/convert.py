@@ -23,9 +23,8 @@ from baton.api.requests import (
     GenerationStep,
     KVHandoff,
     ModelInfo,
-    PrefillFirstToken,
     PrefillRequest,
-    PrefillShipped,
+    PrefillStarted,
     Route,
     Timings,
     Tokenization,
@@ -244,30 +243,16 @@ def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRe
         cache_salt=message.cache_salt)
 
 
-def prefill_event_to_proto(event: PrefillFirstToken | PrefillShipped) -> prefill_pb2.PrefillResponse:
-    fields = dataclasses.asdict(event)
-    request_id = fields.pop("request_id")
-    if isinstance(event, PrefillFirstToken):
-        return prefill_pb2.PrefillResponse(request_id=request_id,
-                                           first_token=prefill_pb2.PrefillFirstToken(**fields))
-    return prefill_pb2.PrefillResponse(request_id=request_id,
-                                       shipped=prefill_pb2.PrefillShipped(**fields))
+def prefill_started_to_proto(event: PrefillStarted) -> prefill_pb2.PrefillResponse:
+    return prefill_pb2.PrefillResponse(request_id=event.request_id, started=prefill_pb2.PrefillStarted(
+        partition=event.partition, queue_s=event.queue_s))
 
 
-def prefill_event_from_proto(message: prefill_pb2.PrefillResponse,
-                             ) -> PrefillFirstToken | PrefillShipped:
-    kind = message.WhichOneof("event")
-    if kind == "first_token":
-        first = message.first_token
-        return PrefillFirstToken(request_id=message.request_id, token_id=first.token_id,
-                                 ttft_s=first.ttft_s, partition=tuple(first.partition))
-    if kind == "shipped":
-        shipped = message.shipped
-        return PrefillShipped(request_id=message.request_id, kv_bytes=shipped.kv_bytes,
-                              kv_tokens_kept=shipped.kv_tokens_kept,
-                              kv_tokens_full=shipped.kv_tokens_full,
-                              prefill_s=shipped.prefill_s, kv_push_s=shipped.kv_push_s)
-    raise ValueError(f"prefill response for {message.request_id!r} carries no event")
+def prefill_started_from_proto(message: prefill_pb2.PrefillResponse) -> PrefillStarted:
+    if not message.HasField("started"):
+        raise ValueError(f"prefill response for {message.request_id!r} carries no event")
+    return PrefillStarted(request_id=message.request_id, partition=tuple(message.started.partition),
+                          queue_s=message.started.queue_s)
 
 
 # --- decode service ----------------------------------------------------------------------------
@@ -305,7 +290,8 @@ def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
         kv=kv_header_to_proto(handoff.kv), prompt_token_ids=handoff.prompt_token_ids,
         first_token_id=handoff.first_token_id, sampling=sampling_to_proto(handoff.sampling),
         compression=compression_to_proto(handoff.compression),
-        decode_incarnation=handoff.decode_incarnation, cache_salt=handoff.cache_salt)
+        decode_incarnation=handoff.decode_incarnation, cache_salt=handoff.cache_salt,
+        prefill_s=handoff.prefill_s, partition=handoff.partition)
 
 
 def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
@@ -314,7 +300,8 @@ def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
                      first_token_id=message.first_token_id,
                      sampling=sampling_from_proto(message.sampling),
                      compression=compression_from_proto(message.compression),
-                     decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt)
+                     decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt,
+                     prefill_s=message.prefill_s, partition=tuple(message.partition))
 
 
 def push_kv_messages(handoff: KVHandoff, chunks: Iterable[bytes],

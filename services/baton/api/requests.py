@@ -117,6 +117,8 @@ class KVHandoff:
     compression: CompressionParams
     decode_incarnation: str = ""  # of the decode pod the push is meant for ("" = any)
     cache_salt: str = ""  # the caller's tenant, for the decode pod's prefix cache
+    prefill_s: float = 0.0  # the chain's time to the first token's logits (its tail's clock)
+    partition: tuple[int, ...] = ()  # the slice boundaries the chain used
 
     @property
     def request_id(self) -> str:
@@ -171,21 +173,12 @@ class GenerationStep:
 
 
 @dataclass(frozen=True)
-class PrefillFirstToken:
+class PrefillStarted:
+    """The chain started a request (its Prefill call's one message)."""
+
     request_id: str
-    token_id: int
-    ttft_s: float
     partition: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class PrefillShipped:
-    request_id: str
-    kv_bytes: int
-    kv_tokens_kept: int
-    kv_tokens_full: int
-    prefill_s: float
-    kv_push_s: float
+    queue_s: float  # waited at rank 0 for the chain
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Receiving one pushed KV cache (Decode.PushKV): header first, bytes after, nothing visible
-until all of it checks out.
+"""Receiving one pushed KV cache (Decode.PushKV): header first, bytes after; the header's
+first token is streamed once the header checks out, the KV enters the pool only once all
+of it has.
 
 Order of checks, cheapest first and all before the payload buffer is allocated: the stream
 opens with a header; the header matches this pod's model, dtype and shape
@@ -84,14 +85,23 @@ def check_room(pool: KVPool, layer_num_tokens: tuple[int, ...]) -> None:
         raise KVPoolExhausted(needed, free)
 
 
-async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: ModelConfig,
-                        pool: KVPool, incarnation: Incarnation | None = None,
-                        stall_s: float | None = None) -> PushedCache:
-    """Read a whole PushKV stream into a checked cache (views into one receive buffer)."""
-    stall_s = STALL_S if stall_s is None else stall_s
-    handoff = convert.push_kv_header(await _next(messages, stall_s))
+async def receive_header(messages: AsyncIterator, stall_s: float | None = None) -> KVHandoff:
+    """The handoff a PushKV stream opens with (not yet checked: ``check_push``)."""
+    return convert.push_kv_header(await _next(messages, STALL_S if stall_s is None else stall_s))
+
+
+def check_push(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig, pool: KVPool,
+               incarnation: Incarnation | None = None) -> None:
+    """Everything a header can be refused for, before a byte of its payload is read."""
     check_handoff(handoff, spec, model_config, incarnation)
     check_room(pool, handoff.kv.layer_num_tokens)
+
+
+async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec,
+                       stall_s: float | None = None) -> PushedCache:
+    """The rest of a PushKV stream whose header checked out, as a checked cache (views into
+    one receive buffer)."""
+    stall_s = STALL_S if stall_s is None else stall_s
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:
             assembler.add(convert.push_kv_chunk(message))
@@ -102,6 +112,15 @@ async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: Mod
             raise KVMalformed(f"KV layer {index} has position {int(layer.positions[-1])}, past the "
                               f"prompt's last position {last_position}")
     return PushedCache(handoff, layers, handoff.kv.total_bytes)
+
+
+async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: ModelConfig,
+                        pool: KVPool, incarnation: Incarnation | None = None,
+                        stall_s: float | None = None) -> PushedCache:
+    """Read a whole PushKV stream into a checked cache."""
+    handoff = await receive_header(messages, stall_s)
+    check_push(handoff, spec, model_config, pool, incarnation)
+    return await receive_body(handoff, messages, spec, stall_s)
 
 
 async def _next(messages: AsyncIterator, stall_s: float):

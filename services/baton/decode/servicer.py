@@ -22,7 +22,7 @@ from baton.api.requests import GenerationStep
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.answers import failure_answer
-from baton.decode.receiver import Incarnation, receive_cache
+from baton.decode.receiver import Incarnation, check_push, receive_body, receive_header
 from baton.decode.session import PodSession
 from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestNotFound
@@ -137,11 +137,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                 f"at most {self.max_pending_pushes}; retry or push elsewhere")
         self.pushes_in_progress += 1
         worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
+        handoff = None
         try:
-            cache = await receive_cache(request_iterator, self.spec, worker.model_config,
-                                        worker.engine.pool, self.incarnation)
+            handoff = await receive_header(request_iterator)
+            check_push(handoff, self.spec, worker.model_config, worker.engine.pool, self.incarnation)
+            worker.announce_push(handoff)  # the first token streams from here on
+            cache = await receive_body(handoff, request_iterator, self.spec)
             worker.submit_pushed(cache)
-        except Exception as e:  # noqa: BLE001 - every failure becomes the caller's status
+        except BaseException as e:
+            if handoff is not None and handoff.request_id:  # and its request's stream's
+                worker.push_failed(handoff.request_id, e)
+            if not isinstance(e, Exception):
+                raise  # the call was cancelled (the chain went away)
             worker.metrics.kv_pushes_rejected.labels(code=convert.status_for(e).name).inc()
             await abort_with(context, e)
         finally:

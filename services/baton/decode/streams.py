@@ -9,9 +9,10 @@ message (``merge_steps``): a reader that falls behind sends fewer, larger messag
 a growing backlog. Steps pile up until someone reads them, so tokens produced before an
 Attach arrives are not lost. The last step carries the finish reason, usage and timings.
 
-A pushed request's first token was sampled and streamed by the chain's tail: its token id
-is left out of this stream, but its text is in the first step's text (the decode pod owns
-the detokenizer, so the caller can relay text without one).
+A pushed request's first token was sampled by the chain's tail and comes on the push's
+header: it is published as soon as the header checks out (``publish_first``), with its text
+unless stop strings decide what text is released; the engine's first output repeats it
+once the KV has landed, and that repetition is left out here, token and text.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +37,13 @@ class StreamFailed(ServiceError):
     """The engine failed while serving this request; the message says how."""
 
 
+class PushLost(StreamFailed):
+    """The chain's push broke after its header: the caller has the first token and nothing
+    more will come from here (UNAVAILABLE: the gateway continues the stream elsewhere)."""
+
+    status = "UNAVAILABLE"
+
+
 class EngineStalled(StreamFailed):
     """The engine made no progress for too long: this pod is leaving, another may take the
     request (UNAVAILABLE, which the gateway answers by moving the stream elsewhere)."""
@@ -44,11 +53,14 @@ class EngineStalled(StreamFailed):
 
 @dataclass
 class PushedKVInfo:
-    """What a pushed cache brought: for the final usage and for metrics."""
+    """What a pushed cache brought: for the final usage, timings and route, and for metrics."""
 
     num_bytes: int
     kv_tokens_kept: int
     kv_tokens_full: int
+    prefill_s: float = 0.0  # the chain's, from the header
+    partition: tuple[int, ...] = ()
+    push_s: float = 0.0  # header arrival to the last byte checked, on this pod
 
 
 @dataclass
@@ -65,15 +77,31 @@ class RequestStream:
     attached: bool = False  # a handler is reading this stream
     expired: bool = False  # pushed, and no Attach came within the lease: aborted
     queued: bool = False  # a local prompt counted in the worker's queue until its first token
+    in_engine: bool = True  # False while a pushed request's KV is still arriving
+    _repeat: bool = False  # the engine's first output will repeat the header's first token
+    _echo: str = ""  # and the text of it that was shown, still to be left out
     _steps: collections.deque = field(default_factory=collections.deque)  # appended by the loop thread
     _ready: asyncio.Event | None = None  # made by the reader, on the server's event loop
     _holding: asyncio.Event | None = None  # set while a reader holds for more steps
 
     # --- the loop thread -----------------------------------------------------------------
 
+    def publish_first(self, token_id: int, text: str, now_s: float) -> None:
+        """A pushed request's first token, from its header (``text``: what may be shown now)."""
+        self.first_token_s = self.last_token_s = now_s
+        self.num_tokens = 1
+        self._repeat, self._echo = True, text
+        self._steps.append(GenerationStep(self.request_id, (token_id,), text))
+
     def publish(self, output: RequestOutput, now_s: float) -> list[float]:
         """Queue one engine output as a step; returns the gaps since the previous token (s)."""
         token_ids = list(output.new_token_ids)
+        text = output.text_delta
+        if self._repeat and token_ids:  # the engine repeats the header's first token
+            token_ids, self._repeat = token_ids[1:], False
+        if self._echo:  # and its text (the same decoder's, so the text starts with it)
+            overlap = len(os.path.commonprefix([self._echo, text]))
+            text, self._echo = text[overlap:], self._echo[overlap:]
         gaps = []
         if token_ids:
             if self.first_token_s is None:
@@ -82,9 +110,7 @@ class RequestStream:
                 gaps = [now_s - self.last_token_s] * len(token_ids)
             self.last_token_s = now_s
             self.num_tokens += len(token_ids)
-        if self.pushed is not None and self.num_tokens == len(token_ids):
-            token_ids = token_ids[1:]  # the chain's first token: the caller has it already
-        step = GenerationStep(self.request_id, tuple(token_ids), output.text_delta)
+        step = GenerationStep(self.request_id, tuple(token_ids), text)
         if output.finished:
             self.finished = True
             step = self._final(step, FINISH_REASONS[output.finish_reason], now_s, output.kv_entries,
@@ -107,16 +133,21 @@ class RequestStream:
         usage = Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_tokens,
                       kv_tokens_kept=pushed.kv_tokens_kept, kv_tokens_full=pushed.kv_tokens_full,
                       kv_bytes_shipped=pushed.num_bytes, cached_prompt_tokens=num_cached_tokens)
-        ttft_s = 0.0  # a pushed request's first token is timed by the chain
-        if self.pushed is None and self.first_token_s is not None:
-            ttft_s = self.first_token_s - self.arrival_s
+        ttft_s = 0.0 if self.first_token_s is None else self.first_token_s - self.arrival_s
         gaps = self.num_tokens - 1
         mean_gap_s = ((self.last_token_s - self.first_token_s) / gaps
                       if gaps > 0 and self.first_token_s is not None else 0.0)
-        timings = Timings(ttft_s=ttft_s, prefill_s=ttft_s, mean_time_between_tokens_s=mean_gap_s,
-                          total_s=now_s - self.arrival_s)
+        route = self.route
+        if self.pushed is None:
+            timings = Timings(ttft_s=ttft_s, prefill_s=ttft_s, mean_time_between_tokens_s=mean_gap_s,
+                              total_s=now_s - self.arrival_s)
+        else:  # from the header's arrival; the chain's own time came with it
+            timings = Timings(ttft_s=ttft_s, prefill_s=self.pushed.prefill_s,
+                              kv_push_s=self.pushed.push_s,
+                              mean_time_between_tokens_s=mean_gap_s, total_s=now_s - self.arrival_s)
+            route = dataclasses.replace(route, partition=self.pushed.partition)
         return GenerationStep(step.request_id, step.token_ids, step.text, reason, usage, timings,
-                              self.route)
+                              route)
 
     # --- the server's event loop ------------------------------------------------------------
 

@@ -10,9 +10,12 @@ heartbeat and the metrics read. Only the loop thread touches the scheduler, so t
 a snapshot it takes, never a read of its queues from another thread.
 
 Requests enter two ways: a prompt prefilled here (``submit_prompt``), or a cache a chain
-pushed (``submit_pushed``); a pushed request is claimed by ``try_attach``, which may come
-before the push has finished: the caller waits for ``on_change`` and tries again. A failing
-step fails the streams it touched, never the loop.
+pushes: its header (``announce_push``) opens the stream with the chain's first token, its
+checked payload (``submit_pushed``) hands it to the engine, and a push that fails on the
+way (``push_failed``) fails the stream, or, refused before it opened one, is remembered for
+the Attach that waits for it. A pushed request is claimed by ``try_attach``, usually before
+the push begins: the caller waits for ``on_change`` and tries again. A failing step fails
+the streams it touched, never the loop.
 """
 
 from __future__ import annotations
@@ -24,16 +27,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from baton.api.requests import DecodeRequest, Route
+from baton.api import convert
+from baton.api.requests import DecodeRequest, KVHandoff, Route
 from baton.decode.receiver import PushedCache
-from baton.decode.streams import EngineStalled, PushedKVInfo, RequestStream, StreamFailed
-from baton.errors import Aborted, AlreadyExists, NotFound, ResourceExhausted
+from baton.decode.streams import EngineStalled, PushedKVInfo, PushLost, RequestStream, StreamFailed
+from baton.errors import Aborted, AlreadyExists, NotFound, ResourceExhausted, Unavailable
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.limits import check_prompt
+from baton.model.sampling import FINISH_ABORT
+from baton.model.tokenizer import IncrementalDecoder
 from baton.routing.prefix_index import PrefixPublisher
 from baton.routing.store import WorkerLoad
 from baton.sarathi.engine import Engine
+from baton.sarathi.request import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,11 @@ class RequestAborted(Aborted):
     """The request was aborted before its cache arrived (gRPC ABORTED)."""
 
 
+class PushFailed(Unavailable):
+    """The chain's push for this request was refused or lost before its stream opened
+    (gRPC UNAVAILABLE: the caller prefills it elsewhere)."""
+
+
 class DecodeWorker:
     def __init__(self, engine: Engine, address: str, metrics: DecodeMetrics,
                  lease_s: float = DEFAULT_LEASE_S, max_queued_requests: int = 1024) -> None:
@@ -67,6 +79,8 @@ class DecodeWorker:
         self.model_config = engine.model.config
         self._streams: dict[str, RequestStream] = {}
         self._aborted_early: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Pushes refused or lost before their stream opened: why, for the Attach that waits.
+        self._failed_pushes: collections.OrderedDict[str, str] = collections.OrderedDict()
         # Pushed requests that finished before anyone attached (max_tokens 1, or a stop token
         # first): their steps wait here for the Attach, for lease_s at most.
         self._unclaimed: collections.OrderedDict[str, tuple[RequestStream, float]] = \
@@ -129,25 +143,70 @@ class DecodeWorker:
             queued_tokens=num_prompt_tokens)
         return stream
 
-    def submit_pushed(self, cache: PushedCache) -> None:
-        """A checked cache from a chain joins the running set; ``try_attach`` claims its tokens."""
-        handoff = cache.handoff
-        full = len(handoff.prompt_token_ids) * len(cache.layers)
-        kept = sum(layer.num_tokens for layer in cache.layers)
+    def announce_push(self, handoff: KVHandoff) -> None:
+        """A checked push header: the request's stream opens with the chain's first token
+        (with its text unless stop strings decide what is released); the KV follows."""
+        full = len(handoff.prompt_token_ids) * len(handoff.kv.layer_num_tokens)
+        kept = sum(handoff.kv.layer_num_tokens)
         stream = RequestStream(handoff.request_id, len(handoff.prompt_token_ids),
-                               Route(self.address), PushedKVInfo(cache.num_bytes, kept, full))
+                               Route(self.address),
+                               PushedKVInfo(handoff.kv.total_bytes, kept, full, handoff.prefill_s,
+                                            handoff.partition),
+                               in_engine=False)
+        text = ""
+        if not handoff.sampling.stop and self.engine.tokenizer is not None:
+            text = IncrementalDecoder(self.engine.tokenizer).push(handoff.first_token_id)
         with self._lock:
             if handoff.request_id in self._aborted_early:
                 raise RequestAborted(f"request {handoff.request_id!r} was aborted before its KV "
                                      f"arrived")
             self._claim(stream)
+            self._failed_pushes.pop(handoff.request_id, None)  # an earlier push's failure
             self._awaiting_attach[handoff.request_id] = stream
+            stream.publish_first(handoff.first_token_id, text, stream.arrival_s)
+        self.on_published([stream])
+
+    def submit_pushed(self, cache: PushedCache) -> None:
+        """The announced request's checked cache joins the running set."""
+        handoff = cache.handoff
+        with self._lock:
+            stream = self._streams.get(handoff.request_id)
+            if stream is None or stream.in_engine:  # aborted (or failed) since its header
+                raise RequestAborted(f"request {handoff.request_id!r} ended before its KV arrived")
+            stream.in_engine = True
+            stream.pushed.push_s = time.monotonic() - stream.arrival_s
         params = dataclasses.replace(handoff.sampling, compression=handoff.compression)
-        self._enter(stream, lambda: self.engine.add_prefilled_request(
-            list(handoff.prompt_token_ids), cache.layers, handoff.first_token_id,
-            params, handoff.request_id, handoff.cache_salt))
+        try:
+            self.engine.add_prefilled_request(list(handoff.prompt_token_ids), cache.layers,
+                                              handoff.first_token_id, params, handoff.request_id,
+                                              handoff.cache_salt)
+        except Exception:
+            with self._lock:
+                stream.in_engine = False  # push_failed fails its stream
+            raise
         self.metrics.kv_bytes_received.inc(cache.num_bytes)
-        self.metrics.compression_ratio.observe(kept / full)
+        self.metrics.compression_ratio.observe(stream.pushed.kv_tokens_kept / stream.pushed.kv_tokens_full)
+
+    def push_failed(self, request_id: str, error: BaseException) -> None:
+        """A push for ``request_id`` failed after its header was read: its stream (if open)
+        fails, or the Attach that waits for it will."""
+        code = convert.status_for(error).name
+        message = f"the chain's push of request {request_id!r} failed: {code}: {error}"
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.in_engine:
+                stream = None  # in the engine already: its own failures end it
+            elif stream is not None:
+                del self._streams[request_id]
+                self._awaiting_attach.pop(request_id, None)
+            if (stream is None or not stream.attached) and request_id not in self._aborted_early:
+                self._failed_pushes[request_id] = message  # for the Attach still to come
+                while len(self._failed_pushes) > ABORTED_MEMORY:
+                    self._failed_pushes.popitem(last=False)
+        if stream is not None:
+            stream.fail(message, PushLost)
+            self.on_published([stream])
+        self.on_change()
 
     def try_attach(self, request_id: str) -> RequestStream | None:
         """The stream of a pushed request, None while its cache has not arrived; a finished
@@ -155,6 +214,9 @@ class DecodeWorker:
         with self._lock:
             if request_id in self._aborted_early:
                 raise RequestAborted(f"request {request_id!r} was aborted")
+            failed = self._failed_pushes.pop(request_id, None)
+            if failed is not None:
+                raise PushFailed(failed)
             unclaimed = self._unclaimed.pop(request_id, None)
             if unclaimed is not None:
                 unclaimed[0].attached = True
@@ -171,21 +233,42 @@ class DecodeWorker:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV; True when this pod held (or awaited) it."""
         with self._lock:
-            if request_id in self._streams:
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.in_engine:
                 self.engine.abort(request_id)  # its stream ends with finish reason "aborted"
                 return True
             self._aborted_early[request_id] = None  # a push or attach may still be on its way
             while len(self._aborted_early) > ABORTED_MEMORY:
                 self._aborted_early.popitem(last=False)
+        if stream is not None:  # announced, its KV still arriving: the push is refused
+            self._end_announced(stream)
         self.on_change()
-        return False
+        return stream is not None
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: abort quietly (nothing to tell)."""
         with self._lock:
-            live = request_id in self._streams
-        if live:
+            stream = self._streams.get(request_id)
+            if stream is not None and not stream.in_engine:
+                self._aborted_early[request_id] = None  # its push is refused from here on
+        if stream is None:
+            return
+        if stream.in_engine:
             self.engine.abort(request_id)
+        else:
+            self._end_announced(stream)
+
+    def _end_announced(self, stream: RequestStream) -> None:
+        """End a pushed stream whose KV has not reached the engine: its last step says
+        aborted (its push, still arriving, is refused: the id is in ``_aborted_early``)."""
+        with self._lock:
+            if self._streams.get(stream.request_id) is not stream:
+                return
+            del self._streams[stream.request_id]
+            self._awaiting_attach.pop(stream.request_id, None)
+        now_s = time.monotonic()
+        stream.publish(RequestOutput(stream.request_id, [], "", finish_reason=FINISH_ABORT), now_s)
+        self.on_published([stream])
 
     def _claim(self, stream: RequestStream) -> None:
         if stream.request_id in self._streams:
@@ -270,7 +353,10 @@ class DecodeWorker:
             log.warning("request %s: no Attach within %g s of its KV; freeing it",
                         stream.request_id, self.lease_s)
             self.metrics.kv_leases_expired.inc()
-            self.engine.abort(stream.request_id)
+            if stream.in_engine:
+                self.engine.abort(stream.request_id)
+            else:
+                self.cancel(stream.request_id)
 
     def _keep_unclaimed(self, stream: RequestStream, now_s: float) -> None:
         """Hold a finished pushed stream for its Attach (caller holds ``_lock``); the

@@ -107,7 +107,7 @@ class Generations:
         try:
             try:
                 async for step in self.relay.stream(live, request, prompt_ids, decision,
-                                                    self._reroute):
+                                                    self._reroute, self._reroute_chain):
                     step = clock.stamp(step)
                     if step.finish_reason is not None:
                         live.completed = True
@@ -238,6 +238,21 @@ class Generations:
                 worker for worker in snapshot.workers
                 if worker.address not in exclude and worker.incarnation not in exclude))
             return self.policy.route(num_prompt_tokens, snapshot, self.table.in_flight()).decode
+
+        return await self._until_a_pod_is_live(attempt, (NoLiveWorkers, WorkersFull))
+
+    async def _reroute_chain(self, num_prompt_tokens: int, exclude: frozenset[str]) -> RouteDecision:
+        """A live chain, and a decode pod for it, for a request pinned to a chain that failed
+        it: none whose incarnation is in ``exclude``. Waits (re-reading the store) up to
+        ``reroute_wait_s`` for one, e.g. the failed chain restarted; raises NoLiveWorkers when
+        none came."""
+        loop = asyncio.get_running_loop()
+
+        async def attempt() -> RouteDecision:
+            snapshot = await loop.run_in_executor(None, self._snapshot, True)
+            snapshot = dataclasses.replace(snapshot, workers=tuple(
+                worker for worker in snapshot.workers if worker.incarnation not in exclude))
+            return self.policy.route(num_prompt_tokens, snapshot, self.table.in_flight(), "chain")
 
         return await self._until_a_pod_is_live(attempt, (NoLiveWorkers, WorkersFull))
 

@@ -1,29 +1,36 @@
 """One request's trip through the pods the policy picked, as the client's stream of steps.
 
-Two paths (docs/architecture.md, "A request's path"):
+Tokens come from one place, the decode pod the policy chose, on either path
+(docs/architecture.md, "A request's path"):
 
 * local: a Generate on the decode pod, relayed as it streams;
-* chain: ``Prefill.Prefill`` on the chain's rank 0 — its first event is the tail's first
-  token, sent to the client at once (TTFT is the chain's), its second that the KV sits on
-  the decode pod — then an Attach streams the tokens after the first.
+* chain: ``Prefill.Prefill`` queues the prompt on the chain's rank 0 and an Attach on the
+  decode pod opens the request's stream at the same time; the chain's tail pushes the first
+  token with the KV to that pod, which streams the token as soon as the push's header
+  arrives (TTFT is the chain's plus one hop), then the rest. The Prefill call carries no
+  token: it says when the chain starts the request and fails if the chain breaks first,
+  which is how the gateway learns that no KV will come.
 
 Generate and Attach go over the gateway's session with the pod (``Decode.Session``, one
 call per pod carrying every request, ``baton.gateway.decode_session``).
 
 When a pod fails the request (docs/architecture.md, "When a pod dies"), the client's stream
-goes on: a chain that fails it (a rank died, the KV never arrived) hands it to a decode pod
-that prefills it itself (``chain_failure: recompute``), and a decode pod that fails
-mid-stream is replaced by another live one, found by the servicer's ``reroute``, which
-gets the prompt plus every token already sent and generates the rest
-(``migration_limit`` times at most). Greedy and seeded requests continue token for token as
-if nothing happened (the new pod samples at the position where the old one stopped); the
-usage on the last step counts the whole request.
+goes on. A chain that fails it before its first token (a rank died, the push was refused
+or lost) hands an automatic request to a decode pod that prefills it itself
+(``chain_failure: recompute``); a request pinned to the chain waits for a live chain (one
+restarted, or another) and goes through it again. A decode pod that fails mid-stream (the
+chain's push lost half way included) is replaced by another live one, found by the
+servicer's ``reroute``, which gets the prompt plus every token already sent and generates
+the rest (``migration_limit`` times at most). Greedy and seeded requests continue token for
+token as if nothing happened (the new pod samples at the position where the old one
+stopped); the usage on the last step counts the whole request.
 
-The relay fills in what only it knows on the last step: the route, and the chain's share of
-usage and timings (bytes shipped, prefill and push time). Errors are downstream
-``grpc.RpcError``s; the servicer turns them into the client's status. Every downstream call
-is registered on the ``LiveRequest`` so a cancellation reaches it. Everything here runs on
-the gateway's event loop (``grpc.aio`` channels, one per pod, shared by every request).
+The relay fills in what only it knows on the last step: the route's chain and reason; the
+chain's figures (bytes shipped, prefill and push time, partition) come from the decode pod,
+which had them on the push's header. Errors are downstream ``grpc.RpcError``s; the servicer
+turns them into the client's status. Every downstream call is registered on the
+``LiveRequest`` so a cancellation reaches it. Everything here runs on the gateway's event
+loop (``grpc.aio`` channels, one per pod, shared by every request).
 """
 
 from __future__ import annotations
@@ -31,9 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 
@@ -43,11 +48,8 @@ from baton.api.requests import (
     FinishReason,
     GenerateRequest,
     GenerationStep,
-    PrefillFirstToken,
     PrefillRequest,
-    PrefillShipped,
     Route,
-    Timings,
     Usage,
 )
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -57,7 +59,7 @@ from baton.gateway.decode_session import DecodeSession
 from baton.gateway.request_table import LiveRequest
 from baton.gateway.routing_policy import RouteDecision
 from baton.metrics import GatewayMetrics
-from baton.model.tokenizer import IncrementalDecoder, Tokenizer
+from baton.model.tokenizer import Tokenizer
 from baton.mtls import Mtls
 from baton.routing import RequestRecord, WorkerInfo
 from baton.serving import CHANNEL_OPTIONS
@@ -75,22 +77,16 @@ POD_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                           grpc.StatusCode.FAILED_PRECONDITION})  # incl. a pod restarted on its address
 
 Reroute = Callable[[int, frozenset[str]], Awaitable[WorkerInfo]]
+# A live chain (and its decode pod) for a pinned request whose chain failed it, none whose
+# incarnation is in the set; raises when none came in time.
+RerouteChain = Callable[[int, frozenset[str]], Awaitable[RouteDecision]]
 
 
 log = logging.getLogger(__name__)
 
 
 class ChainIncomplete(Unavailable, RuntimeError):
-    """A chain closed its stream without the first token or the shipped KV (UNAVAILABLE)."""
-
-
-@dataclass
-class ChainLeg:
-    """What the chain's part of a request left for the decode pod's part."""
-
-    first_text: str = ""  # the first token's text, as shown to the client
-    shipped: PrefillShipped | None = None  # set once the KV is on the decode pod
-    route: Route | None = None
+    """The decode pod ended a chain request's stream before its first token (UNAVAILABLE)."""
 
 
 class Channels:
@@ -155,44 +151,54 @@ class Relay:
 
     async def stream(self, live: LiveRequest, request: GenerateRequest,
                      prompt_ids: tuple[int, ...], decision: RouteDecision,
-                     reroute: Reroute) -> AsyncIterator[GenerationStep]:
+                     reroute: Reroute, reroute_chain: RerouteChain) -> AsyncIterator[GenerationStep]:
         """The client's steps, whichever pods end up producing them."""
         sent: list[int] = []  # generated token ids the client already has
         decode = decision.decode
         reason = decision.reason  # grows by what happened on the way (on the last step's route)
         moves = 0
         replacing_until = 0.0  # after a chain failure: until when a stale id may still be there
-        if decision.chain is not None:
-            leg = ChainLeg()
+        while decision.chain is not None:
             try:
-                async for step in self._chain_prefill(live, request, prompt_ids, decision, leg):
-                    sent += step.token_ids
-                    yield step
-                async for step in self._attach(live, decision, leg):
+                async for step in self._chain(live, prompt_ids, request, decision):
                     sent += step.token_ids
                     yield step
                 return
             except (grpc.RpcError, ChainIncomplete) as e:
                 live.chain_done = True
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-                if leg.shipped is None:  # the chain failed it
-                    if not self._recoverable(live, code) or self.config.chain_failure != "recompute":
-                        raise
-                    self.metrics.chain_fallbacks.labels(code=code.name).inc()
-                    log.warning("request %s: chain %s failed it (%s); prefilling it on a decode "
-                                "pod", live.request_id, decision.chain.chain_id, _describe(e))
-                    decode = await self._next_pod(live, prompt_ids, sent, reroute, decode, code, e)
-                    reason += (f"; chain {decision.chain.chain_id} failed it ({code.name}): "
-                               f"prefilled on the decode pod")
-                    # The chain may have pushed the KV before it failed: what the decode pod
-                    # holds under this id must go before the id is used again.
-                    await self._abort_on(decode, live.request_id)
-                    replacing_until = asyncio.get_running_loop().time() + REPLACE_WAIT_S
-                else:  # the decode pod holding the pushed KV failed it
+                if sent:  # past the first token: the decode pod failed it (or lost the push)
                     failed = decode
                     decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
                     reason += _moved(failed, decode, e, len(sent))
                     moves += 1
+                    break
+                if not self._recoverable(live, code):
+                    raise
+                self.metrics.chain_fallbacks.labels(code=code.name).inc()
+                failed_chain = decision.chain
+                if request.prefill_route == "chain" and moves < self.config.migration_limit:
+                    log.warning("request %s: chain %s failed it (%s); waiting for a live chain",
+                                live.request_id, failed_chain.chain_id, _describe(e))
+                    decision = await self._next_chain(live, prompt_ids, reroute_chain,
+                                                      failed_chain, e)
+                    decode = decision.decode
+                    reason += (f"; chain {failed_chain.chain_id} failed it ({code.name}): "
+                               f"sent to chain {decision.chain.chain_id} again")
+                    moves += 1
+                    continue
+                if self.config.chain_failure != "recompute" or request.prefill_route == "chain":
+                    raise
+                log.warning("request %s: chain %s failed it (%s); prefilling it on a decode "
+                            "pod", live.request_id, failed_chain.chain_id, _describe(e))
+                decode = await self._next_pod(live, prompt_ids, sent, reroute, decode, code, e)
+                reason += (f"; chain {failed_chain.chain_id} failed it ({code.name}): "
+                           f"prefilled on the decode pod")
+                # The chain may still push the KV: the decode pod must refuse it before the
+                # id is used again.
+                await self._abort_on(decode, live.request_id)
+                replacing_until = asyncio.get_running_loop().time() + REPLACE_WAIT_S
+                break
         while True:
             try:
                 async for step in self._local(live, request, prompt_ids, sent, decode, reason):
@@ -208,6 +214,21 @@ class Relay:
                 decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
                 reason += _moved(failed, decode, e, len(sent))
                 moves += 1
+
+    async def _next_chain(self, live: LiveRequest, prompt_ids: tuple[int, ...],
+                          reroute_chain: RerouteChain, failed: WorkerInfo,
+                          error: Exception) -> RouteDecision:
+        """A live chain for a pinned request its chain failed: not the failed incarnation
+        (a restarted chain registers anew); raises ``error`` when none came in time."""
+        try:
+            decision = await reroute_chain(len(prompt_ids), frozenset({failed.incarnation}))
+        except Exception as e:  # none came: the request fails with its own cause
+            raise error from e
+        live.chain_done = False
+        live.record = dataclasses.replace(live.record, decode_address=decision.decode.address,
+                                          chain_id=decision.chain.chain_id,
+                                          prefill_address=decision.chain.address)
+        return decision
 
     async def _abort_on(self, decode: WorkerInfo, request_id: str) -> None:
         """Abort whatever ``decode`` holds under ``request_id`` (nothing, usually); a pod that
@@ -282,63 +303,52 @@ class Relay:
                         completion_tokens=step.usage.completion_tokens + replayed))
             yield step
 
-    async def _chain_prefill(self, live: LiveRequest, request: GenerateRequest,
-                             prompt_ids: tuple[int, ...], decision: RouteDecision, leg: ChainLeg
-                             ) -> AsyncIterator[GenerationStep]:
-        """The chain's part: the first token (streamed), then the news that the KV is pushed."""
+    async def _chain(self, live: LiveRequest, prompt_ids: tuple[int, ...],
+                     request: GenerateRequest, decision: RouteDecision
+                     ) -> AsyncIterator[GenerationStep]:
+        """A chain request: the prompt queued on the chain, its stream opened on the decode
+        pod at once. Raises before the first step when the chain fails it (its Prefill call
+        fails, or the decode pod refused or lost the push)."""
         prefill_request = PrefillRequest(
             request_id=live.request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
             decode_address=decision.decode.address, decode_incarnation=decision.decode.incarnation,
             cache_salt=live.record.owner)
-        call = self.channels.prefill(decision.chain.address).Prefill(
+        prefill = self.channels.prefill(decision.chain.address).Prefill(
             convert.prefill_request_to_proto(prefill_request))
-        live.watch(call)
-        first: PrefillFirstToken | None = None
-        shipped: PrefillShipped | None = None
-        async for message in call:
-            event = convert.prefill_event_from_proto(message)
-            if isinstance(event, PrefillFirstToken):
-                first = event
-                leg.first_text = self._first_token_text(event.token_id, request)
-                yield GenerationStep(live.request_id, token_ids=(event.token_id,), text=leg.first_text)
-            else:
-                shipped = event
-        if first is None or shipped is None:
-            raise ChainIncomplete(f"chain {decision.chain.chain_id} ended request "
-                                  f"{live.request_id!r} without its first token and KV")
-        leg.shipped = shipped
-        live.chain_done = True
-        leg.route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
-                          reason=decision.reason,
-                          partition=first.partition)
-
-    async def _attach(self, live: LiveRequest, decision: RouteDecision, leg: ChainLeg
-                      ) -> AsyncIterator[GenerationStep]:
-        """The decode pod's part of a chain request: the tokens after the first."""
+        live.watch(prefill)
         attach = self.channels.session(decision.decode.address).attach(
             decode_pb2.AttachRequest(request_id=live.request_id, wait_s=self.config.kv_wait_s,
                                      incarnation=decision.decode.incarnation))
         live.watch(attach)
-        # The pod's first step repeats the first token's text (it owns the detokenizer and
-        # leaves out only the token id); the client already has what we showed of it.
-        shown = leg.first_text
-        async for message in attach:
+        steps = aiter(attach)
+        first = asyncio.ensure_future(anext(steps, None))
+        chain = asyncio.ensure_future(_until_the_call_ends(prefill))
+        try:
+            await asyncio.wait((first, chain), return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and chain.exception() is not None:
+                attach.cancel()
+                raise chain.exception()  # the chain broke before its push began
+            step = await first
+        finally:
+            if not first.done():
+                first.cancel()
+            chain.cancel()
+            prefill.cancel()  # the chain's part is over, one way or the other
+        live.chain_done = True
+        if step is None:
+            raise ChainIncomplete(f"decode pod {decision.decode.address} ended request "
+                                  f"{live.request_id!r} before its first token")
+        route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
+                      reason=decision.reason)
+        message = step
+        while message is not None:
             step = convert.step_from_proto(message)
-            if shown and step.text:
-                overlap = len(os.path.commonprefix([shown, step.text]))
-                step = dataclasses.replace(step, text=step.text[overlap:])
-                shown = shown[overlap:]
             if step.finish_reason:
-                step = _with_chain_summary(step, leg.shipped, leg.route)
+                partition = step.route.partition if step.route else ()
+                step = dataclasses.replace(step, route=dataclasses.replace(route, partition=partition))
             yield step
-
-    def _first_token_text(self, token_id: int, request: GenerateRequest) -> str:
-        """The first token's text when it can be shown at once. With stop strings the decode
-        pod's matcher decides what text is released, so the gateway shows none of its own."""
-        if request.sampling.stop:
-            return ""
-        return IncrementalDecoder(self.tokenizer).push(token_id)
+            message = await anext(steps, None)
 
     async def abort_pods(self, record: RequestRecord) -> bool:
         """Abort a request on every pod that may hold state for it (the chain first, so it
@@ -369,14 +379,8 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-def _with_chain_summary(step: GenerationStep, shipped: PrefillShipped, route: Route
-                        ) -> GenerationStep:
-    """The last step of a chain request: the chain's KV figures and times beside the pod's."""
-    usage = step.usage or Usage()
-    usage = dataclasses.replace(
-        usage, kv_bytes_shipped=usage.kv_bytes_shipped or shipped.kv_bytes,
-        kv_tokens_kept=usage.kv_tokens_kept or shipped.kv_tokens_kept,
-        kv_tokens_full=usage.kv_tokens_full or shipped.kv_tokens_full)
-    timings = dataclasses.replace(step.timings or Timings(), prefill_s=shipped.prefill_s,
-                                  kv_push_s=shipped.kv_push_s)
-    return dataclasses.replace(step, usage=usage, timings=timings, route=route)
+async def _until_the_call_ends(call) -> None:
+    """Read a Prefill call to its end (its one message says the chain started the request;
+    its failure, that the chain broke first)."""
+    async for _ in call:
+        pass

@@ -1,12 +1,15 @@
 """Rank 0 of a prefill chain: the Prefill gRPC service and the chain's request source.
 
-A Prefill call is validated here (bad input never reaches the chain), numbered, described to
-the tail through the ``ChainExchange`` and queued; the chain loop takes it from the queue
-(``next_request``) and broadcasts it. The handler (a coroutine on the server's event loop:
-a waiting request holds no thread) then waits for the tail's two events through the
-``EventPump`` and streams them: the first token (with the partition used), then "shipped"
-once the decode pod holds the KV. A request aborted while queued never reaches the chain; one aborted in flight
-is not shipped (the tail checks before pushing).
+A Prefill call is validated here (bad input never reaches the chain), numbered and queued;
+the chain loop takes it from the queue (``next_request``) and broadcasts it with its
+details (the serialized ``PrefillRequest``, which only the tail reads). The handler (a
+coroutine on the server's event loop: a waiting request holds no thread) answers one
+message when the chain starts the request, then holds the call open while the chain may
+still hold the request: a broken chain fails it (UNAVAILABLE), so the caller learns at
+once that no KV will come. The tokens themselves never pass here: the tail pushes the
+first token with the KV to the decode pod, the caller's one stream. A request aborted
+while queued never reaches the chain; one aborted in flight is refused by the decode pod
+it was meant for.
 """
 
 from __future__ import annotations
@@ -18,20 +21,20 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from baton.api import convert
-from baton.api.requests import PrefillFirstToken, PrefillRequest, PrefillShipped
+from baton.api.requests import PrefillRequest, PrefillStarted
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from baton.config import MtlsConfig
-from baton.errors import AlreadyExists, PermissionDenied, ResourceExhausted, Unavailable
+from baton.errors import Aborted, AlreadyExists, PermissionDenied, ResourceExhausted, Unavailable
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
 from baton.mtls import Mtls, require_role
-from baton.prefill.exchange import ChainEventTimeout, ChainExchange, EventPump
+from baton.prefill.tail import PUSH_TIMEOUT_S
 from baton.routing.store import WorkerLoad
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, make_request
@@ -43,10 +46,33 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Pending:
+    """A request at rank 0, from admission until its caller lets go of it."""
+
     request: PrefillRequest
     chain_request: ChainRequest
+    loop: asyncio.AbstractEventLoop
+    arrival_s: float = field(default_factory=time.monotonic)
+    started: asyncio.Future = None  # the chain took it (queue seconds), or why it never will
+    over: asyncio.Future = None  # only ever fails: the chain broke while holding it
     taken: bool = False  # the chain loop has broadcast it
     cancelled: bool = False  # aborted while queued: skipped by the chain loop
+
+    def __post_init__(self) -> None:
+        self.started = self.loop.create_future()
+        self.over = self.loop.create_future()
+
+    def resolve(self, future: asyncio.Future, value=None, error: BaseException | None = None) -> None:
+        """Settle one of its futures from any thread."""
+        self.loop.call_soon_threadsafe(_settle, future, value, error)
+
+
+def _settle(future: asyncio.Future, value, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 class DuplicateRequest(AlreadyExists):
@@ -56,7 +82,7 @@ class DuplicateRequest(AlreadyExists):
 class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
     """Rank 0's servicer and ``RequestSource``; UNAVAILABLE until the chain is ready."""
 
-    def __init__(self, exchange: ChainExchange, model_config: ModelConfig, model_id: str,
+    def __init__(self, model_config: ModelConfig, model_id: str,
                  num_ranks: int, mode: str, table: PartitionTable | None,
                  metrics: PrefillMetrics, timeout_s: float, max_queued_requests: int = 1024,
                  mtls: Mtls | None = None) -> None:
@@ -64,7 +90,6 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         # Set once the routing store is open: raises PermissionDenied for an address that is
         # not a registered decode pod (the tail would otherwise connect wherever it is told).
         self.check_decode: Callable[[str], None] | None = None
-        self.exchange = exchange
         self.model_config = model_config
         self.model_id = model_id
         self.num_ranks = num_ranks
@@ -72,13 +97,15 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         self.table = table if mode == "runahead" else None  # TSP always runs even slices
         self.metrics = metrics
         self.timeout_s = timeout_s
+        # How long after its start a request may still be in the chain's hands: its compute
+        # (bounded by the chain's timeout, past which a rank gives up) and its push.
+        self.held_s = timeout_s + PUSH_TIMEOUT_S
         self.max_queued_requests = max_queued_requests
         self.unavailable: str | None = "the prefill chain is still starting"
         self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._live: dict[str, tuple[int, Pending]] = {}  # request id -> (chain id, pending)
+        self._live: dict[str, Pending] = {}  # request id -> its pending entry
         self._chain_ids = itertools.count()
-        self.events = EventPump(exchange)
 
     # --- chain side ------------------------------------------------------------------------
 
@@ -93,16 +120,16 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
             if pending.cancelled:
                 return None
             pending.taken = True
+        pending.resolve(pending.started, time.monotonic() - pending.arrival_s)
         return pending.chain_request
 
     def stop_chain(self) -> None:
         self._queue.put(None)
-        self.events.stop()
 
     @property
     def load(self) -> WorkerLoad:
         with self._lock:
-            pending = [p for _, p in self._live.values()]
+            pending = list(self._live.values())
         return WorkerLoad(queued_requests=len(pending),
                           queued_prompt_tokens=sum(len(p.request.prompt_token_ids) for p in pending))
 
@@ -118,41 +145,44 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         await self._require(context, ("gateway",), "Prefill")
         if self.unavailable is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
-        arrival_s = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
             prefill_request = convert.prefill_request_from_proto(request)
-            chain_id, _pending = await loop.run_in_executor(None, self._admit, prefill_request)
+            pending = await loop.run_in_executor(None, self._admit, prefill_request, loop)
         except Exception as e:  # noqa: BLE001 - the caller's input: its status names the value
             await context.abort(convert.status_for(e), str(e))
         try:
-            first = await self._event(chain_id, "first", context)
-            ttft_s = time.monotonic() - arrival_s
-            self.metrics.ttft_s.observe(ttft_s)
-            yield convert.prefill_event_to_proto(PrefillFirstToken(
-                prefill_request.request_id, first["token_id"], ttft_s, tuple(first["partition"])))
-            done = await self._event(chain_id, "done", context)
-            yield convert.prefill_event_to_proto(PrefillShipped(prefill_request.request_id, **done))
+            try:
+                queue_s = await pending.started
+                self.metrics.queue_s.observe(queue_s)
+                yield convert.prefill_started_to_proto(PrefillStarted(
+                    prefill_request.request_id, tuple(pending.chain_request.boundaries), queue_s))
+                await asyncio.wait_for(asyncio.shield(pending.over), self.held_s)
+            except TimeoutError:
+                return  # past any time the chain could still hold it
+            except Exception as e:  # noqa: BLE001 - aborted while queued, or the chain broke
+                await context.abort(convert.status_for(e), str(e))
         finally:
-            # not awaited: this also runs when the call is cancelled
-            loop.run_in_executor(None, self._retire, prefill_request.request_id, chain_id)
+            with self._lock:  # also when the call is cancelled
+                self._live.pop(prefill_request.request_id, None)
+            for future in (pending.started, pending.over):
+                future.cancel()  # settled later (a chain failure) it stays silent
+            self._publish_load()
 
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
         await self._require(context, ("gateway",), "Abort")
         with self._lock:
-            entry = self._live.get(request.request_id)
-            if entry is not None:
-                chain_id, pending = entry
+            pending = self._live.get(request.request_id)
+            if pending is not None:
                 pending.cancelled = not pending.taken
-        if entry is None:
+        if pending is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no request {request.request_id!r} on this prefill chain")
-        loop = asyncio.get_running_loop()
         if pending.cancelled:  # still queued: it never reaches the chain
-            await loop.run_in_executor(None, self.exchange.report_error, chain_id, "ABORTED",
-                                       f"request {request.request_id!r} was aborted")
-        else:  # in the chain: the tail does not ship it
-            await loop.run_in_executor(None, self.exchange.abort, chain_id)
+            pending.resolve(pending.started, error=Aborted(
+                f"request {request.request_id!r} was aborted"))
+        # In the chain: the decode pod it was meant for refuses its push once the caller
+        # aborts the request there too.
         return common_pb2.AbortResponse(found=True)
 
     async def Stats(self, request, context) -> common_pb2.WorkerLoad:
@@ -161,7 +191,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _admit(self, request: PrefillRequest) -> tuple[int, Pending]:
+    def _admit(self, request: PrefillRequest, loop: asyncio.AbstractEventLoop) -> Pending:
         if request.model and request.model != self.model_id:
             raise ValueError(f"unknown model {request.model!r}; this chain serves {self.model_id!r}")
         check_prompt(request.prompt_token_ids, request.sampling, self.model_config.vocab_size,
@@ -172,37 +202,21 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         context_length = len(request.prompt_token_ids)
         boundaries = (self.table.boundaries(self.num_ranks, context_length) if self.table
                       else even_boundaries(context_length, self.num_ranks))
+        details = convert.prefill_request_to_proto(request).SerializeToString()
         with self._lock:
-            queued = sum(not pending.taken for _, pending in self._live.values())
+            queued = sum(not pending.taken for pending in self._live.values())
             if queued >= self.max_queued_requests:
                 raise ResourceExhausted(f"{queued} requests wait in this chain's queue, at most "
                                         f"{self.max_queued_requests}; retry, or prefill elsewhere")
             if request.request_id in self._live:
                 raise DuplicateRequest(f"request id {request.request_id!r} is already live on this chain")
-            chain_id = next(self._chain_ids)
-            pending = Pending(request, make_request(chain_id, request.prompt_token_ids,
+            pending = Pending(request, make_request(next(self._chain_ids), request.prompt_token_ids,
                                                     self.num_ranks, self.model_config, boundaries,
-                                                    self.mode))
-            self._live[request.request_id] = (chain_id, pending)
-        self.exchange.publish_request(chain_id, request)
+                                                    self.mode, details=details), loop)
+            self._live[request.request_id] = pending
         self._queue.put(pending)
         self._publish_load()
-        return chain_id, pending
-
-    async def _event(self, chain_id: int, kind: str, context) -> dict:
-        try:
-            event = await self.events.wait(chain_id, kind, self.timeout_s)
-        except ChainEventTimeout as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        if "error" in event:
-            await context.abort(grpc.StatusCode[event["error"]["code"]], event["error"]["message"])
-        return event
-
-    def _retire(self, request_id: str, chain_id: int) -> None:
-        with self._lock:
-            self._live.pop(request_id, None)
-        self.exchange.forget(chain_id)
-        self._publish_load()
+        return pending
 
     def _publish_load(self) -> None:
         load = self.load
@@ -214,5 +228,6 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         self.unavailable = f"the prefill chain is down: {message}"
         with self._lock:
             entries = list(self._live.values())
-        for chain_id, _ in entries:
-            self.exchange.report_error(chain_id, "UNAVAILABLE", self.unavailable)
+        for pending in entries:
+            pending.resolve(pending.started, error=Unavailable(self.unavailable))
+            pending.resolve(pending.over, error=Unavailable(self.unavailable))

@@ -28,7 +28,6 @@ from baton.errors import PermissionDenied
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.mtls import Mtls
-from baton.prefill.exchange import ChainExchange
 from baton.prefill.frontend import PrefillFrontend
 from baton.prefill.tail import TailSink
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
@@ -75,7 +74,6 @@ class PrefillServer:
         directory = Path(config.model.path or SHIPPED_MODEL_DIR)
         self.model_id, self.revision = directory.name, config.model.revision or directory.name
         self.mtls = Mtls(config.mtls)
-        self.exchange = ChainExchange(chain.master_addr, chain.master_port)
         self.broken = threading.Event()  # the chain failed or stopped: the process should end
         self.heartbeat: Heartbeat | None = None
         self.store = store
@@ -94,7 +92,7 @@ class PrefillServer:
                             table.name, self.config.chain.ranks)
                 table = None
         self.table = table
-        self.frontend = PrefillFrontend(self.exchange, self.model_config, self.model_id,
+        self.frontend = PrefillFrontend(self.model_config, self.model_id,
                                         self.config.chain.ranks, self.config.chain.mode, table,
                                         self.metrics, self.config.chain.timeout_s,
                                         self.config.server.max_queued_requests, self.mtls)
@@ -115,9 +113,9 @@ class PrefillServer:
         on_ready = self._on_ready if self.is_head else (lambda: None)
         on_fail = self._on_fail
         if self.is_tail:
-            self.sink = TailSink(self.exchange, self.model_config, self.model_id, self.revision,
-                                 self.config.pyramid, self.metrics, lambda: self.rank.request_id,
-                                 self.config.chain.timeout_s, on_ready, on_fail, self.mtls)
+            self.sink = TailSink(self.model_config, self.model_id, self.revision,
+                                 self.config.pyramid, self.metrics, lambda: self.rank.details,
+                                 on_ready, on_fail, self.mtls)
         else:
             self.sink = RankSink(on_ready, on_fail)
         def build() -> ChainRank:
@@ -130,7 +128,6 @@ class PrefillServer:
         # it loads on a short-lived one, so only the serving thread keeps an OpenMP pool
         # (see baton.compute_thread). The other ranks load and serve on the main thread.
         self.rank = build_on_short_lived_thread(build, "prefill-load") if self.is_head else build()
-        self.exchange.seal_with(self.rank.secret)  # before any request: the chain is not ready yet
 
     def _on_ready(self) -> None:
         # Advertised to the gateways (0: not measured here; the threshold alone decides).

@@ -63,6 +63,9 @@ class ChainRequest:
     boundaries: list[int]  # [0=b0 <= b1 <= ... < bp=C]
     mode: str = "runahead"
     return_kv: bool = True  # False: the tail sends back only the logits (tuning, benchmarks)
+    # What only the tail uses (the service's serialized PrefillRequest: sampling, compression,
+    # the decode pod to push to), broadcast with the token ids; opaque to the chain.
+    details: bytes = b""
 
 
 @dataclass
@@ -74,6 +77,7 @@ class ChainResult:
     mode: str
     ttft_s: float  # the request's header reaching the tail -> the tail holding the logits (its clock)
     counters: list[RankCounters] = field(default_factory=list)  # one per rank
+    details: bytes = b""  # the request's ``ChainRequest.details``
 
     def on_host(self) -> ChainResult:
         """This result with its tensors in host memory: what crosses a process boundary (a CUDA
@@ -90,7 +94,7 @@ class ChainResult:
 
 def make_request(request_id: int, token_ids, num_ranks: int, model_config: ModelConfig,
                  boundaries: list[int] | None = None, mode: str = "runahead",
-                 return_kv: bool = True) -> ChainRequest:
+                 return_kv: bool = True, details: bytes = b"") -> ChainRequest:
     """A validated request (raises ValueError naming the bad value). No boundaries = even slices."""
     if mode not in MODES:
         raise ValueError(f"chain mode {mode!r} is not one of {MODES}")
@@ -103,4 +107,4 @@ def make_request(request_id: int, token_ids, num_ranks: int, model_config: Model
     if mode == "tsp" and boundaries != even_boundaries(context_length, num_ranks):
         raise ValueError(f"TSP runs even slices {even_boundaries(context_length, num_ranks)}, "
                          f"got {boundaries}")
-    return ChainRequest(request_id, ids, boundaries, mode, return_kv)
+    return ChainRequest(request_id, ids, boundaries, mode, return_kv, details)

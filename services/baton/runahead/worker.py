@@ -1,8 +1,9 @@
 """One rank of a long-lived prefill chain: join the group, then serve request after request.
 
 The loop reads as verbs: rank 0 takes the next request from its source and
-broadcasts a header (operation, request id, mode, partition, start time) and
-the token ids; every rank computes its slice with ``baton.model.prefill`` over
+broadcasts a header (operation, request id, mode, partition) and
+the token ids, then the request's details (opaque bytes only the tail reads: what the
+service needs to ship the result); every rank computes its slice with ``baton.model.prefill`` over
 a chain transport (``RunaheadKV`` or ``AllGatherKV``); the tail hands the
 result to its sink. While idle, rank 0 broadcasts a keepalive every quarter of
 the timeout, so an idle chain never trips the backend's timeout and a dead
@@ -18,7 +19,6 @@ builds the tail's compression hook: an ``AttentionObserver`` with a
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -37,8 +37,7 @@ from baton.runahead.request import MODES, ChainRequest, ChainResult, ModelSource
 from baton.runahead.transport import AllGatherKV, RankCounters, RunaheadKV
 
 OP_STOP, OP_KEEPALIVE, OP_PREFILL = 0, 1, 2
-SECRET_BYTES = 32
-HEADER_FIELDS = 4  # op, request id, mode, return_kv; then the p+1 boundaries
+HEADER_FIELDS = 5  # op, request id, mode, return_kv, details length; then the p+1 boundaries
 
 
 class StopChain(Exception):
@@ -108,6 +107,7 @@ class ChainRank:
         self.source = source
         self.make_observer = make_observer
         self.request_id = -1
+        self.details = b""  # the current request's details (ChainRequest.details)
         self.pending: ChainRequest | None = None  # rank 0: the request being broadcast
         self._init_device(cpu_threads)
         self._init_group()
@@ -140,16 +140,6 @@ class ChainRank:
         dist.init_process_group(backend, store=store, rank=self.config.rank,
                                 world_size=self.config.ranks, timeout=timeout,
                                 device_id=self.device if self.device.type == "cuda" else None)
-        self.secret = self._share_secret()
-
-    def _share_secret(self) -> bytes:
-        """A random key rank 0 makes at start and broadcasts over the process group: the
-        services seal what they put in the rendezvous store with it (``ChainExchange``)."""
-        secret = torch.zeros(SECRET_BYTES, dtype=torch.uint8, device=self.device)
-        if self.config.rank == 0:
-            secret.copy_(torch.frombuffer(bytearray(os.urandom(SECRET_BYTES)), dtype=torch.uint8))
-        self._broadcast(secret, "the chain's key")
-        return bytes(secret.cpu().tolist())
 
     @property
     def is_tail(self) -> bool:
@@ -177,7 +167,8 @@ class ChainRank:
         dist.destroy_process_group()
 
     def _next_request(self) -> tuple[list[int], torch.Tensor | None]:
-        """Rank 0 reads its source and broadcasts; the others receive the header and ids."""
+        """Rank 0 reads its source and broadcasts; the others receive the header, the ids and
+        the details."""
         header = torch.zeros(HEADER_FIELDS + self.config.ranks + 1, dtype=torch.int64,
                              device=self.device)
         if self.config.rank == 0:
@@ -194,19 +185,29 @@ class ChainRank:
         if self.config.rank == 0:
             token_ids.copy_(self.pending.token_ids)
         self._broadcast(token_ids, f"the token ids of request {self.request_id}")
+        self.details = self._broadcast_details(values[4])
         return values, token_ids
+
+    def _broadcast_details(self, length: int) -> bytes:
+        if not length:
+            return b""
+        details = torch.empty(length, dtype=torch.uint8, device=self.device)
+        if self.config.rank == 0:
+            details.copy_(torch.frombuffer(bytearray(self.pending.details), dtype=torch.uint8))
+        self._broadcast(details, f"the details of request {self.request_id}")
+        return details.cpu().numpy().tobytes()
 
     def _encode_header(self) -> torch.Tensor:
         padding = [0] * (self.config.ranks + 1)
         try:
             request = self.source.next_request(self.config.timeout_s / 4)
         except StopChain:
-            return torch.tensor([OP_STOP, 0, 0, 0] + padding)
+            return torch.tensor([OP_STOP, 0, 0, 0, 0] + padding)
         if request is None:
-            return torch.tensor([OP_KEEPALIVE, 0, 0, 0] + padding)
+            return torch.tensor([OP_KEEPALIVE, 0, 0, 0, 0] + padding)
         self.pending = request
         return torch.tensor([OP_PREFILL, request.request_id, MODES.index(request.mode),
-                             int(request.return_kv)] + request.boundaries)
+                             int(request.return_kv), len(request.details)] + request.boundaries)
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         try:
@@ -217,7 +218,7 @@ class ChainRank:
 
     def _run(self, header: list[int], token_ids: torch.Tensor) -> None:
         """Compute this rank's slice of one request; the tail delivers the result."""
-        _, request_id, mode_index, return_kv = header[:HEADER_FIELDS]
+        _, request_id, mode_index, return_kv, _ = header[:HEADER_FIELDS]
         boundaries = header[HEADER_FIELDS:]
         mode = MODES[mode_index]
         config = self.model.config
@@ -248,7 +249,7 @@ class ChainRank:
             if observer is not None:
                 layers = observer.compress(layers)
         self.sink.deliver(ChainResult(request_id, logits.cpu(), layers, boundaries, mode, ttft_s,
-                                      counters))
+                                      counters, self.details))
 
     def _gather_counters(self, counters: RankCounters) -> list[RankCounters]:
         """Every rank's counters, collected at the tail (others get an empty list)."""

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PushKVHeader(_message.Message):
-    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation", "cache_salt")
+    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation", "cache_salt", "prefill_s", "partition")
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class PushKVHeader(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     DECODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     kv: _kv_pb2.KVHeader
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -24,7 +26,9 @@ class PushKVHeader(_message.Message):
     compression: _common_pb2.CompressionParams
     decode_incarnation: str
     cache_salt: str
-    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    prefill_s: float
+    partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
     __slots__ = ("header", "chunk")

@@ -72,7 +72,9 @@ class DecodeServicer:
 
     def PushKV(self, request_iterator, context):
         """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-        Nothing becomes visible until every byte has arrived and checked out.
+        The header carries the first token, which the request's stream (Attach) sends as soon
+        as the header checks out; the KV enters the pool once every byte has arrived and checked
+        out. A push that fails after its header fails the request's stream (UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,7 +88,9 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Attach(self, request, context):
-        """Streams the tokens after the first of a request whose KV is (or will shortly be) pushed.
+        """Streams every token of a request whose KV a chain is computing or pushing, the chain's
+        first token included; opened before or while the chain runs. A push this pod refused
+        or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,12 +34,17 @@ class DecodeStub:
     def __new__(cls, channel: _aio.Channel) -> DecodeAsyncStub: ...
     PushKV: _grpc.StreamUnaryMultiCallable[_decode_pb2.PushKVRequest, _decode_pb2.PushKVResponse]
     """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-    Nothing becomes visible until every byte has arrived and checked out.
+    The header carries the first token, which the request's stream (Attach) sends as soon
+    as the header checks out; the KV enters the pool once every byte has arrived and checked
+    out. A push that fails after its header fails the request's stream (UNAVAILABLE).
     """
     Generate: _grpc.UnaryStreamMultiCallable[_decode_pb2.DecodeGenerateRequest, _common_pb2.GenerateResponse]
     """A prompt prefilled here (short prompts), streamed like the client API."""
     Attach: _grpc.UnaryStreamMultiCallable[_decode_pb2.AttachRequest, _common_pb2.GenerateResponse]
-    """Streams the tokens after the first of a request whose KV is (or will shortly be) pushed."""
+    """Streams every token of a request whose KV a chain is computing or pushing, the chain's
+    first token included; opened before or while the chain runs. A push this pod refused
+    or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
+    """
     Abort: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]
     Session: _grpc.StreamStreamMultiCallable[_decode_pb2.SessionCommand, _decode_pb2.SessionSteps]
     """Many requests' streams over one call, as the gateway uses them: the caller opens
@@ -55,12 +60,17 @@ class DecodeAsyncStub(DecodeStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     PushKV: _aio.StreamUnaryMultiCallable[_decode_pb2.PushKVRequest, _decode_pb2.PushKVResponse]  # type: ignore[assignment]
     """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-    Nothing becomes visible until every byte has arrived and checked out.
+    The header carries the first token, which the request's stream (Attach) sends as soon
+    as the header checks out; the KV enters the pool once every byte has arrived and checked
+    out. A push that fails after its header fails the request's stream (UNAVAILABLE).
     """
     Generate: _aio.UnaryStreamMultiCallable[_decode_pb2.DecodeGenerateRequest, _common_pb2.GenerateResponse]  # type: ignore[assignment]
     """A prompt prefilled here (short prompts), streamed like the client API."""
     Attach: _aio.UnaryStreamMultiCallable[_decode_pb2.AttachRequest, _common_pb2.GenerateResponse]  # type: ignore[assignment]
-    """Streams the tokens after the first of a request whose KV is (or will shortly be) pushed."""
+    """Streams every token of a request whose KV a chain is computing or pushing, the chain's
+    first token included; opened before or while the chain runs. A push this pod refused
+    or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
+    """
     Abort: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]  # type: ignore[assignment]
     Session: _aio.StreamStreamMultiCallable[_decode_pb2.SessionCommand, _decode_pb2.SessionSteps]  # type: ignore[assignment]
     """Many requests' streams over one call, as the gateway uses them: the caller opens
@@ -79,7 +89,9 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_decode_pb2.PushKVResponse, _abc.Awaitable[_decode_pb2.PushKVResponse]]:
         """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-        Nothing becomes visible until every byte has arrived and checked out.
+        The header carries the first token, which the request's stream (Attach) sends as soon
+        as the header checks out; the KV enters the pool once every byte has arrived and checked
+        out. A push that fails after its header fails the request's stream (UNAVAILABLE).
         """
 
     @_abc_1.abstractmethod
@@ -96,7 +108,10 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
         request: _decode_pb2.AttachRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateResponse], _abc.AsyncIterator[_common_pb2.GenerateResponse]]:
-        """Streams the tokens after the first of a request whose KV is (or will shortly be) pushed."""
+        """Streams every token of a request whose KV a chain is computing or pushing, the chain's
+        first token included; opened before or while the chain runs. A push this pod refused
+        or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
+        """
 
     @_abc_1.abstractmethod
     def Abort(

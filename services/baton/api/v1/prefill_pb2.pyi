@@ -27,36 +27,18 @@ class PrefillRequest(_message.Message):
     cache_salt: str
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
-class PrefillFirstToken(_message.Message):
-    __slots__ = ("token_id", "ttft_s", "partition")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+class PrefillStarted(_message.Message):
+    __slots__ = ("partition", "queue_s")
     PARTITION_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    ttft_s: float
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_id: _Optional[int] = ..., ttft_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class PrefillShipped(_message.Message):
-    __slots__ = ("kv_bytes", "kv_tokens_kept", "kv_tokens_full", "prefill_s", "kv_push_s")
-    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
-    KV_TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
-    KV_TOKENS_FULL_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
-    KV_PUSH_S_FIELD_NUMBER: _ClassVar[int]
-    kv_bytes: int
-    kv_tokens_kept: int
-    kv_tokens_full: int
-    prefill_s: float
-    kv_push_s: float
-    def __init__(self, kv_bytes: _Optional[int] = ..., kv_tokens_kept: _Optional[int] = ..., kv_tokens_full: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_push_s: _Optional[float] = ...) -> None: ...
+    queue_s: float
+    def __init__(self, partition: _Optional[_Iterable[int]] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "shipped")
+    __slots__ = ("request_id", "started")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    SHIPPED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    first_token: PrefillFirstToken
-    shipped: PrefillShipped
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., shipped: _Optional[_Union[PrefillShipped, _Mapping]] = ...) -> None: ...
+    started: PrefillStarted
+    def __init__(self, request_id: _Optional[str] = ..., started: _Optional[_Union[PrefillStarted, _Mapping]] = ...) -> None: ...

@@ -56,9 +56,12 @@ class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Runs the chain over the prompt; the tail samples the first token and pushes the KV cache
-        to `decode_address` (Decode.PushKV). Streams the first token as soon as it is known, then
-        one message when the decode pod holds the KV.
+        """Queues the prompt on the chain. The chain's tail samples the first token and pushes it
+        with the KV cache to `decode_address` (Decode.PushKV), whose stream for the request
+        (Decode.Attach) carries every token: this call carries none. It answers one message
+        when the chain starts the request, then stays open while the chain holds it: it fails
+        (UNAVAILABLE) if the chain breaks first, and ends once the chain is past the request or
+        the caller closes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -33,9 +33,12 @@ class PrefillStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PrefillAsyncStub: ...
     Prefill: _grpc.UnaryStreamMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillResponse]
-    """Runs the chain over the prompt; the tail samples the first token and pushes the KV cache
-    to `decode_address` (Decode.PushKV). Streams the first token as soon as it is known, then
-    one message when the decode pod holds the KV.
+    """Queues the prompt on the chain. The chain's tail samples the first token and pushes it
+    with the KV cache to `decode_address` (Decode.PushKV), whose stream for the request
+    (Decode.Attach) carries every token: this call carries none. It answers one message
+    when the chain starts the request, then stays open while the chain holds it: it fails
+    (UNAVAILABLE) if the chain breaks first, and ends once the chain is past the request or
+    the caller closes it.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]
     Stats: _grpc.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.WorkerLoad]
@@ -44,9 +47,12 @@ class PrefillStub:
 class PrefillAsyncStub(PrefillStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Prefill: _aio.UnaryStreamMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillResponse]  # type: ignore[assignment]
-    """Runs the chain over the prompt; the tail samples the first token and pushes the KV cache
-    to `decode_address` (Decode.PushKV). Streams the first token as soon as it is known, then
-    one message when the decode pod holds the KV.
+    """Queues the prompt on the chain. The chain's tail samples the first token and pushes it
+    with the KV cache to `decode_address` (Decode.PushKV), whose stream for the request
+    (Decode.Attach) carries every token: this call carries none. It answers one message
+    when the chain starts the request, then stays open while the chain holds it: it fails
+    (UNAVAILABLE) if the chain breaks first, and ends once the chain is past the request or
+    the caller closes it.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.WorkerLoad]  # type: ignore[assignment]
@@ -58,9 +64,12 @@ class PrefillServicer(metaclass=_abc_1.ABCMeta):
         request: _prefill_pb2.PrefillRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_prefill_pb2.PrefillResponse], _abc.AsyncIterator[_prefill_pb2.PrefillResponse]]:
-        """Runs the chain over the prompt; the tail samples the first token and pushes the KV cache
-        to `decode_address` (Decode.PushKV). Streams the first token as soon as it is known, then
-        one message when the decode pod holds the KV.
+        """Queues the prompt on the chain. The chain's tail samples the first token and pushes it
+        with the KV cache to `decode_address` (Decode.PushKV), whose stream for the request
+        (Decode.Attach) carries every token: this call carries none. It answers one message
+        when the chain starts the request, then stays open while the chain holds it: it fails
+        (UNAVAILABLE) if the chain breaks first, and ends once the chain is past the request or
+        the caller closes it.
         """
 
     @_abc_1.abstractmethod
