@@ -13,7 +13,9 @@ Routing state must be shared by the processes, so without ``--redis URL`` a priv
 ``redis-server`` is started on a free port and stopped on exit (``make setup`` installs it).
 Ctrl-C (or SIGTERM) stops every process; so does any failure during start-up. Once up,
 a process that dies is restarted with backoff and the restart is printed
-(``LocalCluster.supervise``): the service as a whole keeps serving. With ``--autoscale``
+(``LocalCluster.supervise``): the service as a whole keeps serving. Between those, ``baton up``
+waits on its children's exits, the back-off deadlines, the planner's next tick and SIGTERM
+(``LocalCluster.wait_for_change``), not on a clock. With ``--autoscale``
 the operator's planner sizes the decode pods from the pods' own metrics
 (``baton.gateway.local_autoscaler``); its settings are ``PlannerConfig``'s flags.
 Heavy imports happen in ``run`` only.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 from typing import TYPE_CHECKING
 
 from baton import configtree
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 
 DEMO_SHORT_PROMPT = "def fibonacci(n):\n"
 DEMO_LINES_PER_ROUND = 8  # the long demo prompt grows by this many source lines until long enough
-SUPERVISE_S = 0.5  # restarts, reaping drained pods and planner ticks happen this often at most
+# Nothing is due before a child exits, a back-off or the planner's interval ends, or a stop:
+# this bound on a wait is for a wake-up that never came, not a tick.
+SUPERVISOR_WAIT_MAX_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,13 +108,14 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    from baton.gateway.child_exits import StopEvent
     from baton.gateway.local_autoscaler import LocalAutoscaler
     from baton.gateway.local_cluster import LocalCluster
 
     if args.exit_after_demo and not args.demo:
         raise ValueError("--exit-after-demo needs --demo")
     spec = cluster_spec(args)
-    stopping = threading.Event()
+    stopping = StopEvent()  # SIGTERM's handler sets it; it wakes the supervisor's wait
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         with LocalCluster(spec) as cluster:
@@ -135,7 +139,12 @@ def run(args: argparse.Namespace) -> int:
             if autoscaler is not None:
                 print(_autoscaling(spec, cluster.gateway_http_url), flush=True)
             print("serving; Ctrl-C stops every process", flush=True)
-            while not stopping.wait(SUPERVISE_S):
+            while True:
+                planner_due_s = (autoscaler.seconds_to_next_tick() if autoscaler is not None
+                                 else SUPERVISOR_WAIT_MAX_S)
+                cluster.wait_for_change(min(SUPERVISOR_WAIT_MAX_S, planner_due_s), stopping)
+                if stopping.is_set():
+                    break
                 for event in cluster.supervise():
                     print(f"supervisor: {event}", flush=True)
                 for event in autoscaler.tick() if autoscaler is not None else ():
@@ -144,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nstopping", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        stopping.close()
     return 0
 
 

@@ -23,12 +23,17 @@ the ``with`` block) sends SIGTERM, waits ``STOP_TIMEOUT_S``, then SIGKILL; and o
 child asks the kernel for SIGTERM when its parent dies, so even a killed ``baton up``
 leaves nothing behind. Child output goes to one log file per process in ``log_dir``.
 
-Once up, ``supervise()`` (called periodically by ``baton up``, and by the chaos test)
-restarts what died, as Kubernetes restarts a pod: a decode pod or the gateway alone (the
-gateway on the address it had), the whole chain when one of its ranks died (a chain's
-ranks start together: they meet at a fresh rendezvous port), the private redis-server on
-its own port. Each restart waits twice as long as the one before (``RESTART_BACKOFF_S``
-up to ``RESTART_BACKOFF_MAX_S``); a unit that stayed up ``RESTART_STABLE_S`` starts over.
+Nothing here ticks: waits are on the children's exits (``baton.gateway.child_exits``), a
+stop event and deadlines. ``wait_for_change()`` blocks until ``supervise()`` has work,
+and ``baton up`` loops the two. Only readiness is asked again and again, because nothing
+announces it: redis-server's PONG and the routing store's records (``READY_RETRY_*_S``).
+
+Once up, ``supervise()`` restarts what died, as Kubernetes restarts a pod: a decode pod or
+the gateway alone (the gateway on the address it had), the whole chain when one of its
+ranks died (a chain's ranks start together: they meet at a fresh rendezvous port), the
+private redis-server on its own port. Each restart waits twice as long as the one before
+(``RESTART_BACKOFF_S`` up to ``RESTART_BACKOFF_MAX_S``); a unit that stayed up
+``RESTART_STABLE_S`` starts over.
 
 Autoscaled (``spec.autoscale``, driven by ``baton.gateway.local_autoscaler``): every pod
 serves ``/metrics`` on a free port (``metrics_targets()`` names them for the planner), the
@@ -51,16 +56,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
 from baton.config import MtlsConfig, PlannerConfig, ServerConfig, StreamConfig
+from baton.gateway.child_exits import StopEvent, wait_for_exit, wait_for_exits
 from baton.planner.scraper import Target
 
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 STOP_TIMEOUT_S = 10.0
-POLL_S = 0.1
+# Readiness announces itself nowhere (redis-server tells systemd only; the routing store has
+# no watch): it is asked again after a back-off from READY_RETRY_FIRST_S, doubling up to
+# READY_RETRY_MAX_S. Between tries the wait ends at once if a child exits.
+READY_RETRY_FIRST_S = 0.02
+READY_RETRY_MAX_S = 0.5
 MTLS_DAYS = 2.0  # the local CA's certificates outlive any `baton up`; made anew at every start
 RESTART_BACKOFF_S = 0.5  # the wait before the first restart of a unit
 RESTART_BACKOFF_MAX_S = 30.0
@@ -80,6 +91,16 @@ try:  # resolved here, not in the child: between fork and exec only this C call 
 except (OSError, AttributeError):  # not Linux: stop() still cleans up on every normal exit
     _PRCTL = None
 _SETPRIV = shutil.which("setpriv")  # util-linux: sets the death signal, then execs
+
+
+def _ready_retries_s(deadline: float) -> Iterator[float]:
+    """One item per readiness check: the wait after it if it fails, cut to the time left
+    before ``deadline``; the last one, 0, is the check at the deadline."""
+    wait_s = READY_RETRY_FIRST_S
+    while (left_s := deadline - time.monotonic()) > 0:
+        yield min(wait_s, left_s)
+        wait_s = min(2 * wait_s, READY_RETRY_MAX_S)
+    yield 0.0
 
 
 def _die_with_parent() -> None:
@@ -199,9 +220,8 @@ class ManagedRedis:
         """Wait for PONG. A server that dies on start is started once more (one restarted on
         the same port was once seen to die with SIGABRT); a second death raises with the end
         of its log."""
-        deadline = time.monotonic() + timeout_s
         may_restart = True
-        while time.monotonic() < deadline:
+        for wait_s in _ready_retries_s(time.monotonic() + timeout_s):
             if self.process.poll() is not None:
                 if may_restart:
                     may_restart = False
@@ -209,15 +229,18 @@ class ManagedRedis:
                     continue
                 raise RuntimeError(f"redis-server exited with {self.process.returncode} "
                                    f"on port {self.port}; its log ends:\n{self.log_tail()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(POLL_S)
+            if self._answers_ping():
+                return
+            wait_for_exits([self.process], wait_s)  # its death ends the wait at once
         raise TimeoutError(f"redis-server on port {self.port} not ready in {timeout_s:g} s")
+
+    def _answers_ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
 
     def stop(self) -> None:
         _terminate(self.process)
@@ -237,9 +260,7 @@ def _tail(path: Path, num_chars: int) -> str:
 def _terminate(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.terminate()
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+        if not wait_for_exit(process, STOP_TIMEOUT_S):
             process.kill()
             process.wait()
 
@@ -353,9 +374,9 @@ class LocalCluster:
         from baton.routing.redis_store import RedisStore
 
         store = RedisStore(self.redis_url)
+        roles: list[str] = []
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
+            for wait_s in _ready_retries_s(time.monotonic() + timeout_s):
                 self.check_alive()
                 workers = store.list_workers()
                 roles = [worker.role for worker in workers]
@@ -364,10 +385,10 @@ class LocalCluster:
                         and (self.spec.chain_ranks == 0 or "prefill" in roles)):
                     self.gateway_address = gateways[0].address
                     return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the cluster did not register in {timeout_s:g} s; "
-                                       f"registered: {sorted(roles)}; logs in {self.log_dir}")
-                time.sleep(POLL_S)
+                # a child's death ends the wait at once: check_alive then names it
+                wait_for_exits([child.process for child in self.children], wait_s)
+            raise TimeoutError(f"the cluster did not register in {timeout_s:g} s; "
+                               f"registered: {sorted(roles)}; logs in {self.log_dir}")
         finally:
             store.close()
 
@@ -379,45 +400,81 @@ class LocalCluster:
 
     # --- supervision ----------------------------------------------------------------------
 
+    def wait_for_change(self, timeout_s: float, stop: StopEvent | None = None) -> None:
+        """Block until ``supervise()`` has something to do: a child (or the private
+        redis-server) exits, a dead unit's restart back-off ends, a retiring pod exits or
+        outstays its grace; or until ``stop`` is set or ``timeout_s`` has passed."""
+        now = time.monotonic()
+        deadline = now + timeout_s
+        running = []
+        for unit, processes in self._units():
+            alive = [process for process in processes if process.poll() is None]
+            if len(alive) < len(processes):  # dead: due again when its back-off ends
+                deadline = min(deadline, self._restart_due_at(unit))
+            running += alive
+        for child, kill_at in self.retiring:
+            running.append(child.process)
+            deadline = min(deadline, kill_at)
+        wait_for_exits(running, deadline - now, stop)
+
     def supervise(self) -> list[str]:
         """Restart whatever died and is due (see the module's docstring); one line per
         restart, naming the exit code and the attempt."""
         now = time.monotonic()
         events = self._reap_retired(now)
-        if self.redis is not None and self.redis.process.poll() is not None and self._due("redis", now):
+        for unit, processes in self._units():
+            if any(process.poll() is not None for process in processes) and self._due(unit, now):
+                events.append(self._restart(unit))
+        return events
+
+    def _units(self) -> list[tuple[str, list[subprocess.Popen]]]:
+        """What restarts as one, with its processes: the private redis-server, the chain
+        (its ranks meet at one rendezvous: all start again), each other child alone."""
+        units = [("redis", [self.redis.process])] if self.redis is not None else []
+        chain = [child.process for child in self.children if child.role == "prefill"]
+        if chain:
+            units.append(("chain", chain))
+        return units + [(child.name, [child.process]) for child in self.children
+                        if child.role != "prefill"]
+
+    def _restart(self, unit: str) -> str:
+        """Start a dead unit again; the line that says so."""
+        if unit == "redis":
             code = self.redis.process.returncode
             self.redis.start()
-            events.append(self._restarted("redis-server", code, f"on port {self.redis.port}"))
-        chain = [child for child in self.children if child.role == "prefill"]
-        dead_ranks = [child for child in chain if child.process.poll() is not None]
-        if dead_ranks and self._due("chain", now):
+            return self._restarted("redis-server", code, f"on port {self.redis.port}")
+        if unit == "chain":
+            chain = [child for child in self.children if child.role == "prefill"]
+            dead_ranks = [child for child in chain if child.process.poll() is not None]
             for child in chain:
                 _terminate(child.process)
                 self.children.remove(child)
             for rank in range(self.spec.chain_ranks):
                 self._spawn(f"prefill-{rank}", "prefill", self._chain_args(rank))
             names = ", ".join(f"{child.name} ({child.process.returncode})" for child in dead_ranks)
-            events.append(self._restarted("the chain", None, f"(lost {names})"))
-        for child in [child for child in self.children if child.role != "prefill"]:
-            if child.process.poll() is None or not self._due(child.name, now):
-                continue
-            args = child.args
-            if child.role == "gateway" and self.gateway_address:  # keep its address
-                args = ["--server-listen", self.gateway_address,
-                        *args[args.index("--server-listen") + 2:]]
-            self.children.remove(child)
-            self._spawn(child.name, child.role, args)
-            events.append(self._restarted(child.name, child.process.returncode,
-                                          f"(log {child.log_path})"))
-        return events
+            return self._restarted("the chain", None, f"(lost {names})")
+        child = self.child(unit)
+        args = child.args
+        if child.role == "gateway" and self.gateway_address:  # keep its address
+            args = ["--server-listen", self.gateway_address,
+                    *args[args.index("--server-listen") + 2:]]
+        self.children.remove(child)
+        self._spawn(child.name, child.role, args)
+        return self._restarted(child.name, child.process.returncode, f"(log {child.log_path})")
+
+    def _restart_due_at(self, unit: str) -> float:
+        """When a dead unit may start again: its last start plus a back-off that doubles
+        with each restart (a unit that stayed up ``RESTART_STABLE_S`` is past it anyway)."""
+        restarts, last_start = self._restarts.get(unit, (0, -math.inf))
+        return last_start + min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** restarts)
 
     def _due(self, unit: str, now: float) -> bool:
         """Whether a dead unit may start again now (and if so, count the start)."""
+        if now < self._restart_due_at(unit):
+            return False
         restarts, last_start = self._restarts.get(unit, (0, -math.inf))
         if now - last_start > RESTART_STABLE_S:
             restarts = 0
-        if now < last_start + min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** restarts):
-            return False
         self._restarts[unit] = (restarts + 1, now)
         return True
 
