@@ -173,11 +173,40 @@ def test_truncated_push_is_data_loss_and_leaves_nothing(stub, server, checkpoint
     # request elsewhere), naming the push's own failure.
     code, details = status_of(lambda: stub.Attach(decode_pb2.AttachRequest(request_id="truncated",
                                                                           wait_s=5), timeout=10))
-    assert code == grpc.StatusCode.UNAVAILABLE and "DATA_LOSS" in details and "truncated" in details
+    assert code == grpc.StatusCode.DATA_LOSS and "ended after" in details and "truncated" in details
     # The same id can be pushed whole afterwards.
     push(stub, handoff, chunks)
     tokens, _ = collect(stub.Attach(decode_pb2.AttachRequest(request_id="truncated"), timeout=30))
     assert tokens == reference
+
+
+def _header_then_break(handoff, chunks, header_seen):
+    """A PushKV whose sender dies half way: the header and some bytes, then an error."""
+    messages = convert.push_kv_messages(handoff, chunks)
+    yield next(messages)
+    header_seen.wait(10)
+    yield next(messages)
+    raise RuntimeError("the chain's tail died")
+
+
+def test_an_attached_stream_has_the_first_token_at_the_header_and_data_loss_if_the_push_breaks(
+        stub, server, checkpoint):
+    handoff, chunks = prefilled_handoff(checkpoint, "broken-push", PROMPT, MAX_TOKENS)
+    free = server.worker.engine.pool.num_free_blocks
+    attach = stub.Attach(decode_pb2.AttachRequest(request_id="broken-push", wait_s=20), timeout=30)
+    header_seen = threading.Event()
+    pushing = threading.Thread(target=lambda: status_of(
+        lambda: stub.PushKV(_header_then_break(handoff, chunks, header_seen), timeout=30)))
+    pushing.start()
+    first = next(attach)  # before the payload: the push is held until this arrives
+    header_seen.set()
+    assert list(first.token_ids) == [handoff.first_token_id]
+    with pytest.raises(grpc.RpcError) as error:
+        list(attach)
+    pushing.join(30)
+    assert error.value.code() == grpc.StatusCode.DATA_LOSS  # the gateway moves it on, any pod
+    assert "broken-push" in error.value.details()
+    assert server.worker.engine.pool.num_free_blocks == free
 
 
 def test_push_with_a_bad_first_token_or_no_header(stub, checkpoint):

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 from baton.api.requests import FinishReason, Route
-from baton.decode.streams import RequestStream, StreamFailed, merge_steps
+from baton.decode.streams import PushedKVInfo, RequestStream, StreamFailed, merge_steps
 from baton.sarathi.request import RequestOutput
 
 
@@ -92,3 +92,19 @@ def test_the_streams_end_cuts_a_hold_short():
     step, holding, waited_s = asyncio.run(hold_after_a_second_step(30.0, second_finishes=True))
     assert not holding and waited_s < 5
     assert step.token_ids == (1, 2) and step.finish_reason is FinishReason.LENGTH
+
+
+def test_a_pushed_stream_sends_the_headers_first_token_once_and_its_text_once():
+    # The header's token goes out with the text shown for it; the engine's outputs repeat
+    # that token and text (its own detokenizer, possibly over two outputs): both left out.
+    stream = RequestStream("r", 4, Route("here"), PushedKVInfo(1024, 8, 8, 0.25, (0, 2, 4)))
+    stream.publish_first(7, "ab", now_s=1.0)
+    stream.publish(output([7, 8], "a"), now_s=2.0)
+    stream.publish(output([9], "bc"), now_s=3.0)
+    stream.publish(output([10], "d", finished=True), now_s=4.0)
+    steps = list(stream._steps)
+    assert [step.token_ids for step in steps] == [(7,), (8,), (9,), (10,)]
+    assert "".join(step.text for step in steps) == "abcd"
+    last = steps[-1]
+    assert last.usage.completion_tokens == 4 and last.usage.kv_bytes_shipped == 1024
+    assert last.timings.prefill_s == 0.25 and last.route.partition == (0, 2, 4)

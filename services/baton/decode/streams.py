@@ -39,9 +39,10 @@ class StreamFailed(ServiceError):
 
 class PushLost(StreamFailed):
     """The chain's push broke after its header: the caller has the first token and nothing
-    more will come from here (UNAVAILABLE: the gateway continues the stream elsewhere)."""
+    more will come from here (DATA_LOSS: the KV was lost on its way, not this pod, so the
+    gateway continues the stream on any live pod, this one included)."""
 
-    status = "UNAVAILABLE"
+    status = "DATA_LOSS"
 
 
 class EngineStalled(StreamFailed):

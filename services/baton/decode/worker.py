@@ -31,7 +31,7 @@ from baton.api import convert
 from baton.api.requests import DecodeRequest, KVHandoff, Route
 from baton.decode.receiver import PushedCache
 from baton.decode.streams import EngineStalled, PushedKVInfo, PushLost, RequestStream, StreamFailed
-from baton.errors import Aborted, AlreadyExists, NotFound, ResourceExhausted, Unavailable
+from baton.errors import Aborted, AlreadyExists, DataLoss, NotFound, ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.limits import check_prompt
@@ -63,9 +63,10 @@ class RequestAborted(Aborted):
     """The request was aborted before its cache arrived (gRPC ABORTED)."""
 
 
-class PushFailed(Unavailable):
+class PushFailed(DataLoss):
     """The chain's push for this request was refused or lost before its stream opened
-    (gRPC UNAVAILABLE: the caller prefills it elsewhere)."""
+    (gRPC DATA_LOSS: the KV will not come; the caller prefills the prompt, here or
+    elsewhere)."""
 
 
 class DecodeWorker:

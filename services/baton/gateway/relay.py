@@ -191,7 +191,9 @@ class Relay:
                     raise
                 log.warning("request %s: chain %s failed it (%s); prefilling it on a decode "
                             "pod", live.request_id, failed_chain.chain_id, _describe(e))
-                decode = await self._next_pod(live, prompt_ids, sent, reroute, decode, code, e)
+                # The chain failed it, not the decode pod: any live pod may take it (one that
+                # died meanwhile fails the Generate, and the request moves on from there).
+                decode = await self._next_pod(live, prompt_ids, sent, reroute, frozenset(), e)
                 reason += (f"; chain {failed_chain.chain_id} failed it ({code.name}): "
                            f"prefilled on the decode pod")
                 # The chain may still push the KV: the decode pod must refuse it before the
@@ -253,19 +255,13 @@ class Relay:
         log.warning("request %s: decode pod %s failed after %d tokens (%s); moving it (%d of %d)",
                     live.request_id, failed.address, len(sent), _describe(error), moves + 1,
                     self.config.migration_limit)
-        return await self._next_pod(live, prompt_ids, sent, reroute, failed, error.code(), error)
+        return await self._next_pod(live, prompt_ids, sent, reroute, _failed_pod(failed, error.code()),
+                                    error)
 
     async def _next_pod(self, live: LiveRequest, prompt_ids: tuple[int, ...], sent: list[int],
-                        reroute: Reroute, failed: WorkerInfo, code: grpc.StatusCode,
-                        error: Exception) -> WorkerInfo:
-        """A live decode pod for the rest of the request; the failed one only when it still
-        answers (an unreachable address is left out, and so is an incarnation that refused
-        the work: its routing record is older than the process now on that address)."""
-        exclude = frozenset()
-        if code is grpc.StatusCode.UNAVAILABLE:
-            exclude = frozenset({failed.address})
-        elif code is grpc.StatusCode.FAILED_PRECONDITION and failed.incarnation:
-            exclude = frozenset({failed.incarnation})
+                        reroute: Reroute, exclude: frozenset[str], error: Exception) -> WorkerInfo:
+        """A live decode pod for the rest of the request, none in ``exclude`` (addresses or
+        incarnations); raises ``error`` when none came."""
         try:
             decode = await reroute(len(prompt_ids) + len(sent), exclude)
         except Exception as e:  # none came: the request fails with its own cause
@@ -366,6 +362,18 @@ class Relay:
                 continue
             found = found or answer.found
         return found
+
+
+def _failed_pod(failed: WorkerInfo, code: grpc.StatusCode) -> frozenset[str]:
+    """What a request that ``failed`` answered with ``code`` must not be sent to again: the
+    failed pod only when it still answers (an unreachable address is left out, and so is an
+    incarnation that refused the work: its routing record is older than the process now on
+    that address)."""
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return frozenset({failed.address})
+    if code is grpc.StatusCode.FAILED_PRECONDITION and failed.incarnation:
+        return frozenset({failed.incarnation})
+    return frozenset()
 
 
 def _moved(failed: WorkerInfo, decode: WorkerInfo, error: grpc.RpcError, num_sent: int) -> str:

@@ -74,7 +74,7 @@ class DecodeServicer:
         """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
         The header carries the first token, which the request's stream (Attach) sends as soon
         as the header checks out; the KV enters the pool once every byte has arrived and checked
-        out. A push that fails after its header fails the request's stream (UNAVAILABLE).
+        out. A push that fails after its header fails the request's stream (DATA_LOSS).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,7 +90,7 @@ class DecodeServicer:
     def Attach(self, request, context):
         """Streams every token of a request whose KV a chain is computing or pushing, the chain's
         first token included; opened before or while the chain runs. A push this pod refused
-        or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
+        or lost fails it (DATA_LOSS); no push within wait_s, too (NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

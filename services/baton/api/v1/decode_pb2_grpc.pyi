@@ -36,14 +36,14 @@ class DecodeStub:
     """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
     The header carries the first token, which the request's stream (Attach) sends as soon
     as the header checks out; the KV enters the pool once every byte has arrived and checked
-    out. A push that fails after its header fails the request's stream (UNAVAILABLE).
+    out. A push that fails after its header fails the request's stream (DATA_LOSS).
     """
     Generate: _grpc.UnaryStreamMultiCallable[_decode_pb2.DecodeGenerateRequest, _common_pb2.GenerateResponse]
     """A prompt prefilled here (short prompts), streamed like the client API."""
     Attach: _grpc.UnaryStreamMultiCallable[_decode_pb2.AttachRequest, _common_pb2.GenerateResponse]
     """Streams every token of a request whose KV a chain is computing or pushing, the chain's
     first token included; opened before or while the chain runs. A push this pod refused
-    or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
+    or lost fails it (DATA_LOSS); no push within wait_s, too (NOT_FOUND).
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]
     Session: _grpc.StreamStreamMultiCallable[_decode_pb2.SessionCommand, _decode_pb2.SessionSteps]
@@ -62,14 +62,14 @@ class DecodeAsyncStub(DecodeStub):
     """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
     The header carries the first token, which the request's stream (Attach) sends as soon
     as the header checks out; the KV enters the pool once every byte has arrived and checked
-    out. A push that fails after its header fails the request's stream (UNAVAILABLE).
+    out. A push that fails after its header fails the request's stream (DATA_LOSS).
     """
     Generate: _aio.UnaryStreamMultiCallable[_decode_pb2.DecodeGenerateRequest, _common_pb2.GenerateResponse]  # type: ignore[assignment]
     """A prompt prefilled here (short prompts), streamed like the client API."""
     Attach: _aio.UnaryStreamMultiCallable[_decode_pb2.AttachRequest, _common_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams every token of a request whose KV a chain is computing or pushing, the chain's
     first token included; opened before or while the chain runs. A push this pod refused
-    or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
+    or lost fails it (DATA_LOSS); no push within wait_s, too (NOT_FOUND).
     """
     Abort: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortResponse]  # type: ignore[assignment]
     Session: _aio.StreamStreamMultiCallable[_decode_pb2.SessionCommand, _decode_pb2.SessionSteps]  # type: ignore[assignment]
@@ -91,7 +91,7 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
         """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
         The header carries the first token, which the request's stream (Attach) sends as soon
         as the header checks out; the KV enters the pool once every byte has arrived and checked
-        out. A push that fails after its header fails the request's stream (UNAVAILABLE).
+        out. A push that fails after its header fails the request's stream (DATA_LOSS).
         """
 
     @_abc_1.abstractmethod
@@ -110,7 +110,7 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateResponse], _abc.AsyncIterator[_common_pb2.GenerateResponse]]:
         """Streams every token of a request whose KV a chain is computing or pushing, the chain's
         first token included; opened before or while the chain runs. A push this pod refused
-        or lost fails it (UNAVAILABLE), and so does no push within wait_s (NOT_FOUND).
+        or lost fails it (DATA_LOSS); no push within wait_s, too (NOT_FOUND).
         """
 
     @_abc_1.abstractmethod
