@@ -157,7 +157,7 @@ def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_se
     attach = decode.Attach(decode_pb2.AttachRequest(request_id="chain-1", wait_s=60), timeout=120)
     call = stub.Prefill(prefill_request("chain-1", decode_server.address), timeout=120)
     started = next(call).started  # the chain took it; the call stays open while it may hold it
-    assert list(started.partition)[0] == 0 and list(started.partition)[-1] == len(PROMPT)
+    assert started.partition[0] == 0 and started.partition[-1] == len(PROMPT)
     assert len(started.partition) == 3
     tokens, messages = collect(attach)
     call.cancel()
