@@ -59,7 +59,6 @@ from baton.gateway.decode_session import DecodeSession
 from baton.gateway.request_table import LiveRequest
 from baton.gateway.routing_policy import RouteDecision
 from baton.metrics import GatewayMetrics
-from baton.model.tokenizer import Tokenizer
 from baton.mtls import Mtls
 from baton.routing import RequestRecord, WorkerInfo
 from baton.serving import CHANNEL_OPTIONS
@@ -141,10 +140,9 @@ class Channels:
 
 
 class Relay:
-    def __init__(self, channels: Channels, tokenizer: Tokenizer, model_id: str,
+    def __init__(self, channels: Channels, model_id: str,
                  config: GatewayRoutingConfig, metrics: GatewayMetrics) -> None:
         self.channels = channels
-        self.tokenizer = tokenizer
         self.model_id = model_id
         self.config = config
         self.metrics = metrics

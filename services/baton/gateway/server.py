@@ -57,7 +57,7 @@ class GatewayServer:
             view=RoutingView(self.store, config.routing.view_refresh_s, prefixes=PrefixIndex()),
             policy=create_policy(config.gateway, self.model.info.id),
             table=RequestTable(self.store, config.routing.request_ttl_s),
-            relay=Relay(self.channels, self.model.tokenizer, self.model.info.id, config.gateway,
+            relay=Relay(self.channels, self.model.info.id, config.gateway,
                         self.metrics),
             metrics=self.metrics)
         self.keys = ApiKeys(config.auth.api_keys_file)
