@@ -131,19 +131,19 @@ def report(results: dict) -> str:
     return "\n".join([
         "# Time to first token by route: this commit against its baseline",
         "",
-        f"Written by `bench/route_ttft.py` from [route-ttft-results.json.gz](route-ttft-results.json.gz): "
-        f"commit `{results['commit'][:12]}`{'' if results['clean'] else ' (with uncommitted changes)'} "
-        f"against baseline `{results['baseline'][:12]}`, started {results['started']}, finished "
-        f"{results['finished']}.",
+        (f"Written by `bench/route_ttft.py` from [route-ttft-results.json.gz](route-ttft-results.json.gz): "
+         f"commit `{results['commit'][:12]}`{'' if results['clean'] else ' (with uncommitted changes)'} "
+         f"against baseline `{results['baseline'][:12]}`, started {results['started']}, finished "
+         f"{results['finished']}."),
         "",
-        f"Machine: {results['machine']}; load average {results['load_average_end']} at the end. "
-        "Nothing else ran.",
+        (f"Machine: {results['machine']}; load average {results['load_average_end']} at the end. "
+         "Nothing else ran."),
         "",
-        "Each round starts a fresh `LocalCluster` (gateway, a 2-rank chain, one decode pod; KV "
-        "compression off; the chain's break-even off) from one tree, then sends prompts one at a "
-        "time through the gateway's gRPC door, pinned to each route, every prompt new, 8 new "
-        "tokens each, greedy. TTFT is the client's: request sent to first streamed token. The "
-        "trees alternate round by round.",
+        ("Each round starts a fresh `LocalCluster` (gateway, a 2-rank chain, one decode pod; KV "
+         "compression off; the chain's break-even off) from one tree, then sends prompts one at a "
+         "time through the gateway's gRPC door, pinned to each route, every prompt new, 8 new "
+         "tokens each, greedy. TTFT is the client's: request sent to first streamed token. The "
+         "trees alternate round by round."),
         "",
         markdown_table(["route", "prompt tokens", "requests per tree", "baseline TTFT P50 ms",
                         "this TTFT P50 ms", "this / baseline", "per round"], rows),

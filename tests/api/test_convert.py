@@ -120,9 +120,12 @@ def test_push_kv_stream_round_trip():
                         partition=(0, 2, 3))
     stream = [through_the_wire(m) for m in convert.push_kv_messages(handoff, encoded.chunks(64))]
     assert stream[0].WhichOneof("part") == "header"
-    received, chunks = convert.read_push_kv(iter(stream))
+    assert stream[-1].WhichOneof("part") == "trailer"  # the checksum, taken as the bytes went
+    received, parts = convert.read_push_kv(iter(stream))
     assert received == handoff
+    *chunks, checksum = parts
     assert b"".join(chunks) == b"".join(encoded.chunks())
+    assert checksum == encoded.checksum()
 
 
 def test_push_kv_stream_shape_errors():
@@ -132,9 +135,9 @@ def test_push_kv_stream_shape_errors():
     with pytest.raises(KVDataLoss):
         convert.read_push_kv(iter([]))
     header = decode_pb2.PushKVRequest(header=decode_pb2.PushKVHeader())
-    _, chunks = convert.read_push_kv(iter([header, chunk, header]))
+    _, parts = convert.read_push_kv(iter([header, chunk, header]))
     with pytest.raises(KVMalformed, match="second header"):
-        list(chunks)
+        list(parts)
 
 
 @pytest.mark.parametrize("error, code", [

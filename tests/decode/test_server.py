@@ -151,7 +151,6 @@ def _header(handoff, **changes):
     ({"num_kv_heads": 2}, grpc.StatusCode.FAILED_PRECONDITION, "2"),
     ({"dtype": "float16"}, grpc.StatusCode.FAILED_PRECONDITION, "float16"),
     ({"total_bytes": 123}, grpc.StatusCode.INVALID_ARGUMENT, "123"),
-    ({"checksum": 7}, grpc.StatusCode.DATA_LOSS, "checksum"),
 ])
 def test_pushed_cache_for_another_model_or_shape_is_refused(stub, server, checkpoint, change,
                                                             code, named):
@@ -178,6 +177,16 @@ def test_truncated_push_is_data_loss_and_leaves_nothing(stub, server, checkpoint
     push(stub, handoff, chunks)
     tokens, _ = collect(stub.Attach(decode_pb2.AttachRequest(request_id="truncated"), timeout=30))
     assert tokens == reference
+
+
+def test_a_push_whose_bytes_do_not_match_its_checksum_is_data_loss(stub, server, checkpoint):
+    handoff, chunks = prefilled_handoff(checkpoint, "bad-checksum", PROMPT, MAX_TOKENS)
+    free = server.worker.engine.pool.num_free_blocks
+    *messages, trailer = convert.push_kv_messages(handoff, chunks)
+    trailer.trailer.checksum ^= 1
+    code, details = status_of(lambda: stub.PushKV(iter([*messages, trailer]), timeout=30))
+    assert code == grpc.StatusCode.DATA_LOSS and "checksum" in details
+    assert server.worker.engine.pool.num_free_blocks == free
 
 
 def _header_then_break(handoff, chunks, header_seen):

@@ -37,11 +37,17 @@ def pyramid_cache(dtype: torch.dtype = torch.float32, prompt: int = 300) -> list
     return layers
 
 
-def receive(header, chunks, spec=SPEC) -> list[LayerKV]:
+def receive(header, chunks, spec=SPEC, checksum=None) -> list[LayerKV]:
+    """Assemble ``chunks``; the sender's checksum is theirs unless given."""
+    chunks = list(chunks)
+    if checksum is None:
+        checksum = 0
+        for chunk in chunks:
+            checksum = zlib.crc32(chunk, checksum)
     with KVAssembler(header, spec) as assembler:
         for chunk in chunks:
             assembler.add(chunk)
-        return assembler.finish()
+        return assembler.finish(checksum)
 
 
 def assert_same(sent: list[LayerKV], received: list[LayerKV]) -> None:
@@ -87,8 +93,7 @@ def test_other_byte_order_is_swapped():
             raw = tensor.contiguous().view(torch.uint8).reshape(-1, width).flip(1)
             swapped += raw.numpy().tobytes()
     assert len(swapped) == len(native)
-    header = dataclasses.replace(encode_kv(layers, "r", "tiny", "rev-1").header, byte_order=other,
-                                 checksum=zlib.crc32(swapped))
+    header = dataclasses.replace(encode_kv(layers, "r", "tiny", "rev-1").header, byte_order=other)
     assert_same(layers, receive(header, [bytes(swapped)], dataclasses.replace(SPEC, dtype="float16")))
 
 
@@ -100,7 +105,7 @@ def test_truncated_stream_is_data_loss_and_leaves_nothing():
                                          f"{encoded.header.total_bytes} bytes"), assembler:
         for chunk in chunks[:-1]:
             assembler.add(chunk)
-        assembler.finish()
+        assembler.finish(encoded.checksum())
     with pytest.raises(RuntimeError, match="discarded"):
         assembler.add(chunks[-1])
 
@@ -116,7 +121,12 @@ def test_bad_checksum_is_data_loss():
     chunks = [bytearray(chunk) for chunk in encoded.chunks(4096)]
     chunks[1][17] ^= 0x40  # one flipped bit somewhere in the keys
     with pytest.raises(KVDataLoss, match="checksum"):
-        receive(encoded.header, chunks)
+        receive(encoded.header, chunks, checksum=encoded.checksum())
+    with pytest.raises(KVDataLoss, match="without its checksum"), \
+            KVAssembler(encoded.header, SPEC) as assembler:
+        for chunk in encoded.chunks():
+            assembler.add(chunk)
+        assembler.finish(None)
 
 
 @pytest.mark.parametrize("change, message", [

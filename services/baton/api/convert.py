@@ -10,6 +10,7 @@ catches. Unset ``optional`` proto fields become the domain defaults.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -306,10 +307,14 @@ def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
 
 def push_kv_messages(handoff: KVHandoff, chunks: Iterable[bytes],
                      ) -> Iterator[decode_pb2.PushKVRequest]:
-    """The PushKV request stream: the header, then one message per payload chunk."""
+    """The PushKV request stream: the header, one message per payload chunk, then the
+    trailer with the CRC-32 of the chunks, taken as they go out."""
     yield decode_pb2.PushKVRequest(header=handoff_to_proto(handoff))
+    checksum = 0
     for chunk in chunks:
+        checksum = zlib.crc32(chunk, checksum)
         yield decode_pb2.PushKVRequest(chunk=chunk)
+    yield decode_pb2.PushKVRequest(trailer=decode_pb2.PushKVTrailer(checksum=checksum))
 
 
 def push_kv_header(first: decode_pb2.PushKVRequest | None) -> KVHandoff:
@@ -321,22 +326,27 @@ def push_kv_header(first: decode_pb2.PushKVRequest | None) -> KVHandoff:
     return handoff_from_proto(first.header)
 
 
-def push_kv_chunk(message: decode_pb2.PushKVRequest) -> bytes:
-    """A payload chunk of a PushKV stream (any message after the header)."""
-    if message.WhichOneof("part") != "chunk":
-        raise KVMalformed("PushKV stream sent a second header")
-    return message.chunk
+def push_kv_part(message: decode_pb2.PushKVRequest) -> bytes | int:
+    """A message after a PushKV stream's header: a payload chunk (bytes), or the trailer's
+    checksum (int), which must be the last message."""
+    kind = message.WhichOneof("part")
+    if kind == "chunk":
+        return message.chunk
+    if kind == "trailer":
+        return message.trailer.checksum
+    raise KVMalformed("PushKV stream sent a second header" if kind == "header" else
+                      "PushKV stream sent an empty message")
 
 
 def read_push_kv(messages: Iterator[decode_pb2.PushKVRequest],
-                 ) -> tuple[KVHandoff, Iterator[bytes]]:
-    """Split a PushKV stream into its handoff and its payload chunks.
+                 ) -> tuple[KVHandoff, Iterator[bytes | int]]:
+    """Split a PushKV stream into its handoff and the parts after it (``push_kv_part``).
 
     Raises KVMalformed when the stream does not open with a header or repeats it; an empty
     stream is KVDataLoss (nothing arrived).
     """
     handoff = push_kv_header(next(messages, None))
-    return handoff, (push_kv_chunk(message) for message in messages)
+    return handoff, (push_kv_part(message) for message in messages)
 
 
 # --- errors --------------------------------------------------------------------------------------

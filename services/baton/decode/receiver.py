@@ -102,10 +102,17 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
     """The rest of a PushKV stream whose header checked out, as a checked cache (views into
     one receive buffer)."""
     stall_s = STALL_S if stall_s is None else stall_s
+    checksum = None  # the trailer's: the last message
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:
-            assembler.add(convert.push_kv_chunk(message))
-        layers = assembler.finish()
+            if checksum is not None:
+                raise KVMalformed(f"PushKV stream for {handoff.request_id!r} went on after its checksum")
+            part = convert.push_kv_part(message)
+            if isinstance(part, int):
+                checksum = part
+            else:
+                assembler.add(part)
+        layers = assembler.finish(checksum)
     last_position = len(handoff.prompt_token_ids) - 1
     for index, layer in enumerate(layers):
         if int(layer.positions[-1]) > last_position:

@@ -1,5 +1,5 @@
-"""The KV cache on the wire: a header, then raw tensor bytes in ~1 MiB chunks
-(docs/architecture.md, "KV on the wire").
+"""The KV cache on the wire: a header, then raw tensor bytes in ~1 MiB chunks, then their
+checksum (docs/architecture.md, "KV on the wire").
 
 Design: a prefill chain's tail ships a (pyramid-shaped) cache to a decode pod. The sender
 describes the payload in a ``KVHeader`` and streams the bytes of the tensors themselves; no
@@ -13,7 +13,9 @@ one 64-byte-aligned receive buffer: the received layers are *views* into that bu
 (no copy after the one from the network). The header keeps per-layer token counts, so it
 stays small at any context length (its size is independent of S).
 
-The receiver (``KVAssembler``) checks the header against what it serves (``KVSpec``)
+The checksum (CRC-32) follows the payload: the sender computes it as the bytes go out, so
+its header, which carries the request's first token, leaves before a byte of the cache is
+read. The receiver (``KVAssembler``) checks the header against what it serves (``KVSpec``)
 before allocating anything, checks the byte count and the CRC-32 after the last chunk,
 then the positions; only then does the cache exist for the caller. A stream that ends early
 or fails leaves nothing behind (``discard``). Errors say what was wrong with the numbers:
@@ -87,8 +89,7 @@ class KVHeader:
     head_dim: int
     byte_order: str
     total_bytes: int
-    checksum: int
-    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    checksum_algorithm: str = CHECKSUM_ALGORITHM  # of the payload, which the checksum follows
 
     @property
     def element_bytes(self) -> int:
@@ -130,6 +131,13 @@ class EncodedKV:
     header: KVHeader
     segments: list[memoryview]
 
+    def checksum(self) -> int:
+        """The payload's CRC-32 (what the sender's chunks add up to)."""
+        value = 0
+        for segment in self.segments:
+            value = zlib.crc32(segment, value)
+        return value
+
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """The payload in pieces of ``chunk_bytes`` (the last may be shorter).
 
@@ -156,7 +164,8 @@ class EncodedKV:
 
 def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
               model_revision: str) -> EncodedKV:
-    """Describe and checksum a cache for shipping (k, v: [S_l, Hkv, D]; positions: [S_l])."""
+    """Describe a cache for shipping (k, v: [S_l, Hkv, D]; positions: [S_l]); nothing is
+    read yet (the checksum is taken as the chunks go out: ``checksum``)."""
     if not layers:
         raise ValueError("cannot ship a KV cache with no layers")
     first = layers[0].k
@@ -172,14 +181,11 @@ def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
     segments = [_byte_view(layer.positions.to(POSITION_DTYPE)) for layer in layers]
     for layer in layers:
         segments += [_byte_view(layer.k), _byte_view(layer.v)]
-    checksum = 0
-    for segment in segments:
-        checksum = zlib.crc32(segment, checksum)
     header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
                       dtype=dtype_name(dtype), num_layers=len(layers),
                       layer_num_tokens=tuple(layer.num_tokens for layer in layers),
                       num_kv_heads=num_kv_heads, head_dim=head_dim, byte_order=sys.byteorder,
-                      total_bytes=sum(len(segment) for segment in segments), checksum=checksum)
+                      total_bytes=sum(len(segment) for segment in segments))
     return EncodedKV(header, segments)
 
 
@@ -256,16 +262,19 @@ class KVAssembler:
         self._checksum = zlib.crc32(chunk, self._checksum)
         self.bytes_received = end
 
-    def finish(self) -> list[LayerKV]:
-        """The received cache (views into one buffer), after checking size, checksum, positions."""
+    def finish(self, checksum: int | None) -> list[LayerKV]:
+        """The received cache (views into one buffer), after checking size, the sender's
+        ``checksum`` (None: none arrived) and the positions."""
         if self._buffer is None:
             raise RuntimeError("this KV assembler is finished or discarded")
         if self.bytes_received != self.header.total_bytes:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} ended after "
                              f"{self.bytes_received} of {self.header.total_bytes} bytes")
-        if self._checksum != self.header.checksum:
+        if checksum is None:
+            raise KVDataLoss(f"KV stream for {self.header.request_id!r} ended without its checksum")
+        if self._checksum != checksum:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} has checksum "
-                             f"{self._checksum:#010x}, its header says {self.header.checksum:#010x}")
+                             f"{self._checksum:#010x}, its sender says {checksum:#010x}")
         layers = self._unpack(self._buffer)
         self._check_positions(layers)
         self.discard()  # the layers keep the buffer alive; the assembler lets go of it

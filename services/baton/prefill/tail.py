@@ -19,6 +19,7 @@ deployment's settings with the request's overrides (``baton.pyramid.request_conf
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable
 
@@ -61,6 +62,7 @@ class TailSink:
         self.on_fail = on_fail
         self.mtls = mtls or Mtls(MtlsConfig())
         self._channels: dict[str, grpc.Channel] = {}
+        self._pushes: dict[str, PushCall] = {}  # opened for the request being computed
         self._generation = self.mtls.generation()
 
     # --- ChainSink -------------------------------------------------------------------------
@@ -77,14 +79,17 @@ class TailSink:
         request = read_details(self.current_details())
         settings = request_config(self.pyramid, request.compression.enabled,
                                   request.compression.keep_ratio)
+        self._open_push(request)  # set up while the chain computes, off the first token's path
         # The request's own settings, not the deployment's: its keep_ratio holds here too.
         return compressor_factory(settings, self.model_config)(prompt_length) if settings.enabled else None
 
     def deliver(self, result: ChainResult) -> None:
         request = read_details(result.details)
+        push = self._pushes.pop(request.request_id, None) or self._open_push(request, keep=False)
         try:
-            self._ship(request, result)
+            self._ship(request, result, push)
         except Exception as e:  # noqa: BLE001 - one request's failure is logged, the chain goes on
+            push.cancel()  # (a no-op once the pod has answered)
             code = e.code().name if isinstance(e, grpc.RpcError) else convert.status_for(e).name
             details = e.details() if isinstance(e, grpc.RpcError) else str(e)
             log.warning("request %s not shipped to %s: %s %s", request.request_id,
@@ -93,7 +98,17 @@ class TailSink:
 
     # --- one request -----------------------------------------------------------------------
 
-    def _ship(self, request: PrefillRequest, result: ChainResult) -> None:
+    def _open_push(self, request: PrefillRequest, keep: bool = True) -> PushCall:
+        """The request's PushKV call, opened now: its setup (a stream, the pod's handler) costs
+        ~2 ms, which the chain's compute hides when it is opened before it (``keep``)."""
+        for stale in self._pushes.values():  # the chain moved on without delivering them
+            stale.cancel()
+        stub = decode_pb2_grpc.DecodeStub(self._channel(request.decode_address))
+        push = PushCall(stub)
+        self._pushes = {request.request_id: push} if keep else {}
+        return push
+
+    def _ship(self, request: PrefillRequest, result: ChainResult, push: PushCall) -> None:
         first_token = Sampler(request.sampling).sample(result.first_token_logits, position=0)
         self.metrics.record_partition(result.boundaries)
         self.metrics.record_prefill(len(request.prompt_token_ids), result.ttft_s)
@@ -105,8 +120,7 @@ class TailSink:
         handoff = KVHandoff(encoded.header, request.prompt_token_ids, first_token,
                             request.sampling, request.compression, request.decode_incarnation,
                             request.cache_salt, result.ttft_s, tuple(result.boundaries))
-        stub = decode_pb2_grpc.DecodeStub(self._channel(request.decode_address))
-        stub.PushKV(convert.push_kv_messages(handoff, encoded.chunks()), timeout=PUSH_TIMEOUT_S)
+        push.send(convert.push_kv_messages(handoff, encoded.chunks()))
         self.metrics.kv_bytes_shipped.inc(encoded.header.total_bytes)
         self.metrics.compression_ratio.observe(kept / full)
         self.metrics.kv_push_s.observe(time.monotonic() - push_start)
@@ -125,6 +139,27 @@ class TailSink:
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()
+
+
+class PushCall:
+    """A Decode.PushKV call opened before its messages exist: they are fed to it later."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
+        self._messages: queue.SimpleQueue = queue.SimpleQueue()
+        self._future = stub.PushKV.future(iter(self._messages.get, None), timeout=PUSH_TIMEOUT_S)
+
+    def send(self, messages) -> None:
+        """Send every message, then wait for the pod's answer (raises its status)."""
+        try:
+            for message in messages:
+                self._messages.put(message)
+        finally:
+            self._messages.put(None)  # the stream's end (a half-sent one fails on the pod)
+        self._future.result()
+
+    def cancel(self) -> None:
+        self._messages.put(None)
+        self._future.cancel()
 
 
 def read_details(details: bytes) -> PrefillRequest:

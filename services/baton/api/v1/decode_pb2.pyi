@@ -31,12 +31,20 @@ class PushKVHeader(_message.Message):
     def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: PushKVHeader
     chunk: bytes
-    def __init__(self, header: _Optional[_Union[PushKVHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    trailer: PushKVTrailer
+    def __init__(self, header: _Optional[_Union[PushKVHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[PushKVTrailer, _Mapping]] = ...) -> None: ...
+
+class PushKVTrailer(_message.Message):
+    __slots__ = ("checksum",)
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    checksum: int
+    def __init__(self, checksum: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("request_id", "bytes_received")
