@@ -103,10 +103,10 @@ def test_pushed_cache_then_attach_continues_like_the_monolithic_engine(stub, che
     assert usage.kv_tokens_kept == usage.kv_tokens_full == len(PROMPT) * handoff.kv.num_layers
 
 
-def test_attach_may_come_before_the_push(stub, checkpoint, reference):
+def test_attach_may_come_before_the_push(stub, server, checkpoint, reference):
     handoff, chunks = prefilled_handoff(checkpoint, "early-attach", PROMPT, MAX_TOKENS)
     stream = stub.Attach(decode_pb2.AttachRequest(request_id="early-attach", wait_s=20), timeout=30)
-    time.sleep(0.2)  # the Attach is waiting on the server
+    wait_until(lambda: server.servicer.attaches_waiting == 1)  # it waits on the server
     push(stub, handoff, chunks)
     tokens, _ = collect(stream)
     assert tokens == reference
@@ -140,6 +140,17 @@ def test_duplicate_live_request_id_is_already_exists(stub):
     code, details = status_of(lambda: stub.Generate(generate_request("twice"), timeout=10))
     assert code == grpc.StatusCode.ALREADY_EXISTS and "twice" in details
     first.cancel()
+
+
+def test_an_aborted_ids_next_generate_waits_for_it_to_leave(stub, reference):
+    # As the gateway does after a chain failed a request: abort the id here, then prefill
+    # the prompt under the same id; the second call waits for the first to leave the engine.
+    first = stub.Generate(generate_request("again", max_tokens=200), timeout=30)
+    next(first)
+    assert stub.Abort(common_pb2.AbortRequest(request_id="again"), timeout=10).found
+    tokens, _ = collect(stub.Generate(generate_request("again"), timeout=30))
+    assert tokens == reference
+    assert list(first)[-1].finish_reason == common_pb2.FINISH_REASON_ABORTED
 
 
 def _header(handoff, **changes):
@@ -345,7 +356,8 @@ def test_attach_callers_that_give_up_do_not_keep_the_servers_threads(stub):
 
 
 @pytest.mark.parametrize("ending", ["max_tokens=1", "first token is a stop token"])
-def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once(stub, checkpoint, ending):
+def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once(stub, server,
+                                                                                checkpoint, ending):
     # The chain's first token is the whole answer (max_tokens 1, or it is a stop token), so
     # the pod finishes the request as the cache arrives, before any Attach; the Attach must
     # get its end at once, not wait for a cache that already came.
@@ -356,7 +368,7 @@ def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once
         handoff = dataclasses.replace(handoff, sampling=dataclasses.replace(
             handoff.sampling, stop_token_ids=[handoff.first_token_id]))
     push(stub, handoff, chunks)
-    time.sleep(0.3)  # the engine admits and finishes it meanwhile
+    wait_until(lambda: not server.worker.engine.has_unfinished())  # admitted and finished
     started = time.monotonic()
     tokens, messages = collect(stub.Attach(decode_pb2.AttachRequest(request_id=request_id, wait_s=20),
                                            timeout=30))

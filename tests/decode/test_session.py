@@ -122,12 +122,13 @@ def test_a_bad_request_fails_alone_with_the_status_of_its_own_call(stub, referen
     assert [t for step in session.steps[2] if step.HasField("step") for t in step.step.token_ids] == reference
 
 
-def test_an_attach_on_a_session_continues_a_pushed_cache(stub, checkpoint, reference):
+def test_an_attach_on_a_session_continues_a_pushed_cache(stub, server, checkpoint, reference):
     handoff, chunks = prefilled_handoff(checkpoint, "session-pushed", PROMPT, MAX_TOKENS)
     session = Session(stub)
     session.commands.put(decode_pb2.SessionCommand(stream=7, attach=decode_pb2.AttachRequest(
         request_id="session-pushed", wait_s=20)))
-    time.sleep(0.2)  # the Attach waits on the pod, holding up nothing else on the session
+    # the Attach waits on the pod, holding up nothing else on the session
+    session.wait_for(lambda: server.servicer.attaches_waiting == 1)
     session.generate(8, "beside-the-attach")
     session.wait_for(lambda: session.ended(8))
     push(stub, handoff, chunks)

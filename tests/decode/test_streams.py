@@ -43,7 +43,7 @@ def test_a_reader_waits_for_the_wake_and_gets_the_failure_after_the_steps_before
     async def run():
         stream = RequestStream("r", 4, Route("here"))
         reader = asyncio.ensure_future(stream.next_steps())
-        await asyncio.sleep(0.05)
+        await settle()
         assert not reader.done()  # nothing published yet
         stream.publish(output([7], "x"), now_s=0.0)
         stream.fail("the engine failed")
@@ -63,27 +63,33 @@ def test_merge_of_one_step_is_the_step():
     assert merge_steps([step]) is step
 
 
+async def settle() -> None:
+    """Let every task that can run do so (no wall-clock time needs to pass)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
 async def hold_after_a_second_step(hold_s: float, second_finishes: bool):
     """A reader holding for ``hold_s`` after the first step, and a second step published
-    50 ms into the hold; returns what the reader got, whether it was still holding 100 ms
-    in, and how long it waited."""
+    into the hold; returns what the reader got, whether it was still holding once the
+    second step's wake was handled, and how long it waited."""
     stream = RequestStream("r", 4, Route("here"))
     loop = asyncio.get_running_loop()
     stream.publish(output([1], "a"), now_s=0.0)
     stream.wake()
     started = loop.time()
     reader = asyncio.ensure_future(stream.next_steps(hold_until=started + hold_s))
-    await asyncio.sleep(0.05)
+    await settle()
     stream.publish(output([2], "b", finished=second_finishes), now_s=0.1)
     stream.wake()
-    await asyncio.sleep(0.05)
+    await settle()
     holding = not reader.done()
     step = await asyncio.wait_for(reader, 5)
     return step, holding, loop.time() - started
 
 
 def test_a_holding_reader_takes_the_steps_of_its_hold_as_one_message():
-    step, holding, _ = asyncio.run(hold_after_a_second_step(0.3, second_finishes=False))
+    step, holding, _ = asyncio.run(hold_after_a_second_step(1.0, second_finishes=False))
     assert holding  # a step in the hold does not end it
     assert step.token_ids == (1, 2) and step.text == "ab" and step.finish_reason is None
 

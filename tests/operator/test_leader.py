@@ -48,13 +48,22 @@ def test_a_deposed_leader_stops_its_work(cluster):
     usurper = LeaseElector(cluster.kube, NS, "baton-operator", "operator-b", 15, usurper_clock)
     stopped = []
 
+    def holder() -> str | None:
+        try:
+            return cluster.kube.get("Lease", NS, "baton-operator")["spec"]["holderIdentity"]
+        except Exception:  # noqa: BLE001 - no lease yet
+            return None
+
     async def work(stop_flag: asyncio.Event):
         await stop_flag.wait()
         stopped.append(True)
 
     async def scenario():
         running = asyncio.create_task(run_as_leader(leader, work, retry_s=0.05))
-        await asyncio.sleep(0.3)
+        deadline = asyncio.get_running_loop().time() + 10
+        while await asyncio.to_thread(holder) != "operator-a":  # until it leads
+            assert asyncio.get_running_loop().time() < deadline, "operator-a never took the lease"
+            await asyncio.sleep(0.01)
         assert not running.done() and not stopped  # leading and working
         usurper_clock.advance(60)
         assert await asyncio.to_thread(usurper.try_acquire_or_renew)

@@ -7,10 +7,21 @@ from baton.routing import InMemoryStore
 from baton.routing.redis_store import RedisStore
 
 
+class TestClock:
+    """The in-memory store's clock in a test: time passes when the test says so."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
 @pytest.fixture(params=["memory", "redis"])
 def store(request):
     if request.param == "memory":
-        yield InMemoryStore()
+        memory = InMemoryStore(clock=TestClock())
+        yield memory
         return
     server = request.getfixturevalue("redis_server")
     redis_store = RedisStore(server.url, namespace="test")

@@ -25,13 +25,16 @@ from baton.decode.answers import failure_answer
 from baton.decode.receiver import Incarnation, check_push, receive_body, receive_header
 from baton.decode.session import PodSession
 from baton.decode.streams import RequestStream, StreamFailed
-from baton.decode.worker import DecodeWorker, RequestNotFound
+from baton.decode.worker import DecodeWorker, RequestLeaving, RequestNotFound
 from baton.errors import PermissionDenied, Unavailable, check_incarnation
 from baton.kv.wire import KVSpec
 from baton.mtls import Mtls, require_role
 
 DEFAULT_ATTACH_WAIT_S = 60.0  # an Attach that names no wait_s waits this long for the push
 MAX_ATTACH_WAIT_S = 600.0  # and none waits longer
+# A Generate for an id whose aborted stream is still leaving the engine (the gateway aborts
+# a chain's push, then prefills the prompt here under the same id) waits this long for it.
+LEAVING_WAIT_S = 5.0
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the error's status (raises, as ``context.abort`` does)."""
@@ -87,6 +90,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.max_pending_pushes = max_pending_pushes
         self.pushes_in_progress = 0  # only the event loop changes it
         self.sessions: set[PodSession] = set()  # open Session calls (the event loop's)
+        self.attaches_waiting = 0  # Attach calls waiting for their push to begin (the loop's)
 
     def ready(self, worker: DecodeWorker, spec: KVSpec, loop: asyncio.AbstractEventLoop,
               incarnation: Incarnation) -> None:
@@ -203,7 +207,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise Unavailable("the decode pod is shutting down")
         if isinstance(request, decode_pb2.DecodeGenerateRequest):
             self._check_incarnation(f"request {request.request_id!r}", request.incarnation)
-            return worker.submit_prompt(convert.decode_request_from_proto(request))
+            return await self._submit(worker, convert.decode_request_from_proto(request))
         self._check_incarnation(f"the Attach of {request.request_id!r}", request.incarnation)
         return await self._attach(worker, request.request_id, attach_wait_s(request.wait_s))
 
@@ -212,17 +216,35 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     # --- waiting and streaming -----------------------------------------------------------------
 
+    async def _submit(self, worker: DecodeWorker, request) -> RequestStream:
+        """Submit a prompt; one whose id an aborted stream still holds waits for it to leave
+        (``LEAVING_WAIT_S`` at most, then ALREADY_EXISTS as for any live id)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LEAVING_WAIT_S
+        while True:
+            try:
+                return worker.submit_prompt(request)
+            except RequestLeaving:
+                remaining_s = deadline - loop.time()
+                if remaining_s <= 0:
+                    raise
+                await self.changes.wait(remaining_s)
+
     async def _attach(self, worker: DecodeWorker, request_id: str, wait_s: float) -> RequestStream:
         """The pushed request's stream, waiting up to ``wait_s`` for its cache to arrive (a
         caller that leaves first cancels this wait)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        while (stream := worker.try_attach(request_id)) is None:
-            remaining_s = deadline - loop.time()
-            if remaining_s <= 0:
-                raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
-                                      f"{wait_s:.3g} s for its KV)")
-            await self.changes.wait(remaining_s)
+        self.attaches_waiting += 1
+        try:
+            while (stream := worker.try_attach(request_id)) is None:
+                remaining_s = deadline - loop.time()
+                if remaining_s <= 0:
+                    raise RequestNotFound(f"no request {request_id!r} on this decode pod (waited "
+                                          f"{wait_s:.3g} s for its KV)")
+                await self.changes.wait(remaining_s)
+        finally:
+            self.attaches_waiting -= 1
         return stream
 
     async def _relay(self, worker: DecodeWorker, stream: RequestStream,

@@ -79,6 +79,7 @@ class RequestStream:
     expired: bool = False  # pushed, and no Attach came within the lease: aborted
     queued: bool = False  # a local prompt counted in the worker's queue until its first token
     in_engine: bool = True  # False while a pushed request's KV is still arriving
+    leaving: bool = False  # aborted: the engine's last output for it is on its way
     _repeat: bool = False  # the engine's first output will repeat the header's first token
     _echo: str = ""  # and the text of it that was shown, still to be left out
     _steps: collections.deque = field(default_factory=collections.deque)  # appended by the loop thread

@@ -55,6 +55,11 @@ class RequestExists(AlreadyExists):
     """A live request already has this id (gRPC ALREADY_EXISTS)."""
 
 
+class RequestLeaving(RequestExists):
+    """The id's stream was aborted and has not left the engine yet (ALREADY_EXISTS if it
+    does not leave in time)."""
+
+
 class RequestNotFound(NotFound):
     """No state for this request id (gRPC NOT_FOUND)."""
 
@@ -236,6 +241,7 @@ class DecodeWorker:
         with self._lock:
             stream = self._streams.get(request_id)
             if stream is not None and stream.in_engine:
+                stream.leaving = True
                 self.engine.abort(request_id)  # its stream ends with finish reason "aborted"
                 return True
             self._aborted_early[request_id] = None  # a push or attach may still be on its way
@@ -272,7 +278,11 @@ class DecodeWorker:
         self.on_published([stream])
 
     def _claim(self, stream: RequestStream) -> None:
-        if stream.request_id in self._streams:
+        existing = self._streams.get(stream.request_id)
+        if existing is not None and existing.leaving:
+            raise RequestLeaving(f"request id {stream.request_id!r} is still leaving this pod "
+                                 f"(aborted)")
+        if existing is not None:
             raise RequestExists(f"request id {stream.request_id!r} is already live on this pod")
         self._streams[stream.request_id] = stream
         self.on_change()  # the caller holds _lock: on_change only schedules, it never waits
@@ -443,4 +453,5 @@ class DecodeWorker:
         for stream in streams:
             stream.fail(message, error)
         self.on_published(streams)
+        self.on_change()
         return streams

@@ -39,7 +39,10 @@ from baton.gateway.served_model import ServedModel
 from baton.metrics import GatewayMetrics
 from baton.routing import RequestRecord, RoutingView, WorkerInfo
 
-REROUTE_POLL_S = 0.25  # how often a request that lost its pod looks for another
+# A request that lost its pod (or finds none) re-reads the routing store this often for
+# one: the store cannot notify (workers appear as records with a TTL), so this wait is a
+# bounded re-read on a deadline (reroute_wait_s), not a wait on an event.
+REROUTE_RECHECK_S = 0.25
 
 
 class StreamClock:
@@ -183,7 +186,7 @@ class Generations:
 
     async def _until_a_pod_is_live(self, attempt, retried: tuple[type[Exception], ...],
                                    give_up_when_draining: bool = False):
-        """``await attempt()`` again every ``REROUTE_POLL_S`` while it raises one of
+        """``await attempt()`` again every ``REROUTE_RECHECK_S`` while it raises one of
         ``retried``, for ``reroute_wait_s`` at most (then its last error is raised)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.relay.config.reroute_wait_s
@@ -193,7 +196,7 @@ class Generations:
             except retried:
                 if loop.time() >= deadline or (give_up_when_draining and self.draining):
                     raise
-            await asyncio.sleep(REROUTE_POLL_S)
+            await asyncio.sleep(REROUTE_RECHECK_S)
 
     def _admit(self, request: GenerateRequest, owner: str
                ) -> tuple[LiveRequest, tuple[int, ...], RouteDecision]:

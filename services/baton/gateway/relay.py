@@ -64,8 +64,6 @@ from baton.routing import RequestRecord, WorkerInfo
 from baton.serving import CHANNEL_OPTIONS
 
 ABORT_TIMEOUT_S = 5.0  # an Abort to a pod that does not answer in this long is given up
-REPLACE_WAIT_S = 5.0  # how long a request may wait for the decode pod to drop a chain's push
-REPLACE_POLL_S = 0.05
 RETIRED_CHANNEL_GRACE_S = 600.0  # calls on a channel replaced by rotated certificates may end
 # What a failed pod (or a failed chain) answers, as opposed to what the request itself
 # caused (INVALID_ARGUMENT, ...) or the caller did (CANCELLED, ABORTED): worth another pod.
@@ -155,7 +153,6 @@ class Relay:
         decode = decision.decode
         reason = decision.reason  # grows by what happened on the way (on the last step's route)
         moves = 0
-        replacing_until = 0.0  # after a chain failure: until when a stale id may still be there
         while decision.chain is not None:
             try:
                 async for step in self._chain(live, prompt_ids, request, decision):
@@ -195,9 +192,8 @@ class Relay:
                 reason += (f"; chain {failed_chain.chain_id} failed it ({code.name}): "
                            f"prefilled on the decode pod")
                 # The chain may still push the KV: the decode pod must refuse it before the
-                # id is used again.
+                # id is used again (its Generate waits for an aborted stream to leave).
                 await self._abort_on(decode, live.request_id)
-                replacing_until = asyncio.get_running_loop().time() + REPLACE_WAIT_S
                 break
         while True:
             try:
@@ -206,10 +202,6 @@ class Relay:
                     yield step
                 return
             except grpc.RpcError as e:
-                if (e.code() is grpc.StatusCode.ALREADY_EXISTS
-                        and asyncio.get_running_loop().time() < replacing_until):
-                    await asyncio.sleep(REPLACE_POLL_S)  # the aborted push is still leaving
-                    continue
                 failed = decode
                 decode = await self._move(live, prompt_ids, sent, reroute, decode, e, moves)
                 reason += _moved(failed, decode, e, len(sent))
@@ -387,6 +379,12 @@ def _describe(error: Exception) -> str:
 
 async def _until_the_call_ends(call) -> None:
     """Read a Prefill call to its end (its one message says the chain started the request;
-    its failure, that the chain broke first)."""
-    async for _ in call:
-        pass
+    its failure, that the chain broke first). The relay cancels this read before it cancels
+    the call, so a CANCELLED call here was cancelled by rank 0's server as it went down."""
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        if e.code() is not grpc.StatusCode.CANCELLED:
+            raise
+        raise ChainIncomplete(f"the chain's rank 0 ended the call as it stopped: {e.details()}") from e
