@@ -274,7 +274,7 @@ def reference_tokens(streams: list[Stream]) -> list[list[int]]:
 
 
 def run(setup: Setup, log_path: Path) -> dict:
-    from baton.gateway.local_cluster import free_port
+    from baton.local.ports import free_port
     from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer

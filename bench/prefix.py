@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
-from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer

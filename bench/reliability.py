@@ -41,7 +41,7 @@ from baton.api import convert
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.api.v1 import api_pb2_grpc
 from baton.client import BatonClient
-from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient, Completion
-from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.model import load_checkpoint, save_checkpoint
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model

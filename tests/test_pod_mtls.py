@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from baton.certificates import Authority
 from baton.config import MtlsConfig
-from baton.mtls import Mtls
+from baton.security.certificates import Authority
+from baton.security.mtls import Mtls
 from decode.decode_servers import (
     collect,
     make_checkpoint,

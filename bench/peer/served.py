@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baton.runahead.local import free_port
+from baton.local.ports import free_port
 from timing import CpuWindow, pin_tree_role, wait_for_quiet
 from vllm_setup import vllm_environment
 from workload import Workload
@@ -403,7 +403,7 @@ def main() -> None:
                           BATON_SCHEDULER_TOKEN_BUDGET=str(args.token_budget))
         if args.max_seqs:
             os.environ["BATON_SCHEDULER_MAX_RUNNING"] = str(args.max_seqs)
-        from baton.gateway.local_cluster import LocalCluster
+        from baton.local.cluster import LocalCluster
 
         spec = up_spec(up_flags, args.model, port)
         with LocalCluster(spec) as cluster:

@@ -286,7 +286,7 @@ def _read_autoscaling(spec: dict) -> AutoscalingSpec:
 
 def _read_mtls(spec: dict) -> MtlsSpec:
     """Certificates for every role, or an explicit ``insecure``: never neither, because the
-    services refuse to start without one (``baton.mtls.Mtls.check_service``)."""
+    services refuse to start without one (``baton.security.mtls.Mtls.check_service``)."""
     mtls = _section(spec, "mtls")
     insecure = mtls.get("insecure", False)
     if not isinstance(insecure, bool):

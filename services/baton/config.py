@@ -213,7 +213,7 @@ class ServerConfig:
 
 @dataclass
 class MtlsConfig:
-    """Mutual TLS between pods (baton.mtls): one CA; each pod's certificate names its role."""
+    """Mutual TLS between pods (baton.security.mtls): one CA; each pod's certificate names its role."""
 
     ca: str = setting("", "PEM CA bundle that signs every internal certificate (e.g. "
                       "/etc/baton/mtls/ca.crt)")

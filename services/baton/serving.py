@@ -1,5 +1,5 @@
 """What every baton gRPC server shares: binding (plaintext, TLS, or an internal port's mTLS
-credentials from ``baton.mtls``), the standard health
+credentials from ``baton.security.mtls``), the standard health
 service, the advertised address, the release version and a graceful stop on SIGTERM/SIGINT.
 
 Every server is an ``AsyncGrpcServer``: ``grpc.aio`` on an event loop of its own thread, so
@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton.config import ServerConfig
-from baton.mtls import reloading_server_credentials
+from baton.security.mtls import reloading_server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Binding:
     """Binding and the advertised address, the same for both kinds of server."""
 
     config: ServerConfig
-    credentials: grpc.ServerCredentials | None = None  # an internal port's mTLS (baton.mtls)
+    credentials: grpc.ServerCredentials | None = None  # an internal port's mTLS (baton.security.mtls)
 
     def _bind(self, server) -> int:
         try:

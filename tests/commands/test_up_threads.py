@@ -7,7 +7,7 @@ import os
 
 import pytest
 from baton.commands import up
-from baton.gateway.local_cluster import ClusterSpec
+from baton.local.cluster import ClusterSpec
 
 
 def parse(*argv: str) -> ClusterSpec:
@@ -45,7 +45,7 @@ def test_a_bad_thread_count_is_refused_naming_it(argv, named):
 
 
 def test_each_process_is_started_with_its_roles_thread_count(tmp_path):
-    from baton.gateway.local_cluster import LocalCluster
+    from baton.local.cluster import LocalCluster
 
     cluster = LocalCluster(ClusterSpec(threads_per_process=1, decode_threads=3, mtls=False),
                            log_dir=tmp_path)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 from baton.client import BatonClient
-from baton.gateway.local_cluster import ClusterSpec, LocalCluster, free_port
+from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.ports import free_port
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,
     WORKER_TTL_S,

@@ -55,7 +55,7 @@ def long_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
 
 def worker_load(cluster, address: str, role: str) -> WorkerLoad:
     """A pod's load, asked over its internal port with the cluster's gateway certificate."""
-    from baton.mtls import Mtls
+    from baton.security.mtls import Mtls
 
     with Mtls(cluster.mtls_for("gateway")).channel(address, []) as channel:
         stub = (decode_pb2_grpc.DecodeStub(channel) if role == "decode"

@@ -15,8 +15,9 @@ from pathlib import Path
 import openai
 import pytest
 from baton.config import PlannerConfig
-from baton.gateway.local_autoscaler import LocalAutoscaler
-from baton.gateway.local_cluster import ClusterSpec, LocalCluster, free_port
+from baton.local.autoscaler import LocalAutoscaler
+from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.ports import free_port
 from baton.planner import parse_pod
 from e2e_cluster import WORKER_TTL_S, MonolithicReference, greedy, skip_without_cluster_parts
 

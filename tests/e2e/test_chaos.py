@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
-from baton.gateway.local_cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.model.sampling import SamplingParams
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from baton.gateway.local_cluster import free_port
+from baton.local.ports import free_port
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.runahead.table import PartitionTable
 from redis_server import redis_server_binary

@@ -9,7 +9,6 @@ import asyncio
 
 import grpc
 import pytest
-from baton.certificates import INTERNAL_SERVER_NAME, Authority
 from baton.client import AsyncBatonClient, BatonClient
 from baton.config import (
     AuthConfig,
@@ -20,6 +19,7 @@ from baton.config import (
 )
 from baton.gateway.server import create_server
 from baton.routing import InMemoryStore
+from baton.security.certificates import INTERNAL_SERVER_NAME, Authority
 from commands.cli_checkpoint import save_cli_checkpoint
 
 KEY = "sk-client-1"

@@ -24,8 +24,8 @@ from baton.config import (
     ServerConfig,
 )
 from baton.gateway.http.protocol import BadParameter, chat_request, completion_request
-from baton.gateway.local_cluster import free_port
 from baton.gateway.server import create_server
+from baton.local.ports import free_port
 from baton.routing import InMemoryStore
 from commands.cli_checkpoint import save_cli_checkpoint
 from decode.decode_servers import start_decode_server

@@ -12,7 +12,7 @@ import re
 
 import pytest
 from baton.config import HttpConfig
-from baton.mtls import Mtls
+from baton.security.mtls import Mtls
 from baton_operator import __main__ as operator_main
 from baton_operator import workloads
 from baton_operator.spec import read_spec

@@ -69,7 +69,7 @@ def test_torch_source_is_a_build_argument_with_the_cpu_index_by_default():
 
 
 def test_redis_server_is_installed_for_baton_up():
-    # `baton up` starts its own redis-server (gateway/local_cluster.py, ManagedRedis).
+    # `baton up` starts its own redis-server (local/cluster.py, ManagedRedis).
     (system_packages, *_) = _instructions("RUN")
     assert "command -v redis-server" in system_packages
     assert 'packages="$packages redis-server"' in system_packages

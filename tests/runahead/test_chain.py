@@ -105,7 +105,7 @@ def test_chain_equals_single_process_prefill(checkpoint, ranks):
         # Bad input is refused before it reaches a rank, and the chain keeps serving.
         with pytest.raises(ValueError, match=f"decreases at rank {ranks - 1}: 11 > 10"):
             chain.prefill(torch.arange(10), [0] + [6] * (ranks - 2) + [11, 10])
-        with pytest.raises(ValueError, match="beyond the model's max_position_embeddings 1024"):
+        with pytest.raises(ValueError, match="prompt of 1025 tokens exceeds the model's limit of 1024"):
             chain.prefill(torch.zeros(1025, dtype=torch.int64))
         token_ids = torch.randint(0, CONFIG.vocab_size, (9,), generator=generator)
         assert_matches(chain.prefill(token_ids), model, token_ids)

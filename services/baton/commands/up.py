@@ -17,7 +17,7 @@ a process that dies is restarted with backoff and the restart is printed
 waits on its children's exits, the back-off deadlines, the planner's next tick and SIGTERM
 (``LocalCluster.wait_for_change``), not on a clock. With ``--autoscale``
 the operator's planner sizes the decode pods from the pods' own metrics
-(``baton.gateway.local_autoscaler``); its settings are ``PlannerConfig``'s flags.
+(``baton.local.autoscaler``); its settings are ``PlannerConfig``'s flags.
 Heavy imports happen in ``run`` only.
 """
 
@@ -31,7 +31,7 @@ from baton import configtree
 from baton.config import PlannerConfig, ServerConfig
 
 if TYPE_CHECKING:
-    from baton.gateway.local_cluster import ClusterSpec
+    from baton.local.cluster import ClusterSpec
 
 DEMO_SHORT_PROMPT = "def fibonacci(n):\n"
 DEMO_LINES_PER_ROUND = 8  # the long demo prompt grows by this many source lines until long enough
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     """The cluster the command line asks for (``--threads`` given alone sets every process)."""
-    from baton.gateway.local_cluster import ClusterSpec
+    from baton.local.cluster import ClusterSpec
 
     planner = configtree.from_arguments(args, PlannerConfig) if args.autoscale else None
     decode_workers = args.decode_workers
@@ -108,9 +108,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    from baton.gateway.child_exits import StopEvent
-    from baton.gateway.local_autoscaler import LocalAutoscaler
-    from baton.gateway.local_cluster import LocalCluster
+    from baton.local.autoscaler import LocalAutoscaler
+    from baton.local.child_exits import StopEvent
+    from baton.local.cluster import LocalCluster
 
     if args.exit_after_demo and not args.demo:
         raise ValueError("--exit-after-demo needs --demo")

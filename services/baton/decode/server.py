@@ -29,11 +29,11 @@ from baton.decode.worker import DecodeWorker
 from baton.dtypes import dtype_name
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
-from baton.mtls import Mtls
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.routing.prefix_index import PrefixPublisher
 from baton.sarathi.engine import Engine
+from baton.security.mtls import Mtls
 from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)

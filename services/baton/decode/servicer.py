@@ -28,7 +28,7 @@ from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestLeaving, RequestNotFound
 from baton.errors import PermissionDenied, Unavailable, check_incarnation
 from baton.kv.wire import KVSpec
-from baton.mtls import Mtls, require_role
+from baton.security.mtls import Mtls, require_role
 
 DEFAULT_ATTACH_WAIT_S = 60.0  # an Attach that names no wait_s waits this long for the push
 MAX_ATTACH_WAIT_S = 600.0  # and none waits longer

@@ -3,6 +3,6 @@
 ``server`` builds the gRPC server and the OpenAI HTTP API (``http/``), both thin doors to
 ``generations`` (admit, route, stream, abort one request); ``servicer`` is the gRPC one, ``relay`` moves
 one request through the pods the routing policy picked (``routing_policy`` + ``policies/``),
-``request_table`` remembers where each request lives, and ``local_cluster`` runs the whole
-service as processes on one machine (``baton up``, the end-to-end tests, the benchmark).
+and ``request_table`` remembers where each request lives. The whole service on one machine
+(``baton up``) is ``baton.local``; API keys and mTLS are ``baton.security``.
 """

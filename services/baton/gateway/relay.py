@@ -59,8 +59,8 @@ from baton.gateway.decode_session import DecodeSession
 from baton.gateway.request_table import LiveRequest
 from baton.gateway.routing_policy import RouteDecision
 from baton.metrics import GatewayMetrics
-from baton.mtls import Mtls
 from baton.routing import RequestRecord, WorkerInfo
+from baton.security.mtls import Mtls
 from baton.serving import CHANNEL_OPTIONS
 
 ABORT_TIMEOUT_S = 5.0  # an Abort to a pod that does not answer in this long is given up

@@ -19,7 +19,6 @@ from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import api_pb2, api_pb2_grpc
 from baton.config import GatewayServiceConfig
-from baton.gateway.api_keys import ApiKeys
 from baton.gateway.generations import Generations
 from baton.gateway.http import OpenAIServer
 from baton.gateway.http.chat_template import ChatTemplate
@@ -29,9 +28,10 @@ from baton.gateway.routing_policy import create_policy
 from baton.gateway.served_model import ServedModel
 from baton.gateway.servicer import BatonServicer
 from baton.metrics import GatewayMetrics, serve_metrics
-from baton.mtls import Mtls
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
 from baton.routing.prefix_index import PrefixIndex
+from baton.security.api_keys import ApiKeys
+from baton.security.mtls import Mtls
 from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import grpc
 from baton.api import convert
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.errors import PermissionDenied, Unauthenticated
-from baton.gateway.api_keys import ApiKeys
 from baton.gateway.generations import Generations
+from baton.security.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,9 @@
 The gateway, a decode pod's Generate, a pushed cache's handoff, a chain's rank 0 and the
 engine itself (``baton generate`` and every in-process caller) all check a prompt with
 ``check_prompt``: non-empty, token ids and stop token ids inside the vocabulary, and the
-prompt plus ``max_tokens`` within the model's context. Resource limits (the KV pool's size,
+prompt plus ``max_tokens`` within the model's context. A chain's prompt alone
+(``runahead.make_request``, which samples nothing) is checked with ``check_prompt_ids``,
+the same rule without the sampling. Resource limits (the KV pool's size,
 queue bounds) are the engine's and servers' own, and say so in their messages.
 """
 
@@ -15,12 +17,19 @@ from baton.configtree import require
 from baton.model.sampling import SamplingParams
 
 
+def check_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError unless the prompt's ids fit a model with these limits."""
+    require(len(token_ids) > 0, "the prompt is empty")
+    require(len(token_ids) <= max_model_len,
+            f"prompt of {len(token_ids)} tokens exceeds the model's limit of {max_model_len} tokens")
+    bad = [token for token in token_ids if not 0 <= token < vocab_size]
+    require(not bad, f"prompt token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
+
+
 def check_prompt(token_ids: Sequence[int], sampling: SamplingParams, vocab_size: int,
                  max_model_len: int) -> None:
     """Raise ValueError unless the prompt and its sampling fit a model with these limits."""
-    require(len(token_ids) > 0, "the prompt is empty")
-    bad = [token for token in token_ids if not 0 <= token < vocab_size]
-    require(not bad, f"prompt token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
+    check_prompt_ids(token_ids, vocab_size, max_model_len)
     bad = [token for token in sampling.stop_token_ids if token >= vocab_size]
     require(not bad, f"stop token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
     total = len(token_ids) + sampling.max_tokens

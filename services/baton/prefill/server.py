@@ -27,13 +27,13 @@ from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.loader import SHIPPED_MODEL_DIR
-from baton.mtls import Mtls
 from baton.prefill.frontend import PrefillFrontend
 from baton.prefill.tail import TailSink
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
 from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank
+from baton.security.mtls import Mtls
 from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
 
 log = logging.getLogger(__name__)

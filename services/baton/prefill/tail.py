@@ -33,9 +33,9 @@ from baton.kv.wire import encode_kv
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.sampling import Sampler
-from baton.mtls import Mtls
 from baton.pyramid import PromptCompressor, compressor_factory, request_config
 from baton.runahead.request import ChainResult
+from baton.security.mtls import Mtls
 from baton.serving import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 from collections.abc import Callable
 from typing import Self
@@ -23,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from baton.config import ChainConfig
+from baton.local.ports import free_port
 from baton.runahead.errors import ChainError
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, ChainResult, ModelSource, make_request
@@ -89,11 +89,6 @@ def _exit(outbox, code: int) -> None:
     outbox.join_thread()
     os._exit(code)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalChain:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 
 def even_boundaries(context_length: int, num_ranks: int) -> list[int]:
     """``b_i = floor(i * C / p)``: slices differ by at most one token; the tail's is never empty."""
@@ -58,20 +56,3 @@ def validate_boundaries(boundaries: Sequence[int], num_ranks: int, context_lengt
         raise ValueError(f"partition {boundaries} leaves the tail (rank {num_ranks - 1}) no tokens; "
                          f"it needs the prompt's last token to compute the first generated one")
     return boundaries
-
-
-def validate_prompt(token_ids: torch.Tensor, vocab_size: int, max_positions: int) -> None:
-    """A prompt a chain can run: 1-D, non-empty, within the model's vocabulary and context."""
-    if token_ids.dim() != 1:
-        raise ValueError(f"prompt token ids must be 1-D, got shape {tuple(token_ids.shape)}")
-    length = token_ids.shape[0]
-    if length == 0:
-        raise ValueError("prompt is empty")
-    if length > max_positions:
-        raise ValueError(f"prompt has {length} tokens, beyond the model's "
-                         f"max_position_embeddings {max_positions}")
-    bad = ((token_ids < 0) | (token_ids >= vocab_size)).nonzero()
-    if bad.numel():
-        index = int(bad[0, 0])
-        raise ValueError(f"token id {int(token_ids[index])} at index {index} is outside the "
-                         f"vocabulary (size {vocab_size})")

@@ -18,8 +18,9 @@ import torch
 
 from baton.kv import LayerKV
 from baton.model import CausalLM, ModelConfig, load_checkpoint
+from baton.model.limits import check_prompt_ids
 from baton.model.presets import PRESETS, random_model
-from baton.runahead.partition import even_boundaries, validate_boundaries, validate_prompt
+from baton.runahead.partition import even_boundaries, validate_boundaries
 from baton.runahead.transport import RankCounters
 
 MODES = ("runahead", "tsp")
@@ -99,7 +100,7 @@ def make_request(request_id: int, token_ids, num_ranks: int, model_config: Model
     if mode not in MODES:
         raise ValueError(f"chain mode {mode!r} is not one of {MODES}")
     ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).cpu()
-    validate_prompt(ids, model_config.vocab_size, model_config.max_position_embeddings)
+    check_prompt_ids(ids.tolist(), model_config.vocab_size, model_config.max_position_embeddings)
     context_length = ids.shape[0]
     if boundaries is None:
         boundaries = even_boundaries(context_length, num_ranks)

@@ -31,7 +31,6 @@ from baton.api import convert
 from baton.api.requests import GenerateRequest, GenerationStep
 from baton.config import HttpConfig
 from baton.errors import InvalidArgument, ResourceExhausted, TooLarge
-from baton.gateway.api_keys import ApiKeys
 from baton.gateway.generations import Generations
 from baton.gateway.http.chat_template import ChatTemplate
 from baton.gateway.http.protocol import (
@@ -43,6 +42,7 @@ from baton.gateway.http.protocol import (
     error_body,
 )
 from baton.gateway.served_model import UnknownModel
+from baton.security.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, write_to_textfile
 
-from baton.gateway.local_cluster import LocalCluster
+from baton.local.cluster import LocalCluster
 from baton.metrics import PlannerMetrics
 from baton.planner import Decision, Planner, Replicas
 from baton.planner.scraper import scrape

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from baton.config import PlannerConfig
-from baton.gateway.local_autoscaler import LocalAutoscaler
+from baton.local.autoscaler import LocalAutoscaler
 from baton.planner import Replicas, parse_pod
 from planner.simulated import Load, SimulatedService, _Pod
 

@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-from baton.gateway.child_exits import StopEvent
-from baton.gateway.local_cluster import (
+from baton.local.child_exits import StopEvent
+from baton.local.cluster import (
     STOP_TIMEOUT_S,
     Child,
     ClusterSpec,

@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-from baton.gateway.child_exits import StopEvent, wait_for_exit, wait_for_exits
+from baton.local.child_exits import StopEvent, wait_for_exit, wait_for_exits
 
 WAIT_S = 60.0  # far beyond what any wait here needs: a wait that does not wake fails the test
 

@@ -13,7 +13,7 @@ free localhost port (no persistence; ``make setup`` installs the binary) and sto
 the rest; with ``redis_url`` it uses that Redis. The in-memory store remains the default of
 the single-process tools (``baton generate``).
 
-Internal calls are mTLS like a deployed service's (``baton.mtls``): the cluster makes a
+Internal calls are mTLS like a deployed service's (``baton.security.mtls``): the cluster makes a
 private CA at start and a certificate per role under ``log_dir/pki`` (``spec.mtls``; off,
 every child gets ``--mtls-insecure``). ``mtls_for(role)`` hands a test or a benchmark the
 certificate of a role to call the pods' internal ports with.
@@ -23,7 +23,7 @@ the ``with`` block) sends SIGTERM, waits ``STOP_TIMEOUT_S``, then SIGKILL; and o
 child asks the kernel for SIGTERM when its parent dies, so even a killed ``baton up``
 leaves nothing behind. Child output goes to one log file per process in ``log_dir``.
 
-Nothing here ticks: waits are on the children's exits (``baton.gateway.child_exits``), a
+Nothing here ticks: waits are on the children's exits (``baton.local.child_exits``), a
 stop event and deadlines. ``wait_for_change()`` blocks until ``supervise()`` has work,
 and ``baton up`` loops the two. Only readiness is asked again and again, because nothing
 announces it: redis-server's PONG and the routing store's records (``READY_RETRY_*_S``).
@@ -35,7 +35,7 @@ private redis-server on its own port. Each restart waits twice as long as the on
 (``RESTART_BACKOFF_S`` up to ``RESTART_BACKOFF_MAX_S``); a unit that stayed up
 ``RESTART_STABLE_S`` starts over.
 
-Autoscaled (``spec.autoscale``, driven by ``baton.gateway.local_autoscaler``): every pod
+Autoscaled (``spec.autoscale``, driven by ``baton.local.autoscaler``): every pod
 serves ``/metrics`` on a free port (``metrics_targets()`` names them for the planner), the
 gateway's ``/metrics`` adds the planner's file (``planner_textfile``), and decode pods come
 and go: ``add_decode_worker()``, and ``retire_decode_worker(name)``, which sends SIGTERM as
@@ -62,7 +62,8 @@ from pathlib import Path
 from typing import Self
 
 from baton.config import MtlsConfig, PlannerConfig, ServerConfig, StreamConfig
-from baton.gateway.child_exits import StopEvent, wait_for_exit, wait_for_exits
+from baton.local.child_exits import StopEvent, wait_for_exit, wait_for_exits
+from baton.local.ports import free_port
 from baton.planner.scraper import Target
 
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
@@ -79,11 +80,6 @@ RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_B
 PR_SET_PDEATHSIG = 1
 MAX_DECODE_WORKERS = 8
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 try:  # resolved here, not in the child: between fork and exec only this C call runs
@@ -279,7 +275,7 @@ class LocalCluster:
         self._restarts: dict[str, tuple[int, float]] = {}  # unit -> (restarts, last start)
         self._pki: dict[str, MtlsConfig] = {}  # role -> its certificate (spec.mtls)
         if spec.mtls:
-            from baton.certificates import Authority
+            from baton.security.certificates import Authority
 
             authority = Authority.create(f"baton up {os.getpid()}", days=MTLS_DAYS)
             self._pki = {role: authority.write(self.log_dir / "pki", role, days=MTLS_DAYS)

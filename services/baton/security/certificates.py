@@ -1,4 +1,4 @@
-"""A private CA and role certificates for baton's internal mTLS (``baton.mtls``).
+"""A private CA and role certificates for baton's internal mTLS (``baton.security.mtls``).
 
 ``baton up`` makes a short-lived CA at start and one certificate per role in its own
 directory, so the local service is mTLS like a deployed one; the tests make theirs the
@@ -6,7 +6,7 @@ same way (another CA, an expired certificate). A cluster gets its certificates f
 Secret or cert-manager instead (docs/operations.md).
 
 Certificates: EC P-256, common name ``baton-<role>``, DNS name ``baton.internal`` (the name
-every channel checks, ``baton.mtls.INTERNAL_SERVER_NAME``), valid for client and server
+every channel checks, ``baton.security.mtls.INTERNAL_SERVER_NAME``), valid for client and server
 authentication.
 """
 
@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from baton.config import MtlsConfig
-from baton.mtls import INTERNAL_SERVER_NAME, ROLE_PREFIX
+from baton.security.mtls import INTERNAL_SERVER_NAME, ROLE_PREFIX
 
 
 @dataclass(frozen=True)
