@@ -181,7 +181,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Session(self, request_iterator, context) -> AsyncIterator[decode_pb2.SessionSteps]:
         worker = await self._worker(context, ("gateway",), "Session")
-        session = PodSession(self, worker)
+        session = PodSession(lambda request: self.open_stream(worker, request),
+                             lambda stream: self.steps(worker, stream), lambda: self.draining)
         self.sessions.add(session)
         try:
             async for batch in session.run(request_iterator):

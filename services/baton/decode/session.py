@@ -18,24 +18,28 @@ cancelled (every open request is then cancelled, which frees its KV).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from baton.api import convert
+from baton.api.requests import GenerationStep
 from baton.api.v1 import decode_pb2
 from baton.decode.answers import failure_answer
+from baton.decode.streams import RequestStream
 
-if TYPE_CHECKING:
-    from baton.decode.servicer import DecodeServicer
-    from baton.decode.worker import DecodeWorker
+# What a session borrows from the pod's servicer (passed in: the servicer owns sessions, a
+# session knows no servicer): open a request's stream, and read it as its own call would.
+OpenStream = Callable[[object], Awaitable[RequestStream]]
+ReadSteps = Callable[[RequestStream], AsyncIterator[tuple[GenerationStep, bool]]]
 
 
 class PodSession:
-    def __init__(self, servicer: DecodeServicer, worker: DecodeWorker) -> None:
-        self._servicer = servicer
-        self._worker = worker
+    def __init__(self, open_stream: OpenStream, read_steps: ReadSteps,
+                 draining: Callable[[], bool]) -> None:
+        self._open_stream = open_stream
+        self._read_steps = read_steps
+        self._draining = draining
         # The next message, its steps filled in place as they come (see ``convert.fill_step``).
         self._outbox = decode_pb2.SessionSteps()
         self._ready = asyncio.Event()
@@ -53,7 +57,7 @@ class PodSession:
                 if self._outbox.steps:
                     message, self._outbox = self._outbox, decode_pb2.SessionSteps()
                     yield message
-                elif not self._tasks and (reader.done() or self._servicer.draining):
+                elif not self._tasks and (reader.done() or self._draining()):
                     return
                 else:
                     self._ready.clear()  # no await since the checks: a change sets it after
@@ -90,8 +94,8 @@ class PodSession:
 
     async def _serve(self, number: int, request) -> None:
         try:
-            stream = await self._servicer.open_stream(self._worker, request)
-            async for step, first in self._servicer.steps(self._worker, stream):
+            stream = await self._open_stream(request)
+            async for step, first in self._read_steps(stream):
                 convert.fill_step(self._outbox.steps.add(stream=number).step, step, first)
                 self._ready.set()
         except Exception as e:  # noqa: BLE001 - it answers this request, the others go on
