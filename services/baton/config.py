@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from baton.configtree import require, setting
 
@@ -56,7 +57,15 @@ class KVPoolConfig:
         require(self.memory_mib >= 1, f"kv memory_mib must be >= 1, got {self.memory_mib}")
 
 
-SCHEDULER_POLICIES = ("sarathi", "separate", "orca")
+def registered_policies(*package: str) -> tuple[str, ...]:
+    """The policies a registry package holds: one module per policy, so its files are the one
+    list of names (read from the file system: importing the package would load the engine)."""
+    directory = Path(__file__).parent.joinpath(*package)
+    return tuple(sorted(path.stem.replace("_", "-") for path in directory.glob("*.py")
+                        if path.stem != "__init__"))
+
+
+SCHEDULER_POLICIES = registered_policies("sarathi", "policies")
 
 
 @dataclass
@@ -230,7 +239,7 @@ class MtlsConfig:
                 f"three or none")
 
 
-GATEWAY_POLICIES = ("cache-aware", "least-loaded")
+GATEWAY_POLICIES = registered_policies("gateway", "policies")
 CHAIN_FAILURE_POLICIES = ("recompute", "fail")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from baton.config import RUNAHEAD_MODES
 from baton.kv import LayerKV
 from baton.model import CausalLM, ModelConfig, load_checkpoint
 from baton.model.limits import check_prompt_ids
@@ -23,7 +24,7 @@ from baton.model.presets import PRESETS, random_model
 from baton.runahead.partition import even_boundaries, validate_boundaries
 from baton.runahead.transport import RankCounters
 
-MODES = ("runahead", "tsp")
+MODES = RUNAHEAD_MODES  # the chain's modes, named once (the configuration's choices)
 
 
 @dataclass(frozen=True)
