@@ -41,6 +41,7 @@ from baton.api import convert
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.api.v1 import api_pb2_grpc
 from baton.client import BatonClient
+from baton.local.child_exits import StopEvent
 from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
@@ -147,17 +148,18 @@ def measure_scale(tokenizer: Tokenizer, num_streams: int) -> dict:
 
 
 class Supervisor:
-    """``LocalCluster.supervise`` every 0.2 s in a thread, as ``baton up`` runs it."""
+    """``LocalCluster.supervise`` in a thread, woken by a child's exit, as ``baton up`` runs it."""
 
     def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
         self.events: list[str] = []
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stop.is_set():
+            self.cluster.wait_for_change(60.0, self._stop)
             self.events += self.cluster.supervise()
 
     def stop(self) -> None:
