@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from baton.local.cluster import ManagedRedis
+from baton.local.processes import ManagedRedis
 
 START_TIMEOUT_S = 10.0
 
