@@ -274,8 +274,8 @@ def reference_tokens(streams: list[Stream]) -> list[list[int]]:
 
 
 def run(setup: Setup, log_path: Path) -> dict:
-    from baton.local.ports import free_port
     from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+    from baton.serving import free_port
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer
     streams = make_streams(setup, tokenizer)

@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 from baton.client import SERVICE_NAME, AsyncBatonClient, BatonClient
-from baton.local.ports import free_port
+from baton.serving import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 WAIT_S = 60.0  # far beyond what any of these waits needs: a failure shows as a timeout

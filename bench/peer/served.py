@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baton.local.ports import free_port
+from baton.serving import free_port
 from timing import CpuWindow, pin_tree_role, wait_for_quiet
 from vllm_setup import vllm_environment
 from workload import Workload

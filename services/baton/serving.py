@@ -18,6 +18,7 @@ import asyncio
 import importlib.metadata
 import logging
 import signal
+import socket
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
@@ -214,3 +215,12 @@ def run_until_signalled(stop: Callable[[], None], stopping: threading.Event | No
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     stop()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now, for a server started on this machine (the
+    caller binds it soon after; another process may take it in between, which a local
+    start then reports as its bind error)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -14,8 +14,8 @@ import pytest
 from baton.api import convert
 from baton.api.v1 import common_pb2, decode_pb2
 from baton.config import StreamConfig
-from baton.local.ports import free_port
 from baton.routing import InMemoryStore
+from baton.serving import free_port
 from decode_servers import (
     MAX_TOKENS,
     PROMPT,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from baton.client import BatonClient
 from baton.local.cluster import ClusterSpec, LocalCluster
-from baton.local.ports import free_port
+from baton.serving import free_port
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,
     WORKER_TTL_S,

@@ -17,8 +17,8 @@ import pytest
 from baton.config import PlannerConfig
 from baton.local.autoscaler import LocalAutoscaler
 from baton.local.cluster import ClusterSpec, LocalCluster
-from baton.local.ports import free_port
 from baton.planner import parse_pod
+from baton.serving import free_port
 from e2e_cluster import WORKER_TTL_S, MonolithicReference, greedy, skip_without_cluster_parts
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from baton.local.ports import free_port
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.runahead.table import PartitionTable
+from baton.serving import free_port
 from redis_server import redis_server_binary
 
 pytestmark = pytest.mark.slow

@@ -25,8 +25,8 @@ from baton.config import (
 )
 from baton.gateway.http.protocol import BadParameter, chat_request, completion_request
 from baton.gateway.server import create_server
-from baton.local.ports import free_port
 from baton.routing import InMemoryStore
+from baton.serving import free_port
 from commands.cli_checkpoint import save_cli_checkpoint
 from decode.decode_servers import start_decode_server
 from test_servicer import wait_for

@@ -9,8 +9,8 @@ shrinks only after the cool-down, emptiest decode pod first; status and Events w
 from __future__ import annotations
 
 import pytest
-from baton.local.ports import free_port
 from baton.metrics import DecodeMetrics, GatewayMetrics, serve_metrics
+from baton.serving import free_port
 from baton_operator.autoscaler import DELETION_COST, Autoscaler
 from baton_operator.reconcile import Reconciler
 from baton_operator.spec import read_spec

@@ -59,7 +59,6 @@ from typing import Self
 
 from baton.config import MtlsConfig, PlannerConfig, ServerConfig, StreamConfig
 from baton.local.child_exits import StopEvent, wait_for_exits
-from baton.local.ports import free_port
 from baton.local.processes import (
     STOP_TIMEOUT_S,
     ManagedRedis,
@@ -69,6 +68,7 @@ from baton.local.processes import (
     terminate,
 )
 from baton.planner.scraper import Target
+from baton.serving import free_port
 
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 MTLS_DAYS = 2.0  # the local CA's certificates outlive any `baton up`; made anew at every start

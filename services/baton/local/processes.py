@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from baton.local.child_exits import wait_for_exit, wait_for_exits
-from baton.local.ports import free_port
+from baton.serving import free_port
 
 STOP_TIMEOUT_S = 10.0  # SIGTERM, then this long, then SIGKILL
 PR_SET_PDEATHSIG = 1

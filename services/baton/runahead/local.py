@@ -22,12 +22,12 @@ import torch
 import torch.multiprocessing as mp
 
 from baton.config import ChainConfig
-from baton.local.ports import free_port
 from baton.runahead.errors import ChainError
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, ChainResult, ModelSource, make_request
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank, CompressingObserver, StopChain, local_backend
+from baton.serving import free_port
 
 FAILURE_GRACE_S = 1.0  # after the first failure, how long to collect the other ranks' reports
 
