@@ -44,9 +44,10 @@ from baton.sarathi.request import RequestOutput
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.1  # how long the idle loop sleeps before checking that it should stop
 PREFILL_RATE_WEIGHT = 0.2  # the newest step's share of the advertised prefill rate
-BLOCKED_WAIT_S = 0.01  # a plan with nothing to run (all waiting for KV): wait for a change
+# A plan with nothing to run (every sequence waits for KV) waits for a request or an abort,
+# and at most this long: a step then plans again, as a guard should anything else free KV.
+BLOCKED_WAIT_S = 0.01
 DEFAULT_LEASE_S = 30.0  # how long a pushed request waits for its Attach (kv.unclaimed_lease_s)
 ABORTED_MEMORY = 1024  # aborted-before-push ids remembered, so a late push is refused
 
@@ -117,6 +118,7 @@ class DecodeWorker:
 
     def stop(self) -> None:
         self._stopping.set()
+        self.engine.wake()  # an idle loop waits on the engine's work event
         self._thread.join()
 
     # --- requests (handler threads) ------------------------------------------------------
@@ -303,7 +305,7 @@ class DecodeWorker:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             if not self.engine.has_unfinished():
-                self.engine.wait_for_work(IDLE_WAIT_S)
+                self.engine.wait_for_work()  # a request, an abort, or stop() wakes it
                 continue
             self._step_started_s = time.monotonic()
             try:

@@ -134,6 +134,10 @@ class Engine:
         with self._lock:
             return bool(self._live_ids)
 
+    def wake(self) -> None:
+        """End a ``wait_for_work`` now (its caller has something else to look at)."""
+        self._work.set()
+
     def wait_for_work(self, timeout_s: float | None = None) -> bool:
         """Block the loop thread until a request or an abort arrives (or the timeout)."""
         found = self._work.wait(timeout_s)
