@@ -165,6 +165,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         finally:
             with self._lock:  # also when the call is cancelled
                 self._live.pop(prefill_request.request_id, None)
+                pending.cancelled = not pending.taken  # a caller gone before the chain took it
             for future in (pending.started, pending.over):
                 future.cancel()  # settled later (a chain failure) it stays silent
             self._publish_load()
