@@ -13,7 +13,13 @@ import pytest
 from baton.api import convert
 from baton.api.requests import GenerateRequest, ModelInfo
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
-from baton.config import GatewayRoutingConfig, GatewayServiceConfig, ModelSourceConfig, ServerConfig
+from baton.config import (
+    GatewayRoutingConfig,
+    GatewayServiceConfig,
+    HttpConfig,
+    ModelSourceConfig,
+    ServerConfig,
+)
 from baton.gateway.server import create_server
 from baton.model.sampling import SamplingParams
 from baton.routing import InMemoryStore, RequestRecord
@@ -35,7 +41,8 @@ def gateway(checkpoint):
     store = InMemoryStore()
     config = GatewayServiceConfig(server=ServerConfig(listen="127.0.0.1:0"),
                                   model=ModelSourceConfig(path=str(checkpoint)),
-                                  gateway=GatewayRoutingConfig(reroute_wait_s=WAIT_FOR_A_POD_S))
+                                  gateway=GatewayRoutingConfig(reroute_wait_s=WAIT_FOR_A_POD_S),
+                                  http=HttpConfig(port=0))  # gRPC only: no fixed port 8000
     server, port = create_server(config, store=store)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield server, store, api_pb2_grpc.BatonStub(channel), channel
