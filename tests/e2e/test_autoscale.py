@@ -1,12 +1,13 @@
 """`baton up --autoscale` on real processes: the planner, reading the pods' real /metrics,
-retires a decode pod while greedy streams run on both pods, and no client loses or gets
-twice a token (each stream equals the monolithic engine's); the HTTP API's /metrics shows
-the planner's target and the live count. The planner's clock is the test's: its interval
+retires a decode pod while greedy streams run, the streams it ran move to the other pod,
+and no client loses or gets twice a token (each stream equals the monolithic engine's);
+the HTTP API's /metrics shows the planner's target and the live count. The planner's clock is the test's: its interval
 and cool-downs pass when the test says so."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import urllib.request
@@ -19,7 +20,14 @@ from baton.local.autoscaler import LocalAutoscaler
 from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.planner import parse_pod
 from baton.serving import free_port
-from e2e_cluster import WORKER_TTL_S, MonolithicReference, greedy, skip_without_cluster_parts
+from e2e_cluster import (
+    WORKER_TTL_S,
+    MonolithicReference,
+    decode_addresses,
+    greedy,
+    skip_without_cluster_parts,
+    worker_load,
+)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
@@ -106,6 +114,10 @@ def test_a_decode_pod_retired_mid_stream_loses_and_repeats_no_token(autoscaled):
     streams = Streams(cluster.gateway_http_url, prompts)
     streams.wait_for_tokens(at_least=4)
     assert autoscaler.tick() == [], "the interval has not passed on the planner's clock"
+    # How many streams each pod runs as the planner decides (it drains the pod with the
+    # fewest: the routing policy may have put all four on one pod, and then none moves).
+    running = {address: worker_load(cluster, address, "decode").running_sequences
+               for address in decode_addresses(cluster)}
     clock.now_s += PLANNER.interval_s
     events = autoscaler.tick()
 
@@ -122,9 +134,11 @@ def test_a_decode_pod_retired_mid_stream_loses_and_repeats_no_token(autoscaled):
     assert not streams.errors, streams.errors
     for index, (got, want) in enumerate(zip(streams.tokens, expected)):
         assert got == want, f"stream {index}: {len(got)} tokens, {len(want)} expected"
-    assert door_metrics(cluster).value("baton_gateway_migrations_total") >= 1, \
-        "no stream was running on the retired pod when its grace ended"
     child = next(child for child, _ in cluster.retiring)
+    retired_address = re.findall(r"decode pod (\S+) serves", child.log_path.read_text())[-1]
+    if running.get(retired_address):  # it had streams to move: they moved, none was lost
+        assert door_metrics(cluster).value("baton_gateway_migrations_total") >= 1, \
+            "the retired pod's streams were not moved when its grace ended"
     child.process.wait(timeout=30)
     assert cluster.supervise() == [f"{retired} drained and exited (0)"]
     assert cluster.retiring == [] and len(cluster.decode_pods()) == 1  # not restarted
