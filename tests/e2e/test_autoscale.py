@@ -1,8 +1,8 @@
 """`baton up --autoscale` on real processes: the planner, reading the pods' real /metrics,
 retires a decode pod while greedy streams run, the streams it ran move to the other pod,
 and no client loses or gets twice a token (each stream equals the monolithic engine's);
-the HTTP API's /metrics shows the planner's target and the live count. The planner's clock is the test's: its interval
-and cool-downs pass when the test says so."""
+the HTTP API's /metrics shows the planner's target and the live count. The planner's clock
+is the test's: its interval and cool-downs pass when the test says so."""
 
 from __future__ import annotations
 
