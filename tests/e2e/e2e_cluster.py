@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from baton.api.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from baton.config import KVPoolConfig
+from baton.local.child_exits import StopEvent
 from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
 from baton.model.sampling import SamplingParams
 from baton.routing import WorkerLoad
@@ -94,3 +98,24 @@ def wait_until(condition, timeout_s: float, what: str):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def supervised(cluster) -> Iterator[list[str]]:
+    """``cluster.supervise()`` in a thread while the block runs, woken by a child's exit as
+    `baton up` runs it (a dead process is restarted); yields the restarts it reported."""
+    stop = StopEvent()
+    restarts: list[str] = []
+
+    def supervise() -> None:
+        while not stop.is_set():
+            cluster.wait_for_change(60.0, stop)
+            restarts.extend(cluster.supervise())
+
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        yield restarts
+    finally:
+        stop.set()
+        supervisor.join(10)

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
-from baton.local.child_exits import StopEvent
 from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.routing.redis_store import RedisStore
 from e2e_cluster import (
@@ -32,6 +31,7 @@ from e2e_cluster import (
     MonolithicReference,
     greedy,
     skip_without_cluster_parts,
+    supervised,
     wait_until,
 )
 
@@ -46,20 +46,10 @@ def cluster(tmp_path_factory):
     skip_without_cluster_parts()
     spec = ClusterSpec(decode_workers=1, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
                        chain_break_even=False, heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S)
-    with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("chain-chaos-logs")) as cluster:
-        stop = StopEvent()
-
-        def supervise():  # as `baton up` does: restart what died, woken by its exit
-            while not stop.is_set():
-                cluster.wait_for_change(60.0, stop)
-                cluster.supervise()
-
-        supervisor = threading.Thread(target=supervise, daemon=True)
-        supervisor.start()
+    with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("chain-chaos-logs")) as cluster, \
+            supervised(cluster):
         BatonClient(cluster.gateway_address).wait_until_serving(timeout_s=30)
         yield cluster
-        stop.set()
-        supervisor.join(10)
 
 
 CASES = [  # (the rank killed, after how many first tokens, the requests' prefill_route)

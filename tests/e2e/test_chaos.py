@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
-from baton.local.child_exits import StopEvent
 from baton.local.cluster import ClusterSpec, LocalCluster
 from baton.model.sampling import SamplingParams
 from e2e_cluster import (
@@ -30,6 +29,7 @@ from e2e_cluster import (
     MonolithicReference,
     greedy,
     skip_without_cluster_parts,
+    supervised,
 )
 
 pytestmark = pytest.mark.slow
@@ -43,21 +43,10 @@ def chaos_cluster(tmp_path_factory):
     skip_without_cluster_parts()
     spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
                        chain_break_even=False, heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S)
-    with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("chaos-logs")) as cluster:
-        stop = StopEvent()
-        restarts: list[str] = []
-
-        def supervise():  # as `baton up` does: restart what died, woken by its exit
-            while not stop.is_set():
-                cluster.wait_for_change(60.0, stop)
-                restarts.extend(cluster.supervise())
-
-        supervisor = threading.Thread(target=supervise, daemon=True)
-        supervisor.start()
+    with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("chaos-logs")) as cluster, \
+            supervised(cluster) as restarts:
         BatonClient(cluster.gateway_address).wait_until_serving(timeout_s=30)
         yield cluster, restarts
-        stop.set()
-        supervisor.join(10)
 
 
 def sampling_of(index: int) -> SamplingParams:
