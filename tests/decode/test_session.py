@@ -191,8 +191,10 @@ async def _gateway_end(port: int, server, reference) -> None:
             await asyncio.sleep(0.02)
         assert not session.ended
         session.close()
-        await asyncio.sleep(0.1)
-        assert session.ended
+        deadline = time.monotonic() + 10
+        while not session.ended:  # the call's end reaches the session's reader
+            assert time.monotonic() < deadline, "the closed session never ended"
+            await asyncio.sleep(0.01)
         with pytest.raises(grpc.RpcError) as error:  # an ended session fails what comes after
             await tokens_of(session.generate(request("gw-late")))
         assert error.value.code() == grpc.StatusCode.CANCELLED

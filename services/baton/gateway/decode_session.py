@@ -138,7 +138,7 @@ class SessionCall:
         try:
             while True:
                 item = await self._queue.get()
-                if item is _CANCELLED:
+                if item is _CANCELLED or self._cancelled:  # steps that came before: dropped
                     raise asyncio.CancelledError()
                 if isinstance(item, grpc.RpcError):
                     over = True
