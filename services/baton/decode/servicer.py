@@ -141,16 +141,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                 f"at most {self.max_pending_pushes}; retry or push elsewhere")
         self.pushes_in_progress += 1
         worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
-        handoff = None
+        handoff = stream = None
         try:
             handoff = await receive_header(request_iterator)
             check_push(handoff, self.spec, worker.model_config, worker.engine.pool, self.incarnation)
-            worker.announce_push(handoff)  # the first token streams from here on
+            stream = worker.announce_push(handoff)  # the first token streams from here on
             cache = await receive_body(handoff, request_iterator, self.spec)
-            worker.submit_pushed(cache)
+            worker.submit_pushed(stream, cache)
         except BaseException as e:
             if handoff is not None and handoff.request_id:  # and its request's stream's
-                worker.push_failed(handoff.request_id, e)
+                worker.push_failed(handoff.request_id, e, stream)
             if not isinstance(e, Exception):
                 raise  # the call was cancelled (the chain went away)
             worker.metrics.kv_pushes_rejected.labels(code=convert.status_for(e).name).inc()

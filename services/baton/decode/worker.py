@@ -151,7 +151,7 @@ class DecodeWorker:
             queued_tokens=num_prompt_tokens)
         return stream
 
-    def announce_push(self, handoff: KVHandoff) -> None:
+    def announce_push(self, handoff: KVHandoff) -> RequestStream:
         """A checked push header: the request's stream opens with the chain's first token
         (with its text unless stop strings decide what is released); the KV follows."""
         full = len(handoff.prompt_token_ids) * len(handoff.kv.layer_num_tokens)
@@ -173,13 +173,14 @@ class DecodeWorker:
             self._awaiting_attach[handoff.request_id] = stream
             stream.publish_first(handoff.first_token_id, text, stream.arrival_s)
         self.on_published([stream])
+        return stream
 
-    def submit_pushed(self, cache: PushedCache) -> None:
-        """The announced request's checked cache joins the running set."""
+    def submit_pushed(self, stream: RequestStream, cache: PushedCache) -> None:
+        """The checked cache of the push that announced ``stream`` joins the running set."""
         handoff = cache.handoff
         with self._lock:
-            stream = self._streams.get(handoff.request_id)
-            if stream is None or stream.in_engine:  # aborted (or failed) since its header
+            if self._streams.get(handoff.request_id) is not stream or stream.in_engine:
+                # aborted, cancelled or failed since its header (its id may be another push's now)
                 raise RequestAborted(f"request {handoff.request_id!r} ended before its KV arrived")
             stream.in_engine = True
             stream.pushed.push_s = time.monotonic() - stream.arrival_s
@@ -195,20 +196,26 @@ class DecodeWorker:
         self.metrics.kv_bytes_received.inc(cache.num_bytes)
         self.metrics.compression_ratio.observe(stream.pushed.kv_tokens_kept / stream.pushed.kv_tokens_full)
 
-    def push_failed(self, request_id: str, error: BaseException) -> None:
-        """A push for ``request_id`` failed after its header was read: its stream (if open)
-        fails, or the Attach that waits for it will."""
+    def push_failed(self, request_id: str, error: BaseException,
+                    announced: RequestStream | None = None) -> None:
+        """A push for ``request_id`` failed after its header was read: the stream it
+        ``announced`` (if still open) fails, or the Attach that waits for it will."""
         code = convert.status_for(error).name
         message = f"the chain's push of request {request_id!r} failed: {code}: {error}"
+        record = False  # for an Attach still to come
         with self._lock:
             stream = self._streams.get(request_id)
-            if stream is not None and stream.in_engine:
-                stream = None  # in the engine already: its own failures end it
-            elif stream is not None:
+            if announced is None:  # refused before its stream opened
+                record = stream is None and request_id not in self._aborted_early
+                stream = None
+            elif stream is not announced or stream.in_engine:
+                stream = None  # ended, replaced by a newer push, or in the engine (its own end)
+            else:
                 del self._streams[request_id]
                 self._awaiting_attach.pop(request_id, None)
-            if (stream is None or not stream.attached) and request_id not in self._aborted_early:
-                self._failed_pushes[request_id] = message  # for the Attach still to come
+                record = not stream.attached
+            if record:
+                self._failed_pushes[request_id] = message
                 while len(self._failed_pushes) > ABORTED_MEMORY:
                     self._failed_pushes.popitem(last=False)
         if stream is not None:
@@ -231,6 +238,8 @@ class DecodeWorker:
                 return unclaimed[0]
             stream = self._streams.get(request_id)
             if stream is None:
+                return None
+            if stream.leaving:  # an earlier attempt's, on its way out: wait for the next push
                 return None
             if stream.attached:
                 raise RequestExists(f"request {request_id!r} is already being streamed")
@@ -258,18 +267,18 @@ class DecodeWorker:
         """The caller went away: abort quietly (nothing to tell)."""
         with self._lock:
             stream = self._streams.get(request_id)
-            if stream is not None and not stream.in_engine:
-                self._aborted_early[request_id] = None  # its push is refused from here on
+            if stream is not None and stream.in_engine:
+                stream.leaving = True
         if stream is None:
             return
         if stream.in_engine:
             self.engine.abort(request_id)
-        else:
+        else:  # the rest of its push is refused: submit_pushed finds its stream gone
             self._end_announced(stream)
 
     def _end_announced(self, stream: RequestStream) -> None:
         """End a pushed stream whose KV has not reached the engine: its last step says
-        aborted (its push, still arriving, is refused: the id is in ``_aborted_early``)."""
+        aborted, and the rest of its push is refused (``submit_pushed`` finds it gone)."""
         with self._lock:
             if self._streams.get(stream.request_id) is not stream:
                 return
