@@ -100,6 +100,7 @@ class SchedulerConfig:
         require(self.max_running >= 1, f"scheduler max_running must be >= 1, got {self.max_running}")
 
 
+# Implemented by baton.pyramid.schedule.BUDGET_POLICIES (which checks it has exactly these).
 PYRAMID_POLICIES = ("pyramid", "uniform", "local")
 
 

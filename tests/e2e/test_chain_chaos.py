@@ -4,7 +4,7 @@ the chain, and one chain rank killed with SIGKILL at a moment of the burst: whil
 them wait at rank 0, while the chain computes and pushes the first ones, or when the last
 ones are in flight. Every request ends served with the fault-free tokens (greedy, KV
 compression off): an automatic one is prefilled again on the decode pod (or keeps the
-stream it had).
+stream it had), a pinned one waits for the restarted chain and goes through it again.
 
 Which moment a kill hits depends on this machine's speed, so each case kills at a point of
 the burst it can observe (how many streams have their first token), and the cases
@@ -59,11 +59,9 @@ CASES = [  # (the rank killed, after how many first tokens, the requests' prefil
     ("prefill-1", 0, "auto"),  # the tail, with every request queued or in the chain
     ("prefill-0", 2, "auto"),  # rank 0, with a few pushed and the rest queued or computing
     ("prefill-1", 4, "auto"),  # the tail, half way through the burst
+    ("prefill-0", 0, "chain"),  # pinned: every request waits for the restarted chain
+    ("prefill-1", 3, "chain"),  # pinned, a few already streaming: the rest go through it again
 ]
-# Not here: requests pinned to the chain (prefill_route "chain"), which wait for the restarted
-# chain and go through it again. Under load a pinned retry was seen to fail ALREADY_EXISTS on
-# its decode pod (an Attach of the first attempt still held the id there), so they are not
-# yet served through every death of a chain rank.
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import pytest
+from baton.api.requests import MAX_POD_REQUEST_ID_CHARS, MAX_REQUEST_ID_CHARS, check_request_id
 from baton.config import RoutingConfig
 from baton.routing import (
     Heartbeat,
@@ -159,6 +161,17 @@ def test_records_of_another_release_stay_readable():
     record = RequestRecord("r1", "h:2", owner="team-a")
     assert RequestRecord.from_json(json.dumps(json.loads(record.to_json()) | {"priority": 3})) == record
     assert RequestRecord.from_json(json.dumps({"request_id": "r1", "decode_address": "h:2"})).owner == ""
+
+
+def test_a_request_sent_to_a_chain_again_has_a_pod_id_of_its_own_within_the_pods_limit():
+    first = RequestRecord("r" * MAX_REQUEST_ID_CHARS, "h:2")
+    assert first.pod_request_id == first.request_id
+    retried = dataclasses.replace(first, attempt=3)
+    assert RequestRecord.from_json(retried.to_json()) == retried
+    assert retried.pod_request_id == first.request_id + "~3"
+    check_request_id(retried.pod_request_id, MAX_POD_REQUEST_ID_CHARS)  # a pod accepts it
+    with pytest.raises(ValueError, match="at most 256"):
+        check_request_id(retried.pod_request_id)  # a client may not send it
 
 
 def test_redis_namespaces_are_separate_and_bad_records_are_skipped(redis_server):

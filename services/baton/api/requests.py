@@ -20,6 +20,9 @@ from baton.model.sampling import CompressionParams, SamplingParams
 # A request id is echoed in every streamed message and stored in the routing table: long
 # enough for a UUID with a prefix, short enough that it cannot inflate either.
 MAX_REQUEST_ID_CHARS = 256
+# What a pod accepts: a client's id plus the attempt the gateway may add ("~<n>", see
+# RequestRecord.pod_request_id).
+MAX_POD_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS + 8
 # A text prompt is refused before it is tokenized when it has more UTF-8 bytes than this
 # many per token of the model's context: no real text averages more bytes per token, and
 # tokenizing megabytes would stall the caller's server for everyone.
@@ -29,9 +32,9 @@ MAX_PROMPT_BYTES_PER_TOKEN = 32
 PREFILL_ROUTES = ("auto", "chain", "local")
 
 
-def check_request_id(request_id: str) -> None:
-    require(len(request_id) <= MAX_REQUEST_ID_CHARS,
-            f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+def check_request_id(request_id: str, limit: int = MAX_REQUEST_ID_CHARS) -> None:
+    require(len(request_id) <= limit,
+            f"request_id is {len(request_id)} characters; at most {limit} are allowed")
 
 
 def check_prompt_text(text: str, max_model_len: int) -> None:
@@ -80,7 +83,7 @@ class PrefillRequest:
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a prefill request needs a request_id")
-        check_request_id(self.request_id)
+        check_request_id(self.request_id, MAX_POD_REQUEST_ID_CHARS)
         require(len(self.prompt_token_ids) > 0, "the prompt is empty")
         require(bool(self.decode_address), "a prefill request needs the decode pod's address")
 
@@ -99,7 +102,7 @@ class DecodeRequest:
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a decode request needs a request_id")
-        check_request_id(self.request_id)
+        check_request_id(self.request_id, MAX_POD_REQUEST_ID_CHARS)
         require(0 <= self.generated_before <= len(self.prompt_token_ids),
                 f"generated_before {self.generated_before} is not within the prompt's "
                 f"{len(self.prompt_token_ids)} tokens")

@@ -116,8 +116,8 @@ class Generations:
                         live.completed = True
                         outcome = step.finish_reason.value
                         self._record_usage(step)
-                    if first:
-                        step = dataclasses.replace(step, request_id=live.request_id)
+                    if first or step.request_id:  # named once (a moved stream's pod names it again)
+                        step = dataclasses.replace(step, request_id=live.request_id if first else "")
                     first = False
                     yield step
             except (grpc.RpcError, asyncio.CancelledError) as e:

@@ -193,7 +193,7 @@ class Relay:
                            f"prefilled on the decode pod")
                 # The chain may still push the KV: the decode pod must refuse it before the
                 # id is used again (its Generate waits for an aborted stream to leave).
-                await self._abort_on(decode, live.request_id)
+                await self._abort_on(decode.address, live.record.pod_request_id)
                 break
         while True:
             try:
@@ -216,17 +216,22 @@ class Relay:
             decision = await reroute_chain(len(prompt_ids), frozenset({failed.incarnation}))
         except Exception as e:  # none came: the request fails with its own cause
             raise error from e
+        # The failed attempt's decode pod may still hold its id (its Attach's cancel is on
+        # the way, or the push's header opened a stream): the next attempt gets an id of its
+        # own, and what the last one left there is aborted.
+        await self._abort_on(live.record.decode_address, live.record.pod_request_id)
         live.chain_done = False
         live.record = dataclasses.replace(live.record, decode_address=decision.decode.address,
                                           chain_id=decision.chain.chain_id,
-                                          prefill_address=decision.chain.address)
+                                          prefill_address=decision.chain.address,
+                                          attempt=live.record.attempt + 1)
         return decision
 
-    async def _abort_on(self, decode: WorkerInfo, request_id: str) -> None:
-        """Abort whatever ``decode`` holds under ``request_id`` (nothing, usually); a pod that
-        does not answer is left to fail the request's next call."""
+    async def _abort_on(self, address: str, request_id: str) -> None:
+        """Abort whatever the decode pod at ``address`` holds under ``request_id`` (nothing,
+        usually); a pod that does not answer is left to fail the request's next call."""
         try:
-            await self.channels.decode(decode.address).Abort(
+            await self.channels.decode(address).Abort(
                 common_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
         except grpc.RpcError:
             pass
@@ -270,7 +275,7 @@ class Relay:
                                  usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(sent)))
             return
         sampling = dataclasses.replace(request.sampling, max_tokens=remaining) if sent else request.sampling
-        decode_request = DecodeRequest(request_id=live.request_id,
+        decode_request = DecodeRequest(request_id=live.record.pod_request_id,
                                        prompt_token_ids=prompt_ids + tuple(sent),
                                        sampling=sampling, compression=request.compression,
                                        generated_before=len(sent), incarnation=decode.incarnation,
@@ -296,7 +301,7 @@ class Relay:
         pod at once. Raises before the first step when the chain fails it (its Prefill call
         fails, or the decode pod refused or lost the push)."""
         prefill_request = PrefillRequest(
-            request_id=live.request_id, model=self.model_id, prompt_token_ids=prompt_ids,
+            request_id=live.record.pod_request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
             decode_address=decision.decode.address, decode_incarnation=decision.decode.incarnation,
             cache_salt=live.record.owner)
@@ -304,7 +309,7 @@ class Relay:
             convert.prefill_request_to_proto(prefill_request))
         live.watch(prefill)
         attach = self.channels.session(decision.decode.address).attach(
-            decode_pb2.AttachRequest(request_id=live.request_id, wait_s=self.config.kv_wait_s,
+            decode_pb2.AttachRequest(request_id=live.record.pod_request_id, wait_s=self.config.kv_wait_s,
                                      incarnation=decision.decode.incarnation))
         live.watch(attach)
         steps = aiter(attach)
@@ -346,7 +351,7 @@ class Relay:
         found = False
         for stub in stubs:
             try:
-                answer = await stub.Abort(common_pb2.AbortRequest(request_id=record.request_id),
+                answer = await stub.Abort(common_pb2.AbortRequest(request_id=record.pod_request_id),
                                           timeout=ABORT_TIMEOUT_S)
             except grpc.RpcError:
                 continue

@@ -19,7 +19,7 @@ paper's minimum context: short contexts are not worth pruning).
 The baselines of the benchmark share the floor and the keep-all rule:
 "uniform" gives every layer keep_ratio x P, "local" does the same but keeps
 only the most recent tokens (StreamingLLM). A policy is one entry of
-``BUDGET_POLICIES``.
+``BUDGET_POLICIES``, under a name from ``baton.config.PYRAMID_POLICIES``.
 
 The generation phase uses a steeper, non-compounded schedule: of each batch of
 tokens that leaves the recent window, layer l keeps the fraction
@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from baton.config import PyramidConfig
+from baton.config import PYRAMID_POLICIES, PyramidConfig
 
 
 def recent_window(config: PyramidConfig, prompt_length: int) -> int:
@@ -105,6 +105,11 @@ BUDGET_POLICIES: dict[str, tuple[BudgetPolicy, bool]] = {
     "uniform": (uniform_budgets, True),
     "local": (uniform_budgets, False),
 }
+# The configuration names the policies (its choices and validation, read before any engine
+# module loads); this table is their implementation, and the two cannot drift apart.
+if tuple(BUDGET_POLICIES) != PYRAMID_POLICIES:
+    raise ImportError(f"pyramid policies {tuple(BUDGET_POLICIES)} differ from the configuration's "
+                      f"{PYRAMID_POLICIES}")
 
 
 def layer_budgets(config: PyramidConfig, num_layers: int, prompt_length: int) -> list[int]:

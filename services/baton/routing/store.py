@@ -114,6 +114,14 @@ class RequestRecord:
     prefill_address: str = ""
     created_at: float = 0.0  # wall-clock seconds (time.time()) when the gateway admitted it
     owner: str = ""  # the API key's name the request came with ("" when the gateway has no keys)
+    attempt: int = 0  # how many times a chain failed it and it was sent to a chain again
+
+    @property
+    def pod_request_id(self) -> str:
+        """The id the pods know the request by. Each chain attempt has its own, so nothing
+        an earlier attempt left on a decode pod (an Attach whose cancel is still on its way,
+        a stream it opened) can hold the id the next attempt's push and Attach use."""
+        return f"{self.request_id}~{self.attempt}" if self.attempt else self.request_id
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
