@@ -317,12 +317,16 @@ def test_a_route_to_an_earlier_incarnation_of_an_address_is_refused_and_moved(cl
                                                              queued_prompt_tokens=0,
                                                              free_kv_blocks=10**6))
         store.register_worker(ghost, ttl_s=30)
-        time.sleep(1.0)  # the gateway's view refreshes every 0.2 s: let it see the record
         prompt_ids = reference.tokenizer.encode(SHORT_PROMPT)
-        completion = client.generate(GenerateRequest(token_ids=tuple(prompt_ids), sampling=greedy(6)),
-                                     timeout_s=60)
-        assert completion.token_ids == reference.tokens(prompt_ids, 6)
-        assert f"meant for incarnation '{'0' * 16}'" in cluster.child("gateway").log_tail(1_000_000)
+        refused = f"meant for incarnation '{'0' * 16}'"
+        # Until the gateway's view (refreshed every 0.2 s) has the record, requests go to the
+        # real pod; every one of them is served either way.
+        deadline = time.monotonic() + 20
+        while refused not in cluster.child("gateway").log_tail(1_000_000):
+            assert time.monotonic() < deadline, "the gateway never routed to the planted record"
+            completion = client.generate(GenerateRequest(token_ids=tuple(prompt_ids),
+                                                         sampling=greedy(6)), timeout_s=60)
+            assert completion.token_ids == reference.tokens(prompt_ids, 6)
     finally:
         store.remove_worker("decode-ghost")
         store.close()
