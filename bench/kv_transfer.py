@@ -18,9 +18,10 @@ from pathlib import Path
 
 import grpc
 import torch
-from baton.api import convert
+from baton.api import push_kv
 from baton.api.requests import CompressionParams, KVHandoff, SamplingParams
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
+from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
 from baton.kv.wire import CHUNK_BYTES, KVAssembler, KVSpec, encode_kv
 
@@ -45,14 +46,15 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
     """Only PushKV: assemble and verify, as a decode pod does before the KV becomes visible."""
 
     def PushKV(self, request_iterator, context):
-        handoff, parts = convert.read_push_kv(request_iterator)
+        handoff, parts = push_kv.read(request_iterator)
         checksum = None
         with KVAssembler(handoff.kv, SPEC) as assembler:
             for part in parts:
                 if isinstance(part, int):
                     checksum = part
                 else:
-                    assembler.add(part)
+                    for piece in part:
+                        assembler.add(piece)
             assembler.finish(checksum)
             return decode_pb2.PushKVResponse(request_id=handoff.request_id,
                                              bytes_received=assembler.bytes_received)
@@ -60,18 +62,18 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
 
 def time_grpc(layers: list[LayerKV]) -> list[float]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-    decode_pb2_grpc.add_DecodeServicer_to_server(Receiver(), server)
+    push_kv.add_decode_servicer(Receiver(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     seconds = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
-            stub = decode_pb2_grpc.DecodeStub(channel)
+            push = push_kv.stub_push_kv(channel)  # as the chain's tail sends
             for _ in range(REPEATS):
                 started = time.perf_counter()
                 encoded = encode_kv(layers, "bench", "bench", "r1")  # checksummed as it goes
                 handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
-                reply = stub.PushKV(convert.push_kv_messages(handoff, encoded.chunks()))
+                reply = push(push_kv.messages(handoff, encoded.chunk_pieces()))
                 seconds.append(time.perf_counter() - started)
                 assert reply.bytes_received == encoded.header.total_bytes
     finally:
@@ -109,6 +111,7 @@ def time_tcp(payload: memoryview) -> list[float]:
 
 
 def main() -> None:
+    keep_freed_memory()  # as every pod does once its model is built
     torch.manual_seed(0)
     layers = pyramid_cache()
     encoded = encode_kv(layers, "bench", "bench", "r1")

@@ -6,7 +6,6 @@ import math
 
 import grpc
 import pytest
-import torch
 from baton.api import convert
 from baton.api.requests import (
     CompressionParams,
@@ -14,7 +13,6 @@ from baton.api.requests import (
     FinishReason,
     GenerateRequest,
     GenerationStep,
-    KVHandoff,
     ModelInfo,
     PrefillRequest,
     PrefillStarted,
@@ -24,10 +22,9 @@ from baton.api.requests import (
     Tokenization,
     Usage,
 )
-from baton.api.v1 import api_pb2, common_pb2, decode_pb2
-from baton.kv.dense import LayerKV
+from baton.api.v1 import api_pb2, common_pb2
 from baton.kv.pool import KVPoolExhausted
-from baton.kv.wire import KVDataLoss, KVIncompatible, KVMalformed, encode_kv
+from baton.kv.wire import KVDataLoss, KVIncompatible, KVMalformed
 from baton.model.limits import check_prompt
 from baton.routing.store import StoreUnavailable, WorkerLoad
 
@@ -110,34 +107,6 @@ def test_check_prompt_names_the_numbers():
     with pytest.raises(ValueError, match="empty"):
         check_prompt((), SamplingParams(), vocab_size=50, max_model_len=100)
     check_prompt((1, 2, 3), SamplingParams(max_tokens=97), vocab_size=50, max_model_len=100)
-
-
-def test_push_kv_stream_round_trip():
-    layers = [LayerKV(torch.randn(n, 2, 4), torch.randn(n, 2, 4), torch.arange(n) * 2)
-              for n in (9, 5)]
-    encoded = encode_kv(layers, "r6", "m", "rev")
-    handoff = KVHandoff(encoded.header, (1, 2, 3), 77, SAMPLING, COMPRESSION, prefill_s=0.25,
-                        partition=(0, 2, 3))
-    stream = [through_the_wire(m) for m in convert.push_kv_messages(handoff, encoded.chunks(64))]
-    assert stream[0].WhichOneof("part") == "header"
-    assert stream[-1].WhichOneof("part") == "trailer"  # the checksum, taken as the bytes went
-    received, parts = convert.read_push_kv(iter(stream))
-    assert received == handoff
-    *chunks, checksum = parts
-    assert b"".join(chunks) == b"".join(encoded.chunks())
-    assert checksum == encoded.checksum()
-
-
-def test_push_kv_stream_shape_errors():
-    chunk = decode_pb2.PushKVRequest(chunk=b"abc")
-    with pytest.raises(KVMalformed, match="open with a header"):
-        convert.read_push_kv(iter([chunk]))
-    with pytest.raises(KVDataLoss):
-        convert.read_push_kv(iter([]))
-    header = decode_pb2.PushKVRequest(header=decode_pb2.PushKVHeader())
-    _, parts = convert.read_push_kv(iter([header, chunk, header]))
-    with pytest.raises(KVMalformed, match="second header"):
-        list(parts)
 
 
 @pytest.mark.parametrize("error, code", [

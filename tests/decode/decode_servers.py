@@ -8,7 +8,7 @@ import time
 
 import grpc
 import torch
-from baton.api import convert
+from baton.api import push_kv
 from baton.api.requests import CompressionParams, KVHandoff
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import (
@@ -87,8 +87,16 @@ def prefilled_handoff(checkpoint, request_id: str, prompt_ids: list[int], max_to
     return handoff, list(encoded.chunks(chunk_bytes=4096))
 
 
+def proto_messages(handoff, chunks):
+    """PushKV's messages as plain protobuf, what a generated stub sends (a pod takes these
+    as well as the chain's hand-framed ones)."""
+    for message in push_kv.messages(handoff, ([chunk] for chunk in chunks)):
+        yield (decode_pb2.PushKVRequest(chunk=b"".join(message.pieces))
+               if isinstance(message, push_kv.Chunk) else message)
+
+
 def push(stub, handoff, chunks) -> decode_pb2.PushKVResponse:
-    return stub.PushKV(convert.push_kv_messages(handoff, chunks), timeout=30)
+    return stub.PushKV(proto_messages(handoff, chunks), timeout=30)
 
 
 def collect(responses) -> tuple[list[int], list[common_pb2.GenerateResponse]]:

@@ -22,6 +22,7 @@ from decode_servers import (
     collect,
     decode_stub,
     prefilled_handoff,
+    proto_messages,
     push,
     start_decode_server,
 )
@@ -193,7 +194,7 @@ def test_truncated_push_is_data_loss_and_leaves_nothing(stub, server, checkpoint
 def test_a_push_whose_bytes_do_not_match_its_checksum_is_data_loss(stub, server, checkpoint):
     handoff, chunks = prefilled_handoff(checkpoint, "bad-checksum", PROMPT, MAX_TOKENS)
     free = server.worker.engine.pool.num_free_blocks
-    *messages, trailer = convert.push_kv_messages(handoff, chunks)
+    *messages, trailer = proto_messages(handoff, chunks)
     trailer.trailer.checksum ^= 1
     code, details = status_of(lambda: stub.PushKV(iter([*messages, trailer]), timeout=30))
     assert code == grpc.StatusCode.DATA_LOSS and "checksum" in details
@@ -202,7 +203,7 @@ def test_a_push_whose_bytes_do_not_match_its_checksum_is_data_loss(stub, server,
 
 def _header_then_break(handoff, chunks, header_seen):
     """A PushKV whose sender dies half way: the header and some bytes, then an error."""
-    messages = convert.push_kv_messages(handoff, chunks)
+    messages = proto_messages(handoff, chunks)
     yield next(messages)
     header_seen.wait(10)
     yield next(messages)
@@ -380,7 +381,7 @@ def test_a_pushed_request_that_ends_at_its_first_token_is_still_attached_at_once
 
 def _header_then_stall(handoff, release):
     """A PushKV that sends its header and then nothing until ``release`` is set."""
-    yield next(iter(convert.push_kv_messages(handoff, [])))
+    yield next(iter(proto_messages(handoff, [])))
     release.wait(60)
 
 

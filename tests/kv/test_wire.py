@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 from baton.kv import KVPool
 from baton.kv.dense import LayerKV
 from baton.kv.wire import (
@@ -41,9 +42,9 @@ def receive(header, chunks, spec=SPEC, checksum=None) -> list[LayerKV]:
     """Assemble ``chunks``; the sender's checksum is theirs unless given."""
     chunks = list(chunks)
     if checksum is None:
-        checksum = 0
-        for chunk in chunks:
-            checksum = zlib.crc32(chunk, checksum)
+        payload = b"".join(chunks)
+        checksum = (xxhash.xxh3_64_intdigest(payload) if header.checksum_algorithm == "xxh3-64"
+                    else zlib.crc32(payload))
     with KVAssembler(header, spec) as assembler:
         for chunk in chunks:
             assembler.add(chunk)
@@ -114,6 +115,16 @@ def test_surplus_bytes_are_data_loss():
     encoded = encode_kv(pyramid_cache(), "req-3", "tiny", "rev-1")
     with pytest.raises(KVDataLoss, match="more than"):
         receive(encoded.header, [*encoded.chunks(), b"\0"])
+
+
+def test_a_crc32_checksum_from_an_earlier_sender_is_taken():
+    sent = pyramid_cache()
+    encoded = encode_kv(sent, "r", "tiny", "rev-1")
+    header = dataclasses.replace(encoded.header, checksum_algorithm="crc32")
+    chunks = list(encoded.chunks(1000))
+    assert_same(sent, receive(header, chunks, checksum=zlib.crc32(b"".join(chunks))))
+    with pytest.raises(KVDataLoss, match="checksum"):
+        receive(header, chunks, checksum=encoded.checksum())  # the XXH3 of the same bytes
 
 
 def test_bad_checksum_is_data_loss():

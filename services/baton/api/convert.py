@@ -10,8 +10,7 @@ catches. Unset ``optional`` proto fields become the domain defaults.
 from __future__ import annotations
 
 import dataclasses
-import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -33,7 +32,7 @@ from baton.api.requests import (
 )
 from baton.api.v1 import api_pb2, common_pb2, decode_pb2, kv_pb2, prefill_pb2
 from baton.errors import ServiceError
-from baton.kv.wire import KVDataLoss, KVHeader, KVMalformed
+from baton.kv.wire import KVHeader
 from baton.model.sampling import SamplingParams
 from baton.routing.store import WorkerLoad
 
@@ -303,50 +302,6 @@ def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
                      compression=compression_from_proto(message.compression),
                      decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt,
                      prefill_s=message.prefill_s, partition=tuple(message.partition))
-
-
-def push_kv_messages(handoff: KVHandoff, chunks: Iterable[bytes],
-                     ) -> Iterator[decode_pb2.PushKVRequest]:
-    """The PushKV request stream: the header, one message per payload chunk, then the
-    trailer with the CRC-32 of the chunks, taken as they go out."""
-    yield decode_pb2.PushKVRequest(header=handoff_to_proto(handoff))
-    checksum = 0
-    for chunk in chunks:
-        checksum = zlib.crc32(chunk, checksum)
-        yield decode_pb2.PushKVRequest(chunk=chunk)
-    yield decode_pb2.PushKVRequest(trailer=decode_pb2.PushKVTrailer(checksum=checksum))
-
-
-def push_kv_header(first: decode_pb2.PushKVRequest | None) -> KVHandoff:
-    """The handoff a PushKV stream opens with (``first`` is None for an empty stream)."""
-    if first is None:
-        raise KVDataLoss("PushKV stream ended before its header")
-    if first.WhichOneof("part") != "header":
-        raise KVMalformed("PushKV stream must open with a header, got a chunk")
-    return handoff_from_proto(first.header)
-
-
-def push_kv_part(message: decode_pb2.PushKVRequest) -> bytes | int:
-    """A message after a PushKV stream's header: a payload chunk (bytes), or the trailer's
-    checksum (int), which must be the last message."""
-    kind = message.WhichOneof("part")
-    if kind == "chunk":
-        return message.chunk
-    if kind == "trailer":
-        return message.trailer.checksum
-    raise KVMalformed("PushKV stream sent a second header" if kind == "header" else
-                      "PushKV stream sent an empty message")
-
-
-def read_push_kv(messages: Iterator[decode_pb2.PushKVRequest],
-                 ) -> tuple[KVHandoff, Iterator[bytes | int]]:
-    """Split a PushKV stream into its handoff and the parts after it (``push_kv_part``).
-
-    Raises KVMalformed when the stream does not open with a header or repeats it; an empty
-    stream is KVDataLoss (nothing arrived).
-    """
-    handoff = push_kv_header(next(messages, None))
-    return handoff, (push_kv_part(message) for message in messages)
 
 
 # --- errors --------------------------------------------------------------------------------------

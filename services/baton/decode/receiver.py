@@ -7,7 +7,7 @@ opens with a header; the header matches this pod's model, dtype and shape
 (``baton.kv.wire.check_header``); the prompt, the first token and the sampling parameters fit
 the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
 sender can pick another pod). Then the bytes: ``KVAssembler`` counts them and checks the
-CRC-32 and the positions; a stream that ends early or fails half way frees its buffer. A
+checksum and the positions; a stream that ends early or fails half way frees its buffer. A
 sender that stalls (no message for ``STALL_S``) is cut off with DATA_LOSS: a push holds pool
 room and memory, so it cannot wait on a silent peer.
 """
@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from baton.api import convert
+from baton.api import push_kv
 from baton.api.requests import KVHandoff
 from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
@@ -87,7 +87,7 @@ def check_room(pool: KVPool, layer_num_tokens: tuple[int, ...]) -> None:
 
 async def receive_header(messages: AsyncIterator, stall_s: float | None = None) -> KVHandoff:
     """The handoff a PushKV stream opens with (not yet checked: ``check_push``)."""
-    return convert.push_kv_header(await _next(messages, STALL_S if stall_s is None else stall_s))
+    return push_kv.header_of(await _next(messages, STALL_S if stall_s is None else stall_s))
 
 
 def check_push(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig, pool: KVPool,
@@ -107,11 +107,12 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
         while (message := await _next(messages, stall_s)) is not None:
             if checksum is not None:
                 raise KVMalformed(f"PushKV stream for {handoff.request_id!r} went on after its checksum")
-            part = convert.push_kv_part(message)
+            part = push_kv.part_of(message)
             if isinstance(part, int):
                 checksum = part
             else:
-                assembler.add(part)
+                for piece in part:
+                    assembler.add(piece)
         layers = assembler.finish(checksum)
     last_position = len(handoff.prompt_token_ids) - 1
     for index, layer in enumerate(layers):

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry
 
-from baton.api.v1 import decode_pb2, decode_pb2_grpc
+from baton.api import push_kv
+from baton.api.v1 import decode_pb2
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
 from baton.decode.receiver import Incarnation, kv_spec
@@ -81,7 +82,7 @@ class DecodeServer:
         self.grpc.set_serving(True)
 
     def _register(self, server) -> None:
-        decode_pb2_grpc.add_DecodeServicer_to_server(self.servicer, server)
+        push_kv.add_decode_servicer(self.servicer, server)  # PushKV's chunks without copies
 
     def _init_worker(self) -> None:
         model = self.config.model

@@ -8,15 +8,15 @@ pickle, no per-element encoding. The payload is, in order:
     positions of every layer   int64 [S_0] | int64 [S_1] | ... | int64 [S_{L-1}]
     then for each layer l      K_l [S_l, Hkv, D] (dtype) | V_l [S_l, Hkv, D] (dtype)
 
-All positions come first so that every tensor starts at a multiple of its element size in
-one 64-byte-aligned receive buffer: the received layers are *views* into that buffer
-(no copy after the one from the network). The header keeps per-layer token counts, so it
-stays small at any context length (its size is independent of S).
+The receiver copies each byte once, from the network into a buffer per tensor (all
+positions in one); the received layers are *views* of those buffers. The header keeps
+per-layer token counts, so it stays small at any context length (its size is independent
+of S).
 
-The checksum (CRC-32) follows the payload: the sender computes it as the bytes go out, so
-its header, which carries the request's first token, leaves before a byte of the cache is
-read. The receiver (``KVAssembler``) checks the header against what it serves (``KVSpec``)
-before allocating anything, checks the byte count and the CRC-32 after the last chunk,
+The checksum (XXH3-64; CRC-32 from senders of an earlier release) follows the payload: the
+sender computes it as the bytes go out, so its header, which carries the request's first
+token, leaves before a byte of the cache is read. The receiver (``KVAssembler``) checks the header against what it serves (``KVSpec``)
+before allocating anything, checks the byte count and the checksum after the last chunk,
 then the positions; only then does the cache exist for the caller. A stream that ends early
 or fails leaves nothing behind (``discard``). Errors say what was wrong with the numbers:
 
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Self
 
 import torch
+import xxhash
 
 from baton.dtypes import DTYPES, dtype_name
 from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
@@ -47,7 +48,12 @@ from baton.kv.dense import LayerKV
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
 # per-message cost vanishes (bench/kv_transfer.py measures it).
 CHUNK_BYTES = 1 << 20
-CHECKSUM_ALGORITHM = "crc32"  # zlib's CRC-32 runs at several GB/s here; blake2b at ~0.8
+# The payload's checksum, against corruption (mTLS guards against tampering): XXH3's 64-bit
+# hash runs at ~10 GB/s on the development machines, zlib's CRC-32 at ~3.4, and a push
+# checksums every byte on both ends. A receiver takes either (a sender of an earlier
+# release sends CRC-32).
+CHECKSUM_ALGORITHM = "xxh3-64"
+CHECKSUM_ALGORITHMS = ("xxh3-64", "crc32")
 BYTE_ORDERS = ("little", "big")
 POSITION_DTYPE = torch.int64
 POSITION_BYTES = 8
@@ -115,6 +121,27 @@ class KVSpec:
     max_tokens: int  # positions must lie in [0, max_tokens): the model's context length
 
 
+class Checksum:
+    """The payload's running checksum by one of ``CHECKSUM_ALGORITHMS``, fed piece by piece."""
+
+    def __init__(self, algorithm: str = CHECKSUM_ALGORITHM) -> None:
+        if algorithm not in CHECKSUM_ALGORITHMS:
+            raise KVMalformed(f"KV checksum_algorithm {algorithm!r} is not one of "
+                              f"{CHECKSUM_ALGORITHMS}")
+        self._xxh3 = xxhash.xxh3_64() if algorithm == "xxh3-64" else None
+        self._crc32 = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self._xxh3 is not None:
+            self._xxh3.update(data)
+        else:
+            self._crc32 = zlib.crc32(data, self._crc32)
+
+    @property
+    def value(self) -> int:
+        return self._xxh3.intdigest() if self._xxh3 is not None else self._crc32
+
+
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor as a flat memoryview (a copy only for GPU/strided input)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -132,18 +159,15 @@ class EncodedKV:
     segments: list[memoryview]
 
     def checksum(self) -> int:
-        """The payload's CRC-32 (what the sender's chunks add up to)."""
-        value = 0
+        """The payload's checksum (what the sender's chunks add up to)."""
+        checksum = Checksum(self.header.checksum_algorithm)
         for segment in self.segments:
-            value = zlib.crc32(segment, value)
-        return value
+            checksum.update(segment)
+        return checksum.value
 
-    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-        """The payload in pieces of ``chunk_bytes`` (the last may be shorter).
-
-        A chunk may span segments; ``bytes.join`` over memoryview slices copies each byte
-        once, which is the one copy a protobuf ``bytes`` field needs anyway.
-        """
+    def chunk_pieces(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[memoryview]]:
+        """The payload in chunks of ``chunk_bytes`` (the last may be shorter), each as the
+        views of the tensors it spans: nothing is copied here."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         pieces: list[memoryview] = []
@@ -156,10 +180,14 @@ class EncodedKV:
                 pending += take
                 offset += take
                 if pending == chunk_bytes:
-                    yield b"".join(pieces)
+                    yield pieces
                     pieces, pending = [], 0
         if pending:
-            yield b"".join(pieces)
+            yield pieces
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The payload in chunks of ``chunk_bytes``, each as bytes (a copy)."""
+        return (b"".join(pieces) for pieces in self.chunk_pieces(chunk_bytes))
 
 
 def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
@@ -198,9 +226,9 @@ def check_header(header: KVHeader, spec: KVSpec) -> None:
         raise KVMalformed(f"KV dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
     if header.byte_order not in BYTE_ORDERS:
         raise KVMalformed(f"KV byte_order {header.byte_order!r} is not one of {BYTE_ORDERS}")
-    if header.checksum_algorithm != CHECKSUM_ALGORITHM:
-        raise KVMalformed(f"KV checksum_algorithm {header.checksum_algorithm!r} is not "
-                          f"{CHECKSUM_ALGORITHM!r}")
+    if header.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        raise KVMalformed(f"KV checksum_algorithm {header.checksum_algorithm!r} is not one of "
+                          f"{CHECKSUM_ALGORITHMS}")
     if header.num_layers != len(header.layer_num_tokens):
         raise KVMalformed(f"KV header says {header.num_layers} layers but gives token counts "
                           f"for {len(header.layer_num_tokens)}")
@@ -240,10 +268,24 @@ class KVAssembler:
         self._init_buffer()
 
     def _init_buffer(self) -> None:
-        self._buffer: torch.Tensor | None = torch.empty(self.header.total_bytes, dtype=torch.uint8)
-        self._writable = memoryview(self._buffer.numpy())
+        # One buffer per tensor, in the payload's order: every layer's positions together,
+        # then each layer's K and V. A tensor's buffer is as large as one layer's keys (a few
+        # MiB), which malloc serves from memory the process already has and reuses once the
+        # cache has moved into the pool (``baton.host_memory.keep_freed_memory``); one buffer
+        # for the whole cache would be fresh pages each time, whose first touch costs more
+        # than the copy into them.
+        header = self.header
+        tensor_bytes = header.num_kv_heads * header.head_dim * header.element_bytes
+        sizes = [sum(header.layer_num_tokens) * POSITION_BYTES]
+        for num_tokens in header.layer_num_tokens:
+            sizes += [num_tokens * tensor_bytes] * 2
+        self._buffers: list[torch.Tensor] | None = [torch.empty(size, dtype=torch.uint8)
+                                                    for size in sizes]
+        self._writable = [memoryview(buffer.numpy()) for buffer in self._buffers]
+        self._segment = 0  # the buffer the next byte goes to, and where in it
+        self._offset = 0
         self.bytes_received = 0
-        self._checksum = 0
+        self._checksum = Checksum(header.checksum_algorithm)
 
     def __enter__(self) -> Self:
         return self
@@ -252,62 +294,65 @@ class KVAssembler:
         self.discard()
 
     def add(self, chunk: bytes | memoryview) -> None:
-        if self._buffer is None:
+        if self._buffers is None:
             raise RuntimeError("this KV assembler is finished or discarded")
-        end = self.bytes_received + len(chunk)
-        if end > self.header.total_bytes:
+        size = len(chunk)
+        if self.bytes_received + size > self.header.total_bytes:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} sent more than the "
                              f"{self.header.total_bytes} bytes its header announced")
-        self._writable[self.bytes_received:end] = chunk
-        self._checksum = zlib.crc32(chunk, self._checksum)
-        self.bytes_received = end
+        self._checksum.update(chunk)
+        source, taken = memoryview(chunk), 0
+        while taken < size:
+            target = self._writable[self._segment]
+            count = min(len(target) - self._offset, size - taken)
+            target[self._offset:self._offset + count] = source[taken:taken + count]
+            taken += count
+            self._offset += count
+            if self._offset == len(target):
+                self._segment, self._offset = self._segment + 1, 0
+        self.bytes_received += size
 
     def finish(self, checksum: int | None) -> list[LayerKV]:
-        """The received cache (views into one buffer), after checking size, the sender's
-        ``checksum`` (None: none arrived) and the positions."""
-        if self._buffer is None:
+        """The received cache (views of its receive buffers), after checking size, the
+        sender's ``checksum`` (None: none arrived) and the positions."""
+        if self._buffers is None:
             raise RuntimeError("this KV assembler is finished or discarded")
         if self.bytes_received != self.header.total_bytes:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} ended after "
                              f"{self.bytes_received} of {self.header.total_bytes} bytes")
         if checksum is None:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} ended without its checksum")
-        if self._checksum != checksum:
+        if self._checksum.value != checksum:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} has checksum "
-                             f"{self._checksum:#010x}, its sender says {checksum:#010x}")
-        layers = self._unpack(self._buffer)
+                             f"{self._checksum.value:#x}, its sender says {checksum:#x}")
+        layers = self._unpack(self._buffers)
         self._check_positions(layers)
-        self.discard()  # the layers keep the buffer alive; the assembler lets go of it
+        self.discard()  # the layers keep their buffers alive; the assembler lets go of them
         return layers
 
     def discard(self) -> None:
         """Forget whatever arrived (idempotent)."""
-        self._buffer = None
-        self._writable = memoryview(b"")
+        self._buffers = None
+        self._writable = []
 
-    def _unpack(self, buffer: torch.Tensor) -> list[LayerKV]:
+    def _unpack(self, buffers: list[torch.Tensor]) -> list[LayerKV]:
         header = self.header
         dtype = DTYPES[header.dtype]
         swap = header.byte_order != sys.byteorder
-        offset = 0
 
-        def take(count: int, element_dtype: torch.dtype, element_bytes: int) -> torch.Tensor:
-            nonlocal offset
-            raw = buffer[offset:offset + count * element_bytes]
-            offset += count * element_bytes
+        def typed(raw: torch.Tensor, element_dtype: torch.dtype, element_bytes: int) -> torch.Tensor:
             if swap:  # reverse the bytes of every element (a copy; only across byte orders)
                 raw = raw.view(-1, element_bytes).flip(1).reshape(-1)
             return raw.view(element_dtype)
 
-        positions = [take(count, POSITION_DTYPE, POSITION_BYTES) for count in header.layer_num_tokens]
-        layers = []
+        all_positions = typed(buffers[0], POSITION_DTYPE, POSITION_BYTES)
         shape = (header.num_kv_heads, header.head_dim)
-        elements_per_token = header.num_kv_heads * header.head_dim
-        for count, layer_positions in zip(header.layer_num_tokens, positions):
-            k = take(count * elements_per_token, dtype, header.element_bytes).view(count, *shape)
-            v = take(count * elements_per_token, dtype, header.element_bytes).view(count, *shape)
-            layers.append(LayerKV(k, v, layer_positions))
-        assert offset == header.total_bytes, "check_header matched total_bytes to the layout"
+        layers, start = [], 0
+        for layer, count in enumerate(header.layer_num_tokens):
+            k = typed(buffers[1 + 2 * layer], dtype, header.element_bytes).view(count, *shape)
+            v = typed(buffers[2 + 2 * layer], dtype, header.element_bytes).view(count, *shape)
+            layers.append(LayerKV(k, v, all_positions[start:start + count]))
+            start += count
         return layers
 
     def _check_positions(self, layers: list[LayerKV]) -> None:

@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import grpc
 
-from baton.api import convert
+from baton.api import convert, push_kv
 from baton.api.requests import KVHandoff, PrefillRequest
-from baton.api.v1 import decode_pb2_grpc, prefill_pb2
+from baton.api.v1 import prefill_pb2
 from baton.config import MtlsConfig, PyramidConfig
 from baton.kv.wire import encode_kv
 from baton.metrics import PrefillMetrics
@@ -103,8 +103,7 @@ class TailSink:
         ~2 ms, which the chain's compute hides when it is opened before it (``keep``)."""
         for stale in self._pushes.values():  # the chain moved on without delivering them
             stale.cancel()
-        stub = decode_pb2_grpc.DecodeStub(self._channel(request.decode_address))
-        push = PushCall(stub)
+        push = PushCall(push_kv.stub_push_kv(self._channel(request.decode_address)))
         self._pushes = {request.request_id: push} if keep else {}
         return push
 
@@ -120,7 +119,7 @@ class TailSink:
         handoff = KVHandoff(encoded.header, request.prompt_token_ids, first_token,
                             request.sampling, request.compression, request.decode_incarnation,
                             request.cache_salt, result.ttft_s, tuple(result.boundaries))
-        push.send(convert.push_kv_messages(handoff, encoded.chunks()))
+        push.send(push_kv.messages(handoff, encoded.chunk_pieces()))
         self.metrics.kv_bytes_shipped.inc(encoded.header.total_bytes)
         self.metrics.compression_ratio.observe(kept / full)
         self.metrics.kv_push_s.observe(time.monotonic() - push_start)
@@ -144,9 +143,9 @@ class TailSink:
 class PushCall:
     """A Decode.PushKV call opened before its messages exist: they are fed to it later."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
+    def __init__(self, method: grpc.StreamUnaryMultiCallable) -> None:
         self._messages: queue.SimpleQueue = queue.SimpleQueue()
-        self._future = stub.PushKV.future(iter(self._messages.get, None), timeout=PUSH_TIMEOUT_S)
+        self._future = method.future(iter(self._messages.get, None), timeout=PUSH_TIMEOUT_S)
 
     def send(self, messages) -> None:
         """Send every message, then wait for the pod's answer (raises its status)."""

@@ -1,0 +1,161 @@
+"""The PushKV stream: a header, the KV payload in chunks, a trailer with the checksum; its
+chunk messages framed by hand (docs/architecture.md, "KV on the wire").
+
+Protobuf's Python runtime copies a ``bytes`` field each time a message is built, serialized,
+parsed or read: four copies of every byte of the cache, slower together than the socket
+itself. A chunk message is one length-delimited field, so its encoding is trivial: the
+sender writes the tag, the length and the payload's pieces into the one buffer gRPC takes
+(``serialize``); the receiver finds the payload as a view of the buffer gRPC gave it
+(``parse``) and copies it once, into the cache's receive buffer. The bytes on the wire are
+``PushKVRequest``'s own encoding, so either side may be a plain generated stub or servicer:
+``parse`` falls back to protobuf for anything but a lone chunk field.
+
+``stub_push_kv`` and ``add_decode_servicer`` are the hand-framed ends of Decode.PushKV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+
+from baton.api.convert import handoff_from_proto, handoff_to_proto
+from baton.api.requests import KVHandoff
+from baton.api.v1 import decode_pb2, decode_pb2_grpc
+from baton.kv.wire import Checksum, KVDataLoss, KVMalformed
+
+METHOD = "/baton.v1.Decode/PushKV"
+_CHUNK_FIELD = decode_pb2.PushKVRequest.DESCRIPTOR.fields_by_name["chunk"].number
+_CHUNK_TAG = (_CHUNK_FIELD << 3) | 2  # wire type 2: length-delimited
+_TAG_BYTE = bytes([_CHUNK_TAG])
+
+
+class Chunk:
+    """One payload chunk in place of ``PushKVRequest(chunk=...)``: the pieces it is made of
+    (sender), or one view of the received message (receiver)."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: Sequence[bytes | memoryview]) -> None:
+        self.pieces = pieces
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(piece) for piece in self.pieces)
+
+
+PushKVMessage = decode_pb2.PushKVRequest | Chunk
+
+
+def messages(handoff: KVHandoff, chunks: Iterable[Sequence[bytes | memoryview]]
+             ) -> Iterator[PushKVMessage]:
+    """The stream: the header, one ``Chunk`` per group of pieces, then the trailer with the
+    checksum of the chunks, taken as they go out."""
+    yield decode_pb2.PushKVRequest(header=handoff_to_proto(handoff))
+    checksum = Checksum(handoff.kv.checksum_algorithm)
+    for pieces in chunks:
+        for piece in pieces:
+            checksum.update(piece)
+        yield Chunk(pieces)
+    yield decode_pb2.PushKVRequest(trailer=decode_pb2.PushKVTrailer(checksum=checksum.value))
+
+
+def serialize(message: PushKVMessage) -> bytes:
+    """A message's bytes: a chunk's framed by hand (one copy of its pieces), others by protobuf."""
+    if not isinstance(message, Chunk):
+        return message.SerializeToString()
+    return b"".join([_TAG_BYTE, _varint(message.num_bytes), *message.pieces])
+
+
+def parse(data: bytes) -> PushKVMessage:
+    """A received message: a ``Chunk`` viewing ``data`` when it is one chunk field and
+    nothing else, else the parsed ``PushKVRequest``."""
+    if data[:1] == _TAG_BYTE:
+        length, start = _read_varint(data, 1)
+        if length >= 0 and start + length == len(data):
+            return Chunk((memoryview(data)[start:],))
+    return decode_pb2.PushKVRequest.FromString(data)
+
+
+def header_of(first: PushKVMessage | None) -> KVHandoff:
+    """The handoff a PushKV stream opens with (``first`` is None for an empty stream)."""
+    if first is None:
+        raise KVDataLoss("PushKV stream ended before its header")
+    if isinstance(first, Chunk) or first.WhichOneof("part") != "header":
+        raise KVMalformed("PushKV stream must open with a header, got a chunk")
+    return handoff_from_proto(first.header)
+
+
+def part_of(message: PushKVMessage) -> Sequence[bytes | memoryview] | int:
+    """A message after a PushKV stream's header: a payload chunk's pieces, or the trailer's
+    checksum (int), which must be the last message."""
+    if isinstance(message, Chunk):
+        return message.pieces
+    kind = message.WhichOneof("part")
+    if kind == "chunk":
+        return (message.chunk,)
+    if kind == "trailer":
+        return message.trailer.checksum
+    raise KVMalformed("PushKV stream sent a second header" if kind == "header" else
+                      "PushKV stream sent an empty message")
+
+
+def read(stream: Iterator[PushKVMessage]
+         ) -> tuple[KVHandoff, Iterator[Sequence[bytes | memoryview] | int]]:
+    """Split a PushKV stream into its handoff and the parts after it (``part_of``).
+
+    Raises KVMalformed when the stream does not open with a header or repeats it; an empty
+    stream is KVDataLoss (nothing arrived)."""
+    handoff = header_of(next(stream, None))
+    return handoff, (part_of(message) for message in stream)
+
+
+def stub_push_kv(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
+    """Decode.PushKV on ``channel``, sending ``messages`` as they are framed here."""
+    return channel.stream_unary(METHOD, request_serializer=serialize,
+                                response_deserializer=decode_pb2.PushKVResponse.FromString)
+
+
+def add_decode_servicer(servicer: decode_pb2_grpc.DecodeServicer, server) -> None:
+    """Serve the Decode service on ``server`` (sync or asyncio), its PushKV messages parsed
+    here: the generated handlers, PushKV's deserializer replaced."""
+    handlers = _GeneratedHandlers()
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, handlers)
+    push = handlers.methods["PushKV"]
+    handlers.methods["PushKV"] = grpc.stream_unary_rpc_method_handler(
+        push.stream_unary, request_deserializer=parse,
+        response_serializer=push.response_serializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        handlers.service, handlers.methods),))
+    server.add_registered_method_handlers(handlers.service, handlers.methods)
+
+
+class _GeneratedHandlers:
+    """Takes the handlers the generated ``add_DecodeServicer_to_server`` registers."""
+
+    def add_generic_rpc_handlers(self, generic_handlers) -> None:
+        pass  # the same handlers come to add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, methods: dict) -> None:
+        self.service, self.methods = service, dict(methods)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, offset: int) -> tuple[int, int]:
+    """The varint at ``offset`` and the offset after it; (-1, offset) when it is cut short."""
+    value = shift = 0
+    for index in range(offset, min(len(data), offset + 10)):
+        byte = data[index]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, index + 1
+        shift += 7
+    return -1, offset
