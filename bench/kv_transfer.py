@@ -1,16 +1,34 @@
-"""KV transfer rate: PushKV over a real gRPC server on localhost vs raw TCP loopback.
+"""KV transfer rate: PushKV over a real gRPC server on localhost against raw TCP loopback.
 
-Ships one pyramid-shaped fp32 cache (the codec's header + 1 MiB chunks) through the
-generated Decode service to a receiver that assembles and checks it, and the same bytes
-through a plain socket in 1 MiB sends; writes docs/benchmarks/kv_transfer.md.
-Goal (docs/architecture.md, "KV on the wire"): gRPC at least half of raw TCP.
+One question: how close to the wire does a chain's tail ship a cache to a decode pod? One
+pyramid-shaped fp32 cache goes, in interleaved rounds, through
+
+* raw TCP: the payload's bytes through a plain socket in 1 MiB sends, into one buffer;
+* gRPC PushKV as the tail sends it (``baton.api.push_kv``: chunks framed by hand) to a
+  receiver that assembles and checks it as a decode pod does (``KVAssembler``: one copy
+  into a buffer per tensor, the checksum, the positions);
+* gRPC PushKV as plain protobuf messages (a generated stub; the pod takes these too): what
+  the hand framing saves.
+
+Each gRPC push is end to end: encode, send, receive, verify. Goal (issue: KV shipping at
+wire speed): gRPC at least half of raw TCP.
+
+    .venv/bin/python bench/kv_transfer.py --rounds 8
+    .venv/bin/python bench/kv_transfer.py --report-only
+
+Writes docs/benchmarks/kv_transfer.md from docs/benchmarks/kv-transfer-results.json.gz.
 """
 
 from __future__ import annotations
 
-import platform
+import argparse
+import gzip
+import json
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
@@ -25,12 +43,16 @@ from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
 from baton.kv.wire import CHUNK_BYTES, KVAssembler, KVSpec, encode_kv
 
-REPORT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "kv_transfer.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPORT_DIR, machine_description, markdown_table, write_report
+
+RESULTS = REPORT_DIR / "kv-transfer-results.json.gz"
 LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 16, 8, 128, 4096  # a 7B-class GQA layout, 16 layers
-REPEATS = 5
+PUSHES_PER_ROUND = 5
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
                 ("grpc.max_send_message_length", 4 * CHUNK_BYTES)]
 SPEC = KVSpec("bench", "r1", "float32", LAYERS, KV_HEADS, HEAD_DIM, PROMPT)
+PATHS = ("raw TCP", "gRPC PushKV", "gRPC PushKV, protobuf messages")
 
 
 def pyramid_cache() -> list[LayerKV]:
@@ -60,24 +82,23 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
                                              bytes_received=assembler.bytes_received)
 
 
-def time_grpc(layers: list[LayerKV]) -> list[float]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-    push_kv.add_decode_servicer(Receiver(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+def as_protobuf(messages):
+    """The stream as a generated stub sends it: every chunk a PushKVRequest."""
+    for message in messages:
+        yield (decode_pb2.PushKVRequest(chunk=b"".join(message.pieces))
+               if isinstance(message, push_kv.Chunk) else message)
+
+
+def time_pushes(send, layers: list[LayerKV], framed: bool) -> list[float]:
     seconds = []
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
-            push = push_kv.stub_push_kv(channel)  # as the chain's tail sends
-            for _ in range(REPEATS):
-                started = time.perf_counter()
-                encoded = encode_kv(layers, "bench", "bench", "r1")  # checksummed as it goes
-                handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
-                reply = push(push_kv.messages(handoff, encoded.chunk_pieces()))
-                seconds.append(time.perf_counter() - started)
-                assert reply.bytes_received == encoded.header.total_bytes
-    finally:
-        server.stop(grace=None)
+    for _ in range(PUSHES_PER_ROUND):
+        started = time.perf_counter()
+        encoded = encode_kv(layers, "bench", "bench", "r1")  # checksummed as it goes
+        handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
+        messages = push_kv.messages(handoff, encoded.chunk_pieces())
+        reply = send(messages if framed else as_protobuf(messages))
+        seconds.append(time.perf_counter() - started)
+        assert reply.bytes_received == encoded.header.total_bytes
     return seconds
 
 
@@ -87,7 +108,7 @@ def time_tcp(payload: memoryview) -> list[float]:
     buffer = bytearray(len(payload))
 
     def receive() -> None:
-        for _ in range(REPEATS):
+        for _ in range(PUSHES_PER_ROUND):
             conn, _ = listener.accept()
             view, received = memoryview(buffer), 0
             while received < len(buffer):
@@ -98,7 +119,7 @@ def time_tcp(payload: memoryview) -> list[float]:
     thread = threading.Thread(target=receive)
     thread.start()
     seconds = []
-    for _ in range(REPEATS):
+    for _ in range(PUSHES_PER_ROUND):
         started = time.perf_counter()
         with socket.create_connection(("127.0.0.1", port)) as conn:
             for offset in range(0, len(payload), CHUNK_BYTES):
@@ -110,48 +131,105 @@ def time_tcp(payload: memoryview) -> list[float]:
     return seconds
 
 
-def main() -> None:
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def run(rounds: int) -> dict:
     keep_freed_memory()  # as every pod does once its model is built
     torch.manual_seed(0)
     layers = pyramid_cache()
     encoded = encode_kv(layers, "bench", "bench", "r1")
-    total = encoded.header.total_bytes
     payload = memoryview(b"".join(encoded.chunks()))
-    tcp = time_tcp(payload)
-    grpc_s = time_grpc(layers)
-    rate = {name: total / statistics.median(times) / 1e9
-            for name, times in (("raw TCP", tcp), ("gRPC PushKV", grpc_s))}
-    ratio = rate["gRPC PushKV"] / rate["raw TCP"]
-    lines = [
-        "# KV transfer: gRPC PushKV vs raw TCP loopback",
+    results = {"commit": git("rev-parse", "HEAD"), "clean": not git("status", "--porcelain", "-uno"),
+               "machine": machine_description(), "torch_threads": torch.get_num_threads(),
+               "grpcio": grpc.__version__, "total_bytes": encoded.header.total_bytes,
+               "chunk_bytes": CHUNK_BYTES, "checksum": encoded.header.checksum_algorithm,
+               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": []}
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    push_kv.add_decode_servicer(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+            framed = push_kv.stub_push_kv(channel)
+            generated = decode_pb2_grpc.DecodeStub(channel).PushKV
+            measures = {"raw TCP": lambda: time_tcp(payload),
+                        "gRPC PushKV": lambda: time_pushes(framed, layers, True),
+                        "gRPC PushKV, protobuf messages": lambda: time_pushes(generated, layers, False)}
+            for number in range(rounds):
+                order = PATHS if number % 2 == 0 else PATHS[::-1]
+                entry = {"round": number + 1}
+                for path in order:
+                    entry[path] = measures[path]()
+                results["rounds"].append(entry)
+                print(f"round {number + 1}: " + ", ".join(
+                    f"{path} {statistics.median(entry[path]):.3f} s" for path in PATHS), flush=True)
+    finally:
+        server.stop(grace=None)
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results["load_average_end"] = round(os.getloadavg()[0], 1)
+    return results
+
+
+def report(results: dict) -> str:
+    total = results["total_bytes"]
+    pooled = {path: [s for entry in results["rounds"] for s in entry[path]] for path in PATHS}
+    tcp = statistics.median(pooled["raw TCP"])
+    rows = []
+    for path in PATHS:
+        per_round = [statistics.median(entry["raw TCP"]) / statistics.median(entry[path])
+                     for entry in results["rounds"]]
+        median = statistics.median(pooled[path])
+        rows.append([path, len(pooled[path]), f"{median:.3f}", f"{total / median / 1e9:.2f}",
+                     f"**{tcp / median:.2f}**", " / ".join(f"{r:.2f}" for r in per_round)])
+    ratio = tcp / statistics.median(pooled["gRPC PushKV"])
+    seconds = sum(sum(entry[path]) for entry in results["rounds"] for path in PATHS)
+    return "\n".join([
+        "# KV transfer: gRPC PushKV against raw TCP on loopback",
         "",
-        (f"Written by `bench/kv_transfer.py`. Machine: {platform.machine()}, "
-        f"{torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
-        f"grpcio {grpc.__version__}; 2-core CPU shared with other jobs, so numbers are noisy."),
+        (f"Written by `bench/kv_transfer.py` from [kv-transfer-results.json.gz]"
+         f"(kv-transfer-results.json.gz): commit `{results['commit'][:12]}`"
+         f"{'' if results['clean'] else ' (with uncommitted changes)'}, started "
+         f"{results['started']}, finished {results['finished']}."),
         "",
-        (f"Payload: one pyramid-shaped fp32 cache, {LAYERS} layers x {KV_HEADS} KV heads x "
-        f"head dim {HEAD_DIM}, {PROMPT} tokens in layer 0 falling to {PROMPT // 2} in the last: "
-        f"{total / 2**20:.0f} MiB in {CHUNK_BYTES // 2**10} KiB chunks. Median of {REPEATS}."),
+        (f"Machine: {results['machine']}; load average {results['load_average_end']} at the end; "
+         f"{results['torch_threads']} torch threads, grpcio {results['grpcio']}. Nothing else ran."),
         "",
-        ("The gRPC figure is end to end as a chain's tail and a decode pod see it: encode "
-        "(the CRC-32 taken as the chunks go out), the PushKV stream through a real server on "
-        "127.0.0.1, and "
-        "the receiver assembling into one buffer and checking size, checksum and positions. "
-        "Raw TCP only moves the same bytes through a socket in 1 MiB sends."),
+        (f"Payload: one pyramid-shaped fp32 cache, {LAYERS} layers x {KV_HEADS} KV heads x head "
+         f"dim {HEAD_DIM}, {PROMPT} tokens in layer 0 falling to {PROMPT // 2} in the last: "
+         f"{total / 2**20:.0f} MiB in {results['chunk_bytes'] // 2**10} KiB chunks, checksum "
+         f"{results['checksum']}. {len(results['rounds'])} rounds of {PUSHES_PER_ROUND} transfers "
+         f"per path, the paths' order reversed every other round; {seconds:.0f} s of transfers."),
         "",
-        "| path | median s | GB/s |",
-        "|---|---:|---:|",
-        f"| raw TCP | {statistics.median(tcp):.3f} | {rate['raw TCP']:.2f} |",
-        (f"| gRPC PushKV (with codec) | {statistics.median(grpc_s):.3f} | "
-        f"{rate['gRPC PushKV']:.2f} |"),
+        ("A gRPC push is end to end as a chain's tail and a decode pod see it: encode (the "
+         "checksum taken as the chunks go out), the PushKV stream through a real server on "
+         "127.0.0.1, and the receiver copying the bytes into a buffer per tensor and checking "
+         "size, checksum and positions. Raw TCP only moves the same bytes through a socket in "
+         "1 MiB sends into one buffer. The protobuf row sends the same stream as a generated "
+         "stub does (a `PushKVRequest` per chunk), to the same receiver."),
         "",
-        (f"gRPC / raw TCP = **{ratio:.2f}** (goal: at least 0.5) — "
-        f"{'met' if ratio >= 0.5 else 'NOT met'} on this run."),
+        markdown_table(["path", "transfers", "median s", "GB/s", "vs raw TCP",
+                        "vs raw TCP per round"], rows),
         "",
-    ]
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text("\n".join(lines))
-    print("\n".join(lines))
+        (f"gRPC PushKV / raw TCP = **{ratio:.2f}** (goal: at least 0.5) — "
+         f"{'met' if ratio >= 0.5 else 'NOT met'}."),
+        "",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    if not args.report_only:
+        results = run(args.rounds)
+        with gzip.open(RESULTS, "wt") as file:
+            json.dump(results, file)
+    with gzip.open(RESULTS, "rt") as file:
+        write_report("kv_transfer.md", report(json.load(file)))
 
 
 if __name__ == "__main__":
