@@ -5,12 +5,8 @@ Kept apart from ``sarathi.py``, which measures; everything here only formats wha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from common import REPORT_DIR, markdown_table
-
-if TYPE_CHECKING:
-    from sarathi import IterationCosts, RunStats
+from sarathi_results import IterationCosts, RunStats
 
 POLICIES = ("sarathi", "separate", "orca")
 
