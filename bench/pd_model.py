@@ -1,0 +1,298 @@
+"""Where disaggregation pays: a prompt's time to first token on each route, predicted from
+measured rates, checked against `baton up`, and projected to a GPU cluster.
+
+One question: from which prompt length does a prefill chain (and a remote prefill) beat
+prefilling on the decode pod? The model:
+
+    TTFT_local(L) = hop_local + prefill_1(L)
+    TTFT_chain(L) = hop_chain + prefill_chain(L) + kv_bytes(L) / bandwidth
+
+* prefill_1: the decode pod's own prefill of L tokens (one process, the decode pod's
+  threads); prefill_chain: a chain's (``LocalChain``, 2 ranks of 1 thread, the shipped
+  partition table), both measured here on the shipped model (``--measure``);
+* kv_bytes(L): what PushKV carries, L x layers x (2 x kv heads x head dim x dtype bytes
+  + 8 position bytes), times the kept fraction (1 here: the served runs turn compression
+  off);
+* bandwidth: gRPC PushKV end to end (docs/benchmarks/kv-transfer-results.json.gz);
+* hop_local, hop_chain: the fixed cost of a request on each route (gateway, gRPC calls,
+  the first step), fitted at the shortest served length; every other length is predicted.
+
+The served TTFTs are `bench/route_ttft.py`'s (docs/benchmarks/route-ttft-results.json.gz,
+this tree's rounds). The GPU projection uses the same equations with the inputs its table
+names (datasheet figures and stated assumptions, not measurements).
+
+    .venv/bin/python bench/pd_model.py --measure
+    .venv/bin/python bench/pd_model.py --report-only
+
+Writes docs/benchmarks/pd-model.md from docs/benchmarks/pd-model-results.json.gz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPORT_DIR, machine_description, markdown_table, write_report
+
+RESULTS = REPORT_DIR / "pd-model-results.json.gz"
+SERVED = REPORT_DIR / "route-ttft-results.json.gz"
+TRANSFER = REPORT_DIR / "kv-transfer-results.json.gz"
+LENGTHS = (128, 256, 384, 512, 640, 768, 896, 1024)
+RANKS = 2
+POSITION_BYTES = 8
+GOAL_ERROR = 0.20  # predicted within 20% of measured
+
+
+def measure(repeats: int) -> dict:
+    import torch
+    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.runahead import LocalChain, ModelSource, PartitionTable
+    from baton.runahead.tuner import single_process_ttft
+
+    source = ModelSource(path=str(SHIPPED_MODEL_DIR), dtype="float32")
+    model = source.load(torch.device("cpu"))
+    config = model.config
+    table = PartitionTable.load()
+    threads = torch.get_num_threads()  # a lone decode pod of `baton up` takes every core
+    generator = torch.Generator().manual_seed(0)
+    local: dict[int, float] = {}
+    chain: dict[int, float] = {}
+    with LocalChain(source, RANKS, table=table, timeout_s=300) as runner:
+        for length in LENGTHS:
+            ids = torch.randint(0, config.vocab_size, (length,), generator=generator)
+            boundaries = table.boundaries(RANKS, length)
+            runner.prefill(ids, boundaries, return_kv=False)  # warm-up at this size
+            local[length] = chain[length] = float("inf")
+            for _ in range(repeats):  # interleaved, the fastest of each counts
+                local[length] = min(local[length], single_process_ttft(model, ids, threads, 1))
+                chain[length] = min(chain[length],
+                                    runner.prefill(ids, boundaries, return_kv=False).ttft_s)
+            print(f"L={length}: local {local[length] * 1e3:.1f} ms, chain "
+                  f"{chain[length] * 1e3:.1f} ms", flush=True)
+    element = torch.empty(0, dtype=torch.float32).element_size()
+    per_layer = 2 * config.num_key_value_heads * config.head_dim * element + POSITION_BYTES
+    return {"commit": _git("rev-parse", "HEAD"), "machine": machine_description(),
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "local_threads": threads, "chain_ranks": RANKS, "table": table.name,
+            "kv_bytes_per_token": config.num_hidden_layers * per_layer,
+            "prefill_local_s": local, "prefill_chain_s": chain}
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _interpolate(points: dict[int, float], length: float) -> float:
+    """Linear between measured lengths (and beyond the ends, along the nearest segment)."""
+    xs = sorted(points)
+    right = next((i for i, x in enumerate(xs) if x >= length), len(xs) - 1)
+    right = max(right, 1)
+    x0, x1 = xs[right - 1], xs[right]
+    return points[x0] + (points[x1] - points[x0]) * (length - x0) / (x1 - x0)
+
+
+def served_p50(served: dict) -> dict[tuple[str, int], float]:
+    pooled: dict[tuple[str, int], list[float]] = {}
+    for entry in served["rounds"]:
+        if entry["tree"] != "this":
+            continue
+        for cell, values in entry["ttft_s"].items():
+            route, length = cell.split("/")
+            pooled.setdefault((route, int(length)), []).extend(values)
+    return {key: statistics.median(values) for key, values in pooled.items()}
+
+
+def validation(measured: dict, served: dict, bandwidth: float) -> tuple[list[list], dict, int | None]:
+    local = {int(k): v for k, v in measured["prefill_local_s"].items()}
+    chain = {int(k): v for k, v in measured["prefill_chain_s"].items()}
+    per_token = measured["kv_bytes_per_token"]
+    p50 = served_p50(served)
+    lengths = sorted({length for _, length in p50})
+    shortest = lengths[0]
+    components = {
+        "local": lambda n: _interpolate(local, n),
+        "chain": lambda n: _interpolate(chain, n) + n * per_token / bandwidth,
+    }
+    hops = {route: p50[(route, shortest)] - components[route](shortest) for route in components}
+    rows = []
+    for route, component in components.items():
+        for length in lengths:
+            predicted = hops[route] + component(length)
+            measured_s = p50[(route, length)]
+            error = predicted / measured_s - 1
+            fitted = " (fits the hop)" if length == shortest else ""
+            rows.append([route, length, f"{component(length) * 1e3:.1f}",
+                         f"{predicted * 1e3:.1f}{fitted}", f"{measured_s * 1e3:.1f}",
+                         f"{error:+.0%}" if not fitted else "-"])
+    max_context = max(local)
+    break_even = next((n for n in range(1, max_context + 1)
+                       if hops["chain"] + components["chain"](n) < hops["local"] + components["local"](n)),
+                      None)
+    return rows, hops, break_even
+
+
+# --- the GPU projection: inputs named, none measured here -----------------------------------
+
+GPU_INPUTS = [
+    ("model", "8B, Llama-3-8B's shape: 32 layers, hidden 4096, 8 KV heads of 128, bf16",
+     "the model card's config.json"),
+    ("H100 bf16 dense peak", "989 TFLOP/s", "NVIDIA H100 SXM datasheet"),
+    ("prefill utilisation", "50% of peak", ("an assumption (eager kernels reach less, CUDA graphs and "
+     "FlashAttention more)")),
+    ("prefill FLOPs", "2 x params x L + 2 x layers x L^2 x hidden", "dense matmuls plus causal attention"),
+    ("chain of n GPUs", "TTFT(1)/2 x (1/n + 1/n^2)", ("KV-Runahead's lower bound (the paper's equation), "
+     "an upper bound on what a chain gains")),
+    ("KV bytes per token", "32 x (2 x 8 x 128 x 2 + 8) = 131,328", ("PushKV's payload; x 0.5 with "
+     "PyramidInfer's default keep ratio")),
+    ("links", ("100 and 400 Gbit/s at 90% (RDMA, NIXL); gRPC at the rate PushKV reached here, "
+     "at most the link's"), "line rates; PushKV's CPU-bound rate from docs/benchmarks/kv_transfer.md"),
+    ("the chain's extra hop", "1 ms", ("an assumption: one more gRPC round trip inside a cluster "
+     "(gateway -> chain -> decode pod against gateway -> decode pod)")),
+]
+GPU_EXTRA_HOP_S = 1e-3
+GPU_PARAMS, GPU_LAYERS, GPU_HIDDEN = 8.0e9, 32, 4096
+GPU_FLOPS = 989e12 * 0.5
+GPU_KV_BYTES_PER_TOKEN = GPU_LAYERS * (2 * 8 * 128 * 2 + POSITION_BYTES)
+GPU_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def gpu_prefill_s(length: int, ranks: int = 1) -> float:
+    one = (2 * GPU_PARAMS * length + 2 * GPU_LAYERS * length**2 * GPU_HIDDEN) / GPU_FLOPS
+    return one if ranks == 1 else one / 2 * (1 / ranks + 1 / ranks**2)
+
+
+def gpu_transfer_s(length: int, rate: float, keep: float) -> float:
+    return length * GPU_KV_BYTES_PER_TOKEN * keep / rate
+
+
+def gpu_chain_s(length: int, ranks: int, rate: float, keep: float) -> float:
+    return GPU_EXTRA_HOP_S + gpu_prefill_s(length, ranks) + gpu_transfer_s(length, rate, keep)
+
+
+def gpu_projection(grpc_rate: float) -> tuple[list[list], list[list]]:
+    links = {"100G RDMA": 100e9 / 8 * 0.9, "400G RDMA": 400e9 / 8 * 0.9,
+             "100G gRPC": min(100e9 / 8, grpc_rate)}
+    rows = [[length, f"{gpu_prefill_s(length) * 1e3:.0f}"]
+            + [f"{gpu_chain_s(length, ranks, links[link], 1.0) * 1e3:.0f}"
+               for ranks in (2, 4) for link in ("100G RDMA", "100G gRPC")]
+            for length in GPU_LENGTHS]
+    even = []
+    for ranks in (2, 4):
+        for link, rate in links.items():
+            for keep in (1.0, 0.5):
+                found = next((n for n in range(16, 131073, 16)
+                              if gpu_chain_s(n, ranks, rate, keep) < gpu_prefill_s(n)), None)
+                even.append([ranks, link, f"{keep:g}", f"{found:,}" if found else "never (up to 128k)"])
+    return rows, even
+
+
+def report(results: dict, served: dict, transfer: dict) -> str:
+    pooled = [s for entry in transfer["rounds"] for s in entry["gRPC PushKV"]]
+    tcp = [s for entry in transfer["rounds"] for s in entry["raw TCP"]]
+    bandwidth = transfer["total_bytes"] / statistics.median(pooled)
+    grpc_efficiency = statistics.median(tcp) / statistics.median(pooled)
+    rows, hops, break_even = validation(results, served, bandwidth)
+    errors = [abs(float(row[-1].rstrip("%")) / 100) for row in rows if row[-1] != "-"]
+    local = {int(k): v for k, v in results["prefill_local_s"].items()}
+    chain = {int(k): v for k, v in results["prefill_chain_s"].items()}
+    gpu_rows, gpu_even = gpu_projection(bandwidth)
+    met = max(errors) <= GOAL_ERROR
+    return "\n".join([
+        "# Where disaggregation pays: predicted against measured time to first token",
+        "",
+        (f"Written by `bench/pd_model.py` from [pd-model-results.json.gz](pd-model-results.json.gz) "
+         f"(commit `{results['commit'][:12]}`, {results['started']}), the served TTFTs of "
+         f"[route-ttft-results.json.gz](route-ttft-results.json.gz) (commit "
+         f"`{served['commit'][:12]}`, {served['started']}) and the PushKV rate of "
+         f"[kv-transfer-results.json.gz](kv-transfer-results.json.gz) (commit "
+         f"`{transfer['commit'][:12]}`, {transfer['started']})."),
+        "",
+        f"Machine: {results['machine']}. Nothing else ran.",
+        "",
+        "## The model",
+        "",
+        "    TTFT_local(L) = hop_local + prefill_1(L)",
+        "    TTFT_chain(L) = hop_chain + prefill_chain(L) + kv_bytes(L) / bandwidth",
+        "",
+        markdown_table(["input", "value", "source"], [
+            ["prefill_1(L)", ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in sorted(local.items())),
+             (f"measured: one process, {results['local_threads']} threads (a lone decode pod's), "
+             "shipped model, fp32, fastest of the rounds")],
+            ["prefill_chain(L)", ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in sorted(chain.items())),
+             (f"measured: `LocalChain`, {results['chain_ranks']} ranks of 1 thread, gloo, partition "
+             f"table `{results['table']}`")],
+            ["kv_bytes per token", f"{results['kv_bytes_per_token']:,} B",
+             "the model's shape, fp32, compression off as in the served runs"],
+            ["bandwidth", f"{bandwidth / 1e9:.2f} GB/s", "gRPC PushKV end to end, docs/benchmarks/kv_transfer.md"],
+            ["hop_local", f"{hops['local'] * 1e3:.1f} ms", "fitted at the shortest served length"],
+            ["hop_chain", f"{hops['chain'] * 1e3:.1f} ms", "fitted at the shortest served length"],
+        ]),
+        "",
+        "## Predicted against measured (`baton up`, P50 TTFT)",
+        "",
+        markdown_table(["route", "prompt tokens", "compute + transfer ms", "predicted ms",
+                        "measured ms", "error"], rows),
+        "",
+        (f"Largest error {max(errors):.0%} (goal: within {GOAL_ERROR:.0%}) — "
+         f"{'met' if met else 'NOT met'}."),
+        "",
+        (f"Break-even on this machine: "
+         f"{f'a chain wins from {break_even} tokens' if break_even else 'none'} within the shipped "
+         f"model's {max(local)}-token context. Two ranks of one thread on two cores have no "
+         "cores to themselves, and `baton up`'s decode pod has both: the chain saves no compute "
+         "here and adds the KV transfer, so the gateway keeps these prompts local (the chain's "
+         "advertised break-even, from its partition table, says the same)."),
+        "",
+        "## Projection: an 8B model on H100s",
+        "",
+        "Not measured: the same equations with these inputs.",
+        "",
+        markdown_table(["input", "value", "source"], [list(row) for row in GPU_INPUTS]),
+        "",
+        markdown_table(["prompt tokens", "one GPU prefills it (ms)", "2-GPU chain + 100G RDMA (ms)",
+                        "2-GPU chain + 100G gRPC (ms)", "4-GPU chain + 100G RDMA (ms)",
+                        "4-GPU chain + 100G gRPC (ms)"], gpu_rows),
+        "",
+        "(KV uncompressed; a chain's TTFT includes its transfer and its extra hop.)",
+        "",
+        "Break-even prompt length, chain + transfer against one GPU prefilling it on the decode pod:",
+        "",
+        markdown_table(["chain GPUs", "link", "KV kept", "a chain wins from"], gpu_even),
+        "",
+        ("The chain's bound assumes every GPU keeps its utilisation on its slice: a short "
+         "prompt keeps a GPU far from it, so the short break-evens above are lower bounds. "
+         "A remote prefill on one GPU never wins on TTFT alone (it computes what the decode GPU "
+         "would and adds the transfer): what it buys is a decode batch that no prefill stalls. "
+         f"PushKV over gRPC is CPU-bound ({bandwidth / 1e9:.2f} GB/s here, {grpc_efficiency:.2f} "
+         "of raw TCP), so on a 100G link the transfer decides; over RDMA the chain's compute "
+         "does."),
+        "",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", action="store_true", help="measure the prefill rates first")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    if args.measure and not args.report_only:
+        with gzip.open(RESULTS, "wt") as file:
+            json.dump(measure(args.repeats), file)
+    loaded = []
+    for path in (RESULTS, SERVED, TRANSFER):
+        with gzip.open(path, "rt") as file:
+            loaded.append(json.load(file))
+    write_report("pd-model.md", report(*loaded))
+
+
+if __name__ == "__main__":
+    main()
