@@ -55,12 +55,14 @@ def cluster(tmp_path_factory):
         yield cluster
 
 
+# The first tokens a client sees lag the chain's pushes (on a loaded machine by several
+# prompts): a kill after 4 of 8 was seen to come when the chain had pushed them all.
 CASES = [  # (the rank killed, after how many first tokens, the requests' prefill_route)
     ("prefill-1", 0, "auto"),  # the tail, with every request queued or in the chain
     ("prefill-0", 2, "auto"),  # rank 0, with a few pushed and the rest queued or computing
-    ("prefill-1", 4, "auto"),  # the tail, half way through the burst
+    ("prefill-1", 1, "auto"),  # the tail, with the first pushed and the rest on their way
     ("prefill-0", 0, "chain"),  # pinned: every request waits for the restarted chain
-    ("prefill-1", 3, "chain"),  # pinned, a few already streaming: the rest go through it again
+    ("prefill-1", 1, "chain"),  # pinned, one already streaming: the rest go through it again
 ]
 
 
@@ -126,8 +128,9 @@ class Burst:
 def test_a_chain_rank_killed_mid_burst_fails_no_request(cluster, prompts, case):
     victim, kill_after_first_tokens, route = CASES[case]
     everything, expected = prompts[case]
+    # the chain an earlier case killed is back (the supervisor restarted it)
+    wait_until(lambda: chain_incarnation(cluster) != "", CHAIN_BACK_S, "a registered chain")
     before = chain_incarnation(cluster)
-    assert before, "no chain is registered"
     failed_over = cluster.child("gateway").log_tail(1_000_000).count("failed it")
 
     burst = Burst(cluster.gateway_address, everything, route)
