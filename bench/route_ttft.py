@@ -40,7 +40,10 @@ def measure(requests_per_cell: int, first_prompt: int) -> dict:
     """One round on a cluster of the tree this process imports baton from."""
     from baton.api.requests import CompressionParams, GenerateRequest
     from baton.client import BatonClient
-    from baton.local.cluster import ClusterSpec, LocalCluster
+    try:
+        from baton.local.cluster import ClusterSpec, LocalCluster
+    except ImportError:  # a baseline from before baton.local
+        from baton.gateway.local_cluster import ClusterSpec, LocalCluster
     from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
     from baton.model.sampling import SamplingParams
 
