@@ -194,6 +194,14 @@ def gpu_projection(grpc_rate: float) -> tuple[list[list], list[list]]:
     return rows, even
 
 
+def _table_break_even(results: dict) -> int:
+    from baton.runahead import PartitionTable
+
+    table = PartitionTable.load()
+    assert table.name == results["table"], "measured with another partition table"
+    return table.break_even(results["chain_ranks"], "cpu")
+
+
 def report(results: dict, served: dict, transfer: dict) -> str:
     pooled = [s for entry in transfer["rounds"] for s in entry["gRPC PushKV"]]
     tcp = [s for entry in transfer["rounds"] for s in entry["raw TCP"]]
@@ -249,7 +257,8 @@ def report(results: dict, served: dict, transfer: dict) -> str:
          f"model's {max(local)}-token context. Two ranks of one thread on two cores have no "
          "cores to themselves, and `baton up`'s decode pod has both: the chain saves no compute "
          "here and adds the KV transfer, so the gateway keeps these prompts local (the chain's "
-         "advertised break-even, from its partition table, says the same)."),
+         f"advertised break-even, from its partition table, is {_table_break_even(results)} "
+         "tokens)."),
         "",
         "## Projection: an 8B model on H100s",
         "",
