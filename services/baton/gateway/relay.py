@@ -221,10 +221,9 @@ class Relay:
         # own, and what the last one left there is aborted.
         await self._abort_on(live.record.decode_address, live.record.pod_request_id)
         live.chain_done = False
-        live.record = dataclasses.replace(live.record, decode_address=decision.decode.address,
-                                          chain_id=decision.chain.chain_id,
-                                          prefill_address=decision.chain.address,
-                                          attempt=live.record.attempt + 1)
+        await _relocate(live, decode_address=decision.decode.address,
+                        chain_id=decision.chain.chain_id, prefill_address=decision.chain.address,
+                        attempt=live.record.attempt + 1)
         return decision
 
     async def _abort_on(self, address: str, request_id: str) -> None:
@@ -261,7 +260,7 @@ class Relay:
             decode = await reroute(len(prompt_ids) + len(sent), exclude)
         except Exception as e:  # none came: the request fails with its own cause
             raise error from e
-        live.record = dataclasses.replace(live.record, decode_address=decode.address)
+        await _relocate(live, decode_address=decode.address)
         return decode
 
     async def _local(self, live: LiveRequest, request: GenerateRequest, prompt_ids: tuple[int, ...],
@@ -357,6 +356,12 @@ class Relay:
                 continue
             found = found or answer.found
         return found
+
+
+async def _relocate(live: LiveRequest, **changes) -> None:
+    """The request lives elsewhere now: its record says so, here and in the store."""
+    live.record = dataclasses.replace(live.record, **changes)
+    await asyncio.get_running_loop().run_in_executor(None, live.rewrite, live.record)
 
 
 def _failed_pod(failed: WorkerInfo, code: grpc.StatusCode) -> frozenset[str]:

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.errors import AlreadyExists
@@ -36,6 +37,8 @@ class LiveRequest:
 
     record: RequestRecord
     num_prompt_tokens: int
+    # Writes a moved request's record to the store (RequestTable.admit sets it); blocking.
+    rewrite: Callable[[RequestRecord], None] = lambda record: None
     calls: list = field(default_factory=list)  # grpc.Call objects, cancelled on client cancel
     aborted: threading.Event = field(default_factory=threading.Event)
     completed: bool = False  # the last step was produced: nothing is left to abort
@@ -77,7 +80,7 @@ class RequestTable:
     def admit(self, record: RequestRecord, num_prompt_tokens: int) -> LiveRequest:
         """Register a new request; raises DuplicateRequest when its id is live anywhere."""
         record = dataclasses.replace(record, created_at=time.time())
-        live = LiveRequest(record, num_prompt_tokens)
+        live = LiveRequest(record, num_prompt_tokens, self._rewrite)
         with self._lock:
             if record.request_id in self._live:
                 raise DuplicateRequest(f"request id {record.request_id!r} is already live")
@@ -89,6 +92,11 @@ class RequestTable:
             raise DuplicateRequest(f"request id {record.request_id!r} is already live "
                                    f"(recorded by another gateway)")
         return live
+
+    def _rewrite(self, record: RequestRecord) -> None:
+        """A live request moved (another decode pod, or a chain again under a new pod id):
+        an Abort at another gateway replica must find where it is now."""
+        self._store_call(self.store.put_request, record, self.ttl_s)
 
     def get(self, request_id: str) -> LiveRequest | None:
         with self._lock:

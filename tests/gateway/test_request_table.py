@@ -1,0 +1,23 @@
+"""The gateway's request table: what another gateway replica finds in the routing store."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from baton.gateway.request_table import DuplicateRequest, RequestTable
+from baton.routing import InMemoryStore, RequestRecord
+
+
+def test_a_moved_request_is_found_where_it_lives_now_by_another_replica():
+    store = InMemoryStore()
+    live = RequestTable(store, ttl_s=60).admit(RequestRecord("r1", "pod-a:1", chain_id="c0",
+                                                             prefill_address="chain:1"), 10)
+    other_replica = RequestTable(store, ttl_s=60)
+    assert other_replica.find_record("r1") == live.record
+    moved = dataclasses.replace(live.record, decode_address="pod-b:1", attempt=1)
+    live.rewrite(moved)  # what the relay does when a chain fails it and it is sent again
+    found = other_replica.find_record("r1")
+    assert found == moved and found.pod_request_id == "r1~1"
+    with pytest.raises(DuplicateRequest):  # still one live request under that id
+        other_replica.admit(RequestRecord("r1", "pod-c:1"), 10)
