@@ -39,11 +39,6 @@ from baton.gateway.served_model import ServedModel
 from baton.metrics import GatewayMetrics
 from baton.routing import RequestRecord, RoutingView, WorkerInfo
 
-# A request that lost its pod (or finds none) re-reads the routing store this often for
-# one: the store cannot notify (workers appear as records with a TTL), so this wait is a
-# bounded re-read on a deadline (reroute_wait_s), not a wait on an event.
-REROUTE_RECHECK_S = 0.25
-
 
 class StreamClock:
     """The gateway's own timings of one stream: TTFT and the gaps between messages."""
@@ -90,6 +85,7 @@ class Generations:
         self.metrics = metrics
         self.draining = False
         self._background: set[asyncio.Future] = set()
+        self._view_read = asyncio.Event()  # set (and replaced) at each read of the store
 
     async def generate(self, request: GenerateRequest, arrival: float, owner: str = ""
                        ) -> AsyncIterator[GenerationStep]:
@@ -184,19 +180,29 @@ class Generations:
         except NoLiveWorkers as e:
             raise NoLiveWorkers(f"{e} (waited {self.relay.config.reroute_wait_s:g} s for one)") from None
 
+    def look_again(self) -> None:
+        """Requests waiting for a live pod try again: the routing store was read again (the
+        gateway's view reader), or the gateway drains (they give up). Event-loop thread."""
+        event, self._view_read = self._view_read, asyncio.Event()
+        event.set()
+
     async def _until_a_pod_is_live(self, attempt, retried: tuple[type[Exception], ...],
                                    give_up_when_draining: bool = False):
-        """``await attempt()`` again every ``REROUTE_RECHECK_S`` while it raises one of
+        """``await attempt()`` again after each read of the store while it raises one of
         ``retried``, for ``reroute_wait_s`` at most (then its last error is raised)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.relay.config.reroute_wait_s
         while True:
+            read = self._view_read
             try:
                 return await attempt()
             except retried:
                 if loop.time() >= deadline or (give_up_when_draining and self.draining):
                     raise
-            await asyncio.sleep(REROUTE_RECHECK_S)
+            try:  # the store cannot notify: the view reader's next read is the next chance
+                await asyncio.wait_for(read.wait(), deadline - loop.time())
+            except TimeoutError:
+                pass
 
     def _admit(self, request: GenerateRequest, owner: str
                ) -> tuple[LiveRequest, tuple[int, ...], RouteDecision]:

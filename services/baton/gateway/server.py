@@ -37,9 +37,10 @@ from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run
 log = logging.getLogger(__name__)
 
 # The routing store cannot notify: a decode pod that registers or expires is seen at the next
-# read of it, this long after the last one.
-READINESS_RECHECK_S = 0.5
-READINESS_STOP_S = 5.0  # the most a stop waits for the readiness tracker to end
+# read of it, this long after the last one. One reader for the gateway: its readiness, and
+# the requests that wait for a live pod, look at what each read found.
+VIEW_READ_S = 0.25
+READER_STOP_S = 5.0  # the most a stop waits for the view reader to end
 
 
 class GatewayServer:
@@ -84,41 +85,52 @@ class GatewayServer:
                                    config.routing.worker_ttl_s).start()
         self._stop_metrics = serve_metrics(config.server.metrics_host, config.server.metrics_port,
                                            self.metrics.registry, lambda: self.grpc.serving)
-        self._stopping = asyncio.Event()  # set by stop(): the readiness tracker ends
-        self._readiness = self.grpc.call(self._start_readiness())
+        self._draining = asyncio.Event()  # set by stop(): health is the drain's from then on
+        self._health = asyncio.Lock()  # held while the view reader updates health
+        self._stopped = asyncio.Event()  # set once the server has stopped: the reader ends
+        self._reader = self.grpc.call(self._start_reading_the_view())
 
-    async def _start_readiness(self):
-        return asyncio.ensure_future(self._track_readiness())
+    async def _start_reading_the_view(self):
+        return asyncio.ensure_future(self._read_the_view())
 
-    async def _track_readiness(self) -> None:
-        """SERVING while the routing view holds a live decode pod of the model (a gateway with
-        nobody to send work to is not ready), NOT_SERVING otherwise; re-read every
-        ``READINESS_RECHECK_S`` until the gateway stops."""
+    async def _read_the_view(self) -> None:
+        """The view reader: reads the routing store every ``VIEW_READ_S`` until the gateway's
+        server has stopped and wakes the requests that wait for a live pod at each read (they
+        may wait through a drain: a stream whose pod died moves on). Until the drain begins it
+        also keeps health SERVING while the view holds a live decode pod of the model (a
+        gateway with nobody to send work to is not ready), NOT_SERVING otherwise."""
         loop = asyncio.get_running_loop()
         serving = None
-        while True:
+        while not self._stopped.is_set():
             snapshot = await loop.run_in_executor(None, self.generations.view.snapshot)
-            if self._stopping.is_set():  # what was read must not undo the drain's NOT_SERVING
-                return
-            ready = bool(self.generations.policy.decode_workers(snapshot))
-            self.ready = ready
-            if ready != serving:
-                await self.grpc.set_serving_async(ready)
-                if serving is not None:
-                    log.info("gateway %s", "ready again" if ready else "has no live decode pod: NOT_SERVING")
-                serving = ready
+            self.generations.look_again()
+            async with self._health:
+                if not self._draining.is_set():  # what was read must not undo NOT_SERVING
+                    ready = bool(self.generations.policy.decode_workers(snapshot))
+                    self.ready = ready
+                    if ready != serving:
+                        await self.grpc.set_serving_async(ready)
+                        if serving is not None:
+                            log.info("gateway %s", "ready again" if ready
+                                     else "has no live decode pod: NOT_SERVING")
+                        serving = ready
             try:
-                await asyncio.wait_for(self._stopping.wait(), READINESS_RECHECK_S)
-                return
+                await asyncio.wait_for(self._stopped.wait(), VIEW_READ_S)
             except TimeoutError:
                 pass
 
-    async def _stop_tracking_readiness(self) -> None:
-        """End the readiness tracker before the drain turns health NOT_SERVING, so that no
-        update of its lands after that (a store read in flight ends within the store's
-        timeout, and the tracker drops it)."""
-        self._stopping.set()
-        await asyncio.wait([self._readiness], timeout=READINESS_STOP_S)
+    async def _begin_drain(self) -> None:
+        """No health update of the view reader lands after this (the drain turns health
+        NOT_SERVING next), and requests waiting for a pod to be admitted give up now."""
+        self._draining.set()
+        async with self._health:  # an update in progress ends first
+            pass
+        self.generations.look_again()
+
+    async def _after_stop(self) -> None:
+        self._stopped.set()  # a store read in flight ends within the store's timeout
+        await asyncio.wait([self._reader], timeout=READER_STOP_S)
+        await self.channels.close()
 
     def _register(self, server) -> None:
         api_pb2_grpc.add_BatonServicer_to_server(self.servicer, server)
@@ -132,9 +144,9 @@ class GatewayServer:
     def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING and UNAVAILABLE for new calls, in-flight streams get ``grace_s``."""
         self.generations.draining = True
-        self.grpc.call(self._stop_tracking_readiness(), timeout_s=2 * READINESS_STOP_S)
+        self.grpc.call(self._begin_drain(), timeout_s=READER_STOP_S)
         self.heartbeat.stop()
-        self.grpc.stop(grace_s, cleanup=self.channels.close,
+        self.grpc.stop(grace_s, cleanup=self._after_stop,
                        alongside=self.http.stop if self.http is not None else None)
         if self._stop_metrics is not None:
             self._stop_metrics()
