@@ -305,7 +305,8 @@ def test_a_stream_names_its_request_in_its_first_message_only(client, reference,
 
 def test_a_route_to_an_earlier_incarnation_of_an_address_is_refused_and_moved(cluster, client, reference):
     # A routing record left by a pod that restarted on the same address (here: planted, with
-    # the real pod's address, an old incarnation and the lightest load, so it is picked):
+    # the real pod's address, an old incarnation, the lightest load and the fastest prefill
+    # rate, so that it is picked over the real pod's record, whose rate moves as it works):
     # the pod refuses the work (FAILED_PRECONDITION), the gateway routes it again, and the
     # client sees nothing of it but its tokens.
     store = RedisStore(cluster.redis_url)
@@ -315,7 +316,8 @@ def test_a_route_to_an_earlier_incarnation_of_an_address_is_refused_and_moved(cl
                                     load=dataclasses.replace(real.load, running_sequences=0,
                                                              queued_requests=0,
                                                              queued_prompt_tokens=0,
-                                                             free_kv_blocks=10**6))
+                                                             free_kv_blocks=10**6,
+                                                             prefill_tokens_per_s=1e9))
         store.register_worker(ghost, ttl_s=30)
         prompt_ids = reference.tokenizer.encode(SHORT_PROMPT)
         refused = f"meant for incarnation '{'0' * 16}'"
