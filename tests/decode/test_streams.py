@@ -114,3 +114,21 @@ def test_a_pushed_stream_sends_the_headers_first_token_once_and_its_text_once():
     last = steps[-1]
     assert last.usage.completion_tokens == 4 and last.usage.kv_bytes_shipped == 1024
     assert last.timings.prefill_s == 0.25 and last.route.partition == (0, 2, 4)
+
+
+def test_a_push_waits_for_its_first_token_to_be_taken_and_no_longer():
+    async def run():
+        stream = RequestStream("r", 4, Route("here"))
+        stream.publish_first(7, "x", now_s=0.0)
+        waiting = asyncio.ensure_future(stream.first_taken(60.0))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nobody has read the token yet
+        step = await stream.next_steps()
+        await asyncio.wait_for(waiting, 5)  # the read ended the wait, long before its bound
+        await asyncio.wait_for(stream.first_taken(60.0), 5)  # once taken, no wait at all
+        unread = RequestStream("s", 4, Route("here"))
+        unread.publish_first(8, "y", now_s=0.0)
+        await asyncio.wait_for(unread.first_taken(0.01), 5)  # no reader: the bound ends it
+        return step
+
+    assert asyncio.run(run()).token_ids == (7,)

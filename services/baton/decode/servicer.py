@@ -12,6 +12,7 @@ sends can stop the server.
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 from collections.abc import AsyncIterator, Iterable
 
@@ -35,6 +36,11 @@ MAX_ATTACH_WAIT_S = 600.0  # and none waits longer
 # A Generate for an id whose aborted stream is still leaving the engine (the gateway aborts
 # a chain's push, then prefills the prompt here under the same id) waits this long for it.
 LEAVING_WAIT_S = 5.0
+# A push whose Attach is waiting reads its body only once the header's first token has been
+# taken for the caller (or this long): the body would hold the event loop, and the caller
+# waits for the token, while the KV is wanted only for the second token, a step later.
+FIRST_TOKEN_LEAD_S = 0.005
+
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the error's status (raises, as ``context.abort`` does)."""
@@ -61,7 +67,10 @@ class Changes:
         self._event = asyncio.Event()
 
     def notify(self) -> None:
-        self.loop.call_soon_threadsafe(self._set)
+        if _running_loop() is self.loop:  # a handler's change: its waiters run next
+            self._set()
+        else:  # the engine thread's
+            self.loop.call_soon_threadsafe(self._set)
 
     def _set(self) -> None:
         event, self._event = self._event, asyncio.Event()
@@ -90,7 +99,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.max_pending_pushes = max_pending_pushes
         self.pushes_in_progress = 0  # only the event loop changes it
         self.sessions: set[PodSession] = set()  # open Session calls (the event loop's)
-        self.attaches_waiting = 0  # Attach calls waiting for their push to begin (the loop's)
+        self._attaching: collections.Counter[str] = collections.Counter()  # request ids whose
+        # Attach waits for its push to begin (the event loop's)
+
+    @property
+    def attaches_waiting(self) -> int:
+        """Attach calls waiting for their push to begin."""
+        return self._attaching.total()
 
     def ready(self, worker: DecodeWorker, spec: KVSpec, loop: asyncio.AbstractEventLoop,
               incarnation: Incarnation) -> None:
@@ -146,6 +161,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             handoff = await receive_header(request_iterator)
             check_push(handoff, self.spec, worker.model_config, worker.engine.pool, self.incarnation)
             stream = worker.announce_push(handoff)  # the first token streams from here on
+            if self._attaching[handoff.request_id]:  # let it leave before the body is read
+                await stream.first_taken(FIRST_TOKEN_LEAD_S)
             cache = await receive_body(handoff, request_iterator, self.spec)
             worker.submit_pushed(stream, cache)
         except BaseException as e:
@@ -236,7 +253,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         caller that leaves first cancels this wait)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        self.attaches_waiting += 1
+        self._attaching[request_id] += 1
         try:
             while (stream := worker.try_attach(request_id)) is None:
                 remaining_s = deadline - loop.time()
@@ -245,7 +262,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                           f"{wait_s:.3g} s for its KV)")
                 await self.changes.wait(remaining_s)
         finally:
-            self.attaches_waiting -= 1
+            self._attaching[request_id] -= 1
+            if not self._attaching[request_id]:
+                del self._attaching[request_id]
         return stream
 
     async def _relay(self, worker: DecodeWorker, stream: RequestStream,
@@ -279,3 +298,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             if not finished:
                 worker.cancel(stream.request_id)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

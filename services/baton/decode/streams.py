@@ -85,6 +85,8 @@ class RequestStream:
     _steps: collections.deque = field(default_factory=collections.deque)  # appended by the loop thread
     _ready: asyncio.Event | None = None  # made by the reader, on the server's event loop
     _holding: asyncio.Event | None = None  # set while a reader holds for more steps
+    _taken_any: bool = False  # a reader has taken steps
+    _taken: asyncio.Event | None = None  # set when it does, while a push waits for that
 
     # --- the loop thread -----------------------------------------------------------------
 
@@ -176,7 +178,23 @@ class RequestStream:
             steps.append(self._steps.popleft())
         if not steps:
             raise self._steps.popleft()
+        self._taken_any = True
+        if self._taken is not None:
+            self._taken.set()
         return merge_steps(steps)
+
+    async def first_taken(self, timeout_s: float) -> None:
+        """Until a reader has taken the first step, or ``timeout_s``."""
+        if self._taken_any:
+            return
+        self._taken = asyncio.Event()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._taken.wait()
+        except TimeoutError:
+            pass
+        finally:
+            self._taken = None
 
     async def _hold(self, until: float) -> None:
         """Sleep until ``until`` or the stream's end, whichever comes first. Only the end wakes

@@ -32,6 +32,8 @@ errors to status codes.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 import zlib
 from collections.abc import Iterator
@@ -151,12 +153,20 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 # --- sender --------------------------------------------------------------------------------
 
 
-@dataclass
 class EncodedKV:
-    """A cache ready to ship: its header and the byte segments of its payload, in order."""
+    """A cache ready to ship: its header, and the byte segments of its payload in order,
+    viewed only when first read (the header goes out first, ahead of any of that work)."""
 
-    header: KVHeader
-    segments: list[memoryview]
+    def __init__(self, header: KVHeader, layers: list[LayerKV]) -> None:
+        self.header = header
+        self._layers = layers
+
+    @functools.cached_property
+    def segments(self) -> list[memoryview]:
+        segments = [_byte_view(layer.positions.to(POSITION_DTYPE)) for layer in self._layers]
+        for layer in self._layers:
+            segments += [_byte_view(layer.k), _byte_view(layer.v)]
+        return segments
 
     def checksum(self) -> int:
         """The payload's checksum (what the sender's chunks add up to)."""
@@ -206,15 +216,12 @@ def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
         if layer.v.shape[0] != layer.num_tokens or layer.positions.shape != (layer.num_tokens,):
             raise ValueError(f"layer {index} has {layer.num_tokens} keys, {layer.v.shape[0]} values "
                              f"and {tuple(layer.positions.shape)} positions")
-    segments = [_byte_view(layer.positions.to(POSITION_DTYPE)) for layer in layers]
-    for layer in layers:
-        segments += [_byte_view(layer.k), _byte_view(layer.v)]
     header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
                       dtype=dtype_name(dtype), num_layers=len(layers),
                       layer_num_tokens=tuple(layer.num_tokens for layer in layers),
                       num_kv_heads=num_kv_heads, head_dim=head_dim, byte_order=sys.byteorder,
-                      total_bytes=sum(len(segment) for segment in segments))
-    return EncodedKV(header, segments)
+                      total_bytes=0)
+    return EncodedKV(dataclasses.replace(header, total_bytes=header.payload_bytes()), layers)
 
 
 # --- receiver ------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ class TailSink:
         self.on_fail = on_fail
         self.mtls = mtls or Mtls(MtlsConfig())
         self._channels: dict[str, grpc.Channel] = {}
-        self._pushes: dict[str, PushCall] = {}  # opened for the request being computed
+        # The request being computed (by its broadcast details), read and its push opened
+        # before the chain computes it: off the first token's path.
+        self._computing: tuple[bytes, PrefillRequest, PushCall] | None = None
         self._generation = self.mtls.generation()
 
     # --- ChainSink -------------------------------------------------------------------------
@@ -76,16 +78,25 @@ class TailSink:
 
     def make_observer(self, prompt_length: int) -> PromptCompressor | None:
         """The compression observer of the request about to be computed (None = keep all)."""
-        request = read_details(self.current_details())
+        details = self.current_details()
+        request = read_details(details)
         settings = request_config(self.pyramid, request.compression.enabled,
                                   request.compression.keep_ratio)
-        self._open_push(request)  # set up while the chain computes, off the first token's path
+        if self._computing is not None:  # the chain moved on without delivering it
+            self._computing[2].cancel()
+        self._computing = (details, request, self._open_push(request))
         # The request's own settings, not the deployment's: its keep_ratio holds here too.
         return compressor_factory(settings, self.model_config)(prompt_length) if settings.enabled else None
 
     def deliver(self, result: ChainResult) -> None:
-        request = read_details(result.details)
-        push = self._pushes.pop(request.request_id, None) or self._open_push(request, keep=False)
+        computing, self._computing = self._computing, None
+        if computing is not None and computing[0] == result.details:
+            _, request, push = computing
+        else:
+            if computing is not None:
+                computing[2].cancel()
+            request = read_details(result.details)
+            push = self._open_push(request)
         try:
             self._ship(request, result, push)
         except Exception as e:  # noqa: BLE001 - one request's failure is logged, the chain goes on
@@ -98,28 +109,24 @@ class TailSink:
 
     # --- one request -----------------------------------------------------------------------
 
-    def _open_push(self, request: PrefillRequest, keep: bool = True) -> PushCall:
+    def _open_push(self, request: PrefillRequest) -> PushCall:
         """The request's PushKV call, opened now: its setup (a stream, the pod's handler) costs
-        ~2 ms, which the chain's compute hides when it is opened before it (``keep``)."""
-        for stale in self._pushes.values():  # the chain moved on without delivering them
-            stale.cancel()
-        push = PushCall(push_kv.stub_push_kv(self._channel(request.decode_address)))
-        self._pushes = {request.request_id: push} if keep else {}
-        return push
+        ~2 ms, which the chain's compute hides when it is opened before it."""
+        return PushCall(push_kv.stub_push_kv(self._channel(request.decode_address)))
 
     def _ship(self, request: PrefillRequest, result: ChainResult, push: PushCall) -> None:
+        # The header (the first token) goes first; everything else waits behind it.
         first_token = Sampler(request.sampling).sample(result.first_token_logits, position=0)
-        self.metrics.record_partition(result.boundaries)
-        self.metrics.record_prefill(len(request.prompt_token_ids), result.ttft_s)
-        layers = result.layers
-        full = len(request.prompt_token_ids) * len(layers)
-        kept = sum(layer.num_tokens for layer in layers)
         push_start = time.monotonic()
-        encoded = encode_kv(layers, request.request_id, self.model_id, self.revision)
+        encoded = encode_kv(result.layers, request.request_id, self.model_id, self.revision)
         handoff = KVHandoff(encoded.header, request.prompt_token_ids, first_token,
                             request.sampling, request.compression, request.decode_incarnation,
                             request.cache_salt, result.ttft_s, tuple(result.boundaries))
         push.send(push_kv.messages(handoff, encoded.chunk_pieces()))
+        self.metrics.record_partition(result.boundaries)
+        self.metrics.record_prefill(len(request.prompt_token_ids), result.ttft_s)
+        full = len(request.prompt_token_ids) * len(result.layers)
+        kept = sum(layer.num_tokens for layer in result.layers)
         self.metrics.kv_bytes_shipped.inc(encoded.header.total_bytes)
         self.metrics.compression_ratio.observe(kept / full)
         self.metrics.kv_push_s.observe(time.monotonic() - push_start)
