@@ -7,6 +7,8 @@ the chain's break-even off) from one source tree, then sends, one at a time thro
 gateway's gRPC door, prompts of 256, 512 and 768 tokens pinned to each route, each prompt
 new (no prefix cache hit), 8 new tokens each, greedy; TTFT is the client's, from sending
 the request to its first streamed token. Rounds alternate between the trees (A B B A ...).
+The route's own cost is each request's TTFT less the prefill compute its final step reports,
+which takes the compute's spread between clusters out of the comparison.
 
     .venv/bin/python bench/route_ttft.py --baseline 956553d~1 --rounds 4
     .venv/bin/python bench/route_ttft.py --report-only
@@ -52,6 +54,7 @@ def measure(requests_per_cell: int, first_prompt: int) -> dict:
     spec = ClusterSpec(decode_workers=1, chain_ranks=2, prefill_threshold_tokens=128,
                        chain_break_even=False)
     ttft: dict[str, list[float]] = {}
+    prefill: dict[str, list[float]] = {}  # the compute the final step reports (prefill_s)
     with tempfile.TemporaryDirectory() as logs, LocalCluster(spec, log_dir=Path(logs)) as cluster:
         client = BatonClient(cluster.gateway_address)
         client.wait_until_serving(timeout_s=60)
@@ -67,13 +70,16 @@ def measure(requests_per_cell: int, first_prompt: int) -> dict:
                                               sampling=SamplingParams(temperature=0.0, max_tokens=8),
                                               compression=CompressionParams(enabled=False))
                     sent = time.perf_counter()
-                    first = None
+                    first = compute = None
                     for step in client.stream(request, timeout_s=120):
                         if first is None and step.token_ids:
                             first = time.perf_counter() - sent
+                        if step.timings is not None:
+                            compute = step.timings.prefill_s
                     ttft.setdefault(f"{route}/{length}", []).append(first)
+                    prefill.setdefault(f"{route}/{length}", []).append(compute)
         client.close()
-    return ttft
+    return {"ttft_s": ttft, "prefill_s": prefill}
 
 
 def run_round(tree: Path, requests_per_cell: int, first_prompt: int) -> dict:
@@ -103,8 +109,8 @@ def run(baseline: str, rounds: int, requests_per_cell: int) -> dict:
             for number in range(rounds):
                 order = ("this", "baseline") if number % 2 == 0 else ("baseline", "this")
                 for name in order:  # both trees get the same new prompts in a round
-                    ttft = run_round(trees[name], requests_per_cell, number * 1000)
-                    results["rounds"].append({"round": number + 1, "tree": name, "ttft_s": ttft})
+                    measured = run_round(trees[name], requests_per_cell, number * 1000)
+                    results["rounds"].append({"round": number + 1, "tree": name, **measured})
                     print(f"round {number + 1} {name}: done", flush=True)
         finally:
             git("worktree", "remove", "--force", str(worktree))
@@ -113,16 +119,27 @@ def run(baseline: str, rounds: int, requests_per_cell: int) -> dict:
     return results
 
 
+def _overheads(entry: dict, cell: str) -> list[float]:
+    """Each request's TTFT less the prefill compute its final step reports: what the route
+    itself costs (admission, hops, the KV's trip), without the compute's own spread."""
+    return [ttft - compute for ttft, compute in zip(entry["ttft_s"][cell], entry["prefill_s"][cell],
+                                                     strict=True)]
+
+
 def report(results: dict) -> str:
     cells = [f"{route}/{length}" for route in ROUTES for length in LENGTHS]
-    pooled = {tree: {cell: [] for cell in cells} for tree in ("this", "baseline")}
+    trees = ("this", "baseline")
+    pooled = {tree: {cell: [] for cell in cells} for tree in trees}
+    overhead = {tree: {cell: [] for cell in cells} for tree in trees}
     per_round = {}
     for entry in results["rounds"]:
         for cell in cells:
             values = entry["ttft_s"][cell]
             pooled[entry["tree"]][cell] += values
             per_round.setdefault((cell, entry["round"]), {})[entry["tree"]] = statistics.median(values)
-    rows = []
+            if "prefill_s" in entry:
+                overhead[entry["tree"]][cell] += _overheads(entry, cell)
+    rows, overhead_rows = [], []
     for cell in cells:
         route, length = cell.split("/")
         this, base = statistics.median(pooled["this"][cell]), statistics.median(pooled["baseline"][cell])
@@ -131,6 +148,21 @@ def report(results: dict) -> str:
         rows.append([route, length, len(pooled["this"][cell]), f"{base * 1000:.0f}",
                      f"{this * 1000:.0f}", f"**{this / base:.2f}x**",
                      " / ".join(f"{r:.2f}" for r in ratios)])
+        if overhead["this"][cell] and overhead["baseline"][cell]:
+            this_ms = statistics.median(overhead["this"][cell]) * 1000
+            base_ms = statistics.median(overhead["baseline"][cell]) * 1000
+            overhead_rows.append([route, length, f"{base_ms:.1f}", f"{this_ms:.1f}",
+                                  f"**{this_ms - base_ms:+.1f}**"])
+    overhead_section = [] if not overhead_rows else [
+        "",
+        ("What the route itself costs: each request's TTFT less the prefill compute its final "
+         "step reports (`timings.prefill_s`: the chain's, from its tail's receipt of the request "
+         "to the logits, or the decode pod's, from arrival to its first token), so the compute's "
+         "own spread between clusters drops out:"),
+        "",
+        markdown_table(["route", "prompt tokens", "baseline overhead P50 ms",
+                        "this overhead P50 ms", "this - baseline ms"], overhead_rows),
+    ]
     return "\n".join([
         "# Time to first token by route: this commit against its baseline",
         "",
@@ -150,6 +182,7 @@ def report(results: dict) -> str:
         "",
         markdown_table(["route", "prompt tokens", "requests per tree", "baseline TTFT P50 ms",
                         "this TTFT P50 ms", "this / baseline", "per round"], rows),
+        *overhead_section,
         "",
     ])
 
