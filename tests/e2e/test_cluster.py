@@ -133,6 +133,28 @@ def test_abort_mid_stream_ends_the_stream_and_frees_the_kv_everywhere(cluster, c
     assert not client.abort(request.request_id), "nothing is left to abort"
 
 
+@pytest.mark.parametrize("path", ["local", "chain"])
+def test_the_store_holds_a_request_the_gateway_named_by_its_first_step(cluster, client,
+                                                                        reference, path):
+    # The gateway writes the record of an id it made while the request runs: by the step
+    # that tells the client the id, another gateway replica must find the request.
+    prompt = (tuple(long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 50))
+              if path == "chain" else tuple(reference.tokenizer.encode(SHORT_PROMPT)))
+    store = RedisStore(cluster.redis_url)
+    try:
+        stream = iter(client.stream(GenerateRequest(token_ids=prompt, prefill_route=path,
+                                                    sampling=greedy(4))))
+        first = next(stream)
+        record = store.get_request(first.request_id)
+        assert record is not None and record.decode_address in decode_addresses(cluster)
+        assert bool(record.chain_id) == (path == "chain")
+        assert list(stream)[-1].finish_reason is not None
+        wait_until(lambda: store.get_request(first.request_id) is None, 10,
+                   "the finished request's record to go")
+    finally:
+        store.close()
+
+
 def cluster_chain_address(cluster) -> str:
     store = RedisStore(cluster.redis_url)
     try:

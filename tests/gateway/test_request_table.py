@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 from baton.gateway.request_table import DuplicateRequest, RequestTable
@@ -21,3 +22,20 @@ def test_a_moved_request_is_found_where_it_lives_now_by_another_replica():
     assert found == moved and found.pod_request_id == "r1~1"
     with pytest.raises(DuplicateRequest):  # still one live request under that id
         other_replica.admit(RequestRecord("r1", "pod-c:1"), 10)
+
+
+def test_an_id_the_gateway_made_is_recorded_later_and_removed_only_after_that():
+    store = InMemoryStore()
+    table = RequestTable(store, ttl_s=60)
+    live = table.admit(RequestRecord("made-1", "pod-a:1"), 10, new_id=True)
+    assert store.get_request("made-1") is None  # not on the first token's path
+    assert table.get("made-1") is live  # but live here at once
+    finishing = threading.Thread(target=table.finish, args=("made-1",))
+    finishing.start()  # the request ended before its record was written
+    finishing.join(0.2)
+    assert finishing.is_alive(), "the removal waits for the first write"
+    table.record(live)
+    finishing.join(10)
+    assert not finishing.is_alive()
+    assert store.get_request("made-1") is None, "the late write did not outlive the request"
+    assert table.get("made-1") is None

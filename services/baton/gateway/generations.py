@@ -87,17 +87,22 @@ class Generations:
         self._background: set[asyncio.Future] = set()
         self._view_read = asyncio.Event()  # set (and replaced) at each read of the store
 
-    async def generate(self, request: GenerateRequest, arrival: float, owner: str = ""
-                       ) -> AsyncIterator[GenerationStep]:
+    async def generate(self, request: GenerateRequest, arrival: float, owner: str = "",
+                       made_id: bool = False) -> AsyncIterator[GenerationStep]:
         """The request's steps; the first names the request id (``arrival`` is when it reached
         the gateway, ``time.monotonic()``: TTFT counts from there; ``owner``, the caller's API
-        key name, is the only identity that may abort it)."""
+        key name, is the only identity that may abort it; ``made_id``: the door made the
+        request's id, so it is live nowhere else)."""
         loop = asyncio.get_running_loop()
         try:
-            live, prompt_ids, decision = await self._admit_when_a_pod_is_live(request, owner)
+            live, prompt_ids, decision = await self._admit_when_a_pod_is_live(request, owner, made_id)
         except Exception as e:
             self.count_refused(e)
             raise
+        # Its record is written while it runs; the client learns the id from the first step,
+        # so the store must hold it by then (an Abort may go to another gateway replica).
+        recorded = (None if live.recorded.is_set() else
+                    loop.run_in_executor(None, self.table.record, live))
         path = "local" if decision.chain is None else "chain"
         clock = StreamClock(self.metrics, path, arrival)
         self.metrics.requests_in_flight.inc()
@@ -114,6 +119,9 @@ class Generations:
                         self._record_usage(step)
                     if first or step.request_id:  # named once (a moved stream's pod names it again)
                         step = dataclasses.replace(step, request_id=live.request_id if first else "")
+                    if recorded is not None:
+                        await recorded
+                        recorded = None
                     first = False
                     yield step
             except (grpc.RpcError, asyncio.CancelledError) as e:
@@ -143,6 +151,8 @@ class Generations:
             # is closed from outside.
             if not live.completed and not live.aborted.is_set():
                 self._in_background(self._abort(live))
+            if recorded is not None:  # it ended before its first step
+                self._in_background(recorded)
             self._in_background(loop.run_in_executor(None, self.table.finish, live.request_id))
             self.metrics.requests_in_flight.dec()
             self.metrics.requests_finished.labels(path=path, outcome=outcome).inc()
@@ -169,13 +179,14 @@ class Generations:
 
     # --- admission and rerouting -------------------------------------------------------------
 
-    async def _admit_when_a_pod_is_live(self, request: GenerateRequest, owner: str):
+    async def _admit_when_a_pod_is_live(self, request: GenerateRequest, owner: str,
+                                        made_id: bool = False):
         """Admit the request; while no decode pod is live (one restarting after a crash), wait
         up to ``reroute_wait_s`` for one, as a request that lost its pod does."""
         loop = asyncio.get_running_loop()
         try:
             return await self._until_a_pod_is_live(
-                lambda: loop.run_in_executor(None, self._admit, request, owner), (NoLiveWorkers,),
+                lambda: loop.run_in_executor(None, self._admit, request, owner, made_id), (NoLiveWorkers,),
                 give_up_when_draining=True)
         except NoLiveWorkers as e:
             raise NoLiveWorkers(f"{e} (waited {self.relay.config.reroute_wait_s:g} s for one)") from None
@@ -204,7 +215,7 @@ class Generations:
             except TimeoutError:
                 pass
 
-    def _admit(self, request: GenerateRequest, owner: str
+    def _admit(self, request: GenerateRequest, owner: str, made_id: bool = False
                ) -> tuple[LiveRequest, tuple[int, ...], RouteDecision]:
         if self.draining:
             raise NoLiveWorkers("the gateway is shutting down")
@@ -231,7 +242,7 @@ class Generations:
                                chain_id=decision.chain.chain_id if decision.chain else "",
                                prefill_address=decision.chain.address if decision.chain else "",
                                owner=owner)
-        live = self.table.admit(record, len(prompt_ids))
+        live = self.table.admit(record, len(prompt_ids), new_id=made_id or not request.request_id)
         return live, prompt_ids, decision
 
     async def _reroute(self, num_prompt_tokens: int, exclude: frozenset[str]) -> WorkerInfo:

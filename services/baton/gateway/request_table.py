@@ -26,6 +26,10 @@ from baton.routing import RequestRecord, RoutingStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
+# The longest a rewrite or removal of a request's record waits for its first write (which
+# runs on the store client's own bounded timeouts; this only keeps the order).
+RECORD_WAIT_S = 10.0
+
 
 class DuplicateRequest(AlreadyExists):
     """A live request already has this id (gRPC ALREADY_EXISTS)."""
@@ -44,6 +48,8 @@ class LiveRequest:
     completed: bool = False  # the last step was produced: nothing is left to abort
     chain_done: bool = False  # the chain's part is over (KV shipped, or it failed)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set once the store holds the record (or cannot): a rewrite or a removal waits for it.
+    recorded: threading.Event = field(default_factory=threading.Event)
 
     @property
     def request_id(self) -> str:
@@ -77,15 +83,23 @@ class RequestTable:
         self._live: dict[str, LiveRequest] = {}
         self._store_reachable = True
 
-    def admit(self, record: RequestRecord, num_prompt_tokens: int) -> LiveRequest:
-        """Register a new request; raises DuplicateRequest when its id is live anywhere."""
+    def admit(self, record: RequestRecord, num_prompt_tokens: int,
+              new_id: bool = False) -> LiveRequest:
+        """Register a new request; raises DuplicateRequest when its id is live anywhere.
+
+        An id this gateway has just made (``new_id``) is live nowhere else, and nobody can
+        name it before the request's first step does: its record is left for ``record`` to
+        write while the request runs, off its first token's path."""
         record = dataclasses.replace(record, created_at=time.time())
         live = LiveRequest(record, num_prompt_tokens, self._rewrite)
         with self._lock:
             if record.request_id in self._live:
                 raise DuplicateRequest(f"request id {record.request_id!r} is already live")
             self._live[record.request_id] = live
+        if new_id:
+            return live
         written = self._store_call(self.store.put_request, record, self.ttl_s, if_absent=True)
+        live.recorded.set()
         if written is False:
             with self._lock:
                 del self._live[record.request_id]
@@ -93,9 +107,17 @@ class RequestTable:
                                    f"(recorded by another gateway)")
         return live
 
+    def record(self, live: LiveRequest) -> None:
+        """Write the record of a request admitted with a ``new_id`` (blocking)."""
+        try:
+            self._store_call(self.store.put_request, live.record, self.ttl_s)
+        finally:
+            live.recorded.set()
+
     def _rewrite(self, record: RequestRecord) -> None:
         """A live request moved (another decode pod, or a chain again under a new pod id):
         an Abort at another gateway replica must find where it is now."""
+        self._after_its_record(record.request_id)
         self._store_call(self.store.put_request, record, self.ttl_s)
 
     def get(self, request_id: str) -> LiveRequest | None:
@@ -110,9 +132,17 @@ class RequestTable:
         return self._store_call(self.store.get_request, request_id)
 
     def finish(self, request_id: str) -> None:
+        self._after_its_record(request_id)
         with self._lock:
             self._live.pop(request_id, None)
         self._store_call(self.store.remove_request, request_id)
+
+    def _after_its_record(self, request_id: str) -> None:
+        """Wait (``RECORD_WAIT_S`` at most) until a live request's first record is written, so
+        that no later write or removal lands before it."""
+        live = self.get(request_id)
+        if live is not None:
+            live.recorded.wait(RECORD_WAIT_S)
 
     def in_flight(self) -> dict[str, InFlight]:
         totals: dict[str, InFlight] = {}

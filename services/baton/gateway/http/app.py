@@ -225,8 +225,8 @@ class OpenAIServer:
                     raise BadParameter("messages", f"model {self.model.info.id!r} has no chat "
                                                    f"template: use /v1/completions")
                 self.model.check_name(completion.model)
-                request_id = request.headers.get("X-Request-Id") or \
-                    f"{'chatcmpl' if completion.chat else 'cmpl'}-{uuid.uuid4().hex}"
+                named = request.headers.get("X-Request-Id")
+                request_id = named or f"{'chatcmpl' if completion.chat else 'cmpl'}-{uuid.uuid4().hex}"
                 generate = await asyncio.get_running_loop().run_in_executor(
                     None, self._generate_request, completion, request_id)
             except Exception as e:
@@ -234,8 +234,8 @@ class OpenAIServer:
                 raise
             answer = Answer(chat=completion.chat, response_id=request_id, model=self.model.info.id,
                             created=int(time.time()))
-            async with aclosing(self.generations.generate(generate, arrival,
-                                                          request[IDENTITY])) as steps:
+            async with aclosing(self.generations.generate(generate, arrival, request[IDENTITY],
+                                                          made_id=not named)) as steps:
                 first = await anext(steps)  # admission errors are raised here, as HTTP statuses
                 if completion.stream:
                     return await self._stream(request, answer, completion, first, steps)
