@@ -297,8 +297,9 @@ class Relay:
                      request: GenerateRequest, decision: RouteDecision
                      ) -> AsyncIterator[GenerationStep]:
         """A chain request: the prompt queued on the chain, its stream opened on the decode
-        pod at once. Raises before the first step when the chain fails it (its Prefill call
-        fails, or the decode pod refused or lost the push)."""
+        pod once the chain has taken it (its compute hides the opening, which would otherwise
+        compete with the prompt's way to the chain). Raises before the first step when the
+        chain fails it (its Prefill call fails, or the decode pod refused or lost the push)."""
         prefill_request = PrefillRequest(
             request_id=live.record.pod_request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
@@ -307,38 +308,53 @@ class Relay:
         prefill = self.channels.prefill(decision.chain.address).Prefill(
             convert.prefill_request_to_proto(prefill_request))
         live.watch(prefill)
-        attach = self.channels.session(decision.decode.address).attach(
-            decode_pb2.AttachRequest(request_id=live.record.pod_request_id, wait_s=self.config.kv_wait_s,
-                                     incarnation=decision.decode.incarnation))
-        live.watch(attach)
-        steps = aiter(attach)
-        first = asyncio.ensure_future(anext(steps, None))
-        chain = asyncio.ensure_future(_until_the_call_ends(prefill))
+        events = aiter(prefill)
+        first = chain = None
         try:
+            if await _chain_event(events) is None:
+                raise ChainIncomplete(f"chain {decision.chain.chain_id} ended request "
+                                      f"{live.request_id!r} before starting it")
+            attach = self.channels.session(decision.decode.address).attach(
+                decode_pb2.AttachRequest(request_id=live.record.pod_request_id,
+                                         wait_s=self.config.kv_wait_s,
+                                         incarnation=decision.decode.incarnation))
+            live.watch(attach)
+            steps = aiter(attach)
+            first = asyncio.ensure_future(anext(steps, None))
+            chain = asyncio.ensure_future(_until_the_call_ends(events))
             await asyncio.wait((first, chain), return_when=asyncio.FIRST_COMPLETED)
             if not first.done() and chain.exception() is not None:
                 attach.cancel()
                 raise chain.exception()  # the chain broke before its push began
-            step = await first
-        finally:
-            if not first.done():
-                first.cancel()
-            chain.cancel()
-            prefill.cancel()  # the chain's part is over, one way or the other
+            message = await first
+        except BaseException:
+            for task in (first, chain):
+                if task is not None:
+                    task.cancel()
+            prefill.cancel()
+            raise
         live.chain_done = True
-        if step is None:
-            raise ChainIncomplete(f"decode pod {decision.decode.address} ended request "
-                                  f"{live.request_id!r} before its first token")
-        route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
-                      reason=decision.reason)
-        message = step
-        while message is not None:
-            step = convert.step_from_proto(message)
-            if step.finish_reason:
-                partition = step.route.partition if step.route else ()
-                step = dataclasses.replace(step, route=dataclasses.replace(route, partition=partition))
-            yield step
-            message = await anext(steps, None)
+        try:
+            if message is None:
+                raise ChainIncomplete(f"decode pod {decision.decode.address} ended request "
+                                      f"{live.request_id!r} before its first token")
+            route = Route(decode_address=decision.decode.address, chain_id=decision.chain.chain_id,
+                          reason=decision.reason)
+            first_step = True
+            while message is not None:
+                step = convert.step_from_proto(message)
+                if step.finish_reason:
+                    partition = step.route.partition if step.route else ()
+                    step = dataclasses.replace(step, route=dataclasses.replace(route, partition=partition))
+                yield step
+                if first_step:  # the chain's part is over: its call goes, after the token has
+                    first_step = False
+                    chain.cancel()
+                    prefill.cancel()
+                message = await anext(steps, None)
+        finally:
+            chain.cancel()
+            prefill.cancel()
 
     async def abort_pods(self, record: RequestRecord) -> bool:
         """Abort a request on every pod that may hold state for it (the chain first, so it
@@ -387,14 +403,20 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-async def _until_the_call_ends(call) -> None:
-    """Read a Prefill call to its end (its one message says the chain started the request;
-    its failure, that the chain broke first). The relay cancels this read before it cancels
-    the call, so a CANCELLED call here was cancelled by rank 0's server as it went down."""
+async def _chain_event(events):
+    """The Prefill call's next message, None at its end (its one message says the chain
+    started the request; its failure, that the chain broke first). The relay cancels this
+    read before it cancels the call, so a CANCELLED call here was cancelled by rank 0's
+    server as it went down."""
     try:
-        async for _ in call:
-            pass
+        return await anext(events, None)
     except grpc.aio.AioRpcError as e:
         if e.code() is not grpc.StatusCode.CANCELLED:
             raise
         raise ChainIncomplete(f"the chain's rank 0 ended the call as it stopped: {e.details()}") from e
+
+
+async def _until_the_call_ends(events) -> None:
+    """Read the rest of a Prefill call (``_chain_event``)."""
+    while await _chain_event(events) is not None:
+        pass
