@@ -14,6 +14,7 @@ import time
 import pytest
 from baton.local.child_exits import StopEvent
 from baton.local.cluster import (
+    START_PORT_RETRIES,
     STOP_TIMEOUT_S,
     Child,
     ClusterSpec,
@@ -119,3 +120,40 @@ def test_a_killed_redis_server_is_restarted_after_each_back_off(cluster, tmp_pat
         port = cluster.redis.port
         assert events == [f"redis-server exited with -9; restarted on port {port}, restart {attempt}"]
         cluster.redis.wait_ready(WAIT_S)
+
+
+def test_a_child_that_lost_its_port_at_start_starts_again_and_other_deaths_are_reported(
+        cluster, monkeypatch):
+    spawned = []
+
+    def spawn(name, role, args):  # a stand-in for a real start
+        spawned.append((name, role, args))
+        return add_child(cluster, name)
+
+    monkeypatch.setattr(cluster, "_spawn", spawn)
+    lost, crashed = add_child(cluster, "decode-0"), add_child(cluster, "decode-1")
+    lost.args = ["--flag"]
+    lost.log_path.write_text("earlier start: OSError: [Errno 98] Address already in use\n")
+    crashed.log_path.write_text("earlier start: OSError: [Errno 98] Address already in use\n")
+    crashed.log_start = crashed.log_path.stat().st_size  # that was an earlier start's death
+    with crashed.log_path.open("a") as log:
+        log.write("ValueError: something else\n")
+    end(lost)
+    end(crashed)
+    lost.process.wait(WAIT_S)
+    crashed.process.wait(WAIT_S)
+    cluster._start_again_after_lost_ports()
+    assert spawned == [("decode-0", "decode", ["--flag"])]
+    again = cluster.children[-1]
+    assert again.name == "decode-0" and again.port_retries == 1 and lost not in cluster.children
+    with pytest.raises(RuntimeError, match="decode-1 exited"):
+        cluster.check_alive()
+    # A child that keeps losing its ports is reported after START_PORT_RETRIES starts.
+    again.port_retries = START_PORT_RETRIES
+    end(again)
+    again.process.wait(WAIT_S)
+    cluster.children.remove(crashed)
+    cluster._start_again_after_lost_ports()
+    assert len(spawned) == 1
+    with pytest.raises(RuntimeError, match="decode-0 exited"):
+        cluster.check_alive()

@@ -46,6 +46,7 @@ never restarted; ``supervise()`` reaps it, or kills it ``STOP_TIMEOUT_S`` past i
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -70,12 +71,16 @@ from baton.local.processes import (
 from baton.planner.scraper import Target
 from baton.serving import free_port
 
+log = logging.getLogger(__name__)
+
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 MTLS_DAYS = 2.0  # the local CA's certificates outlive any `baton up`; made anew at every start
 RESTART_BACKOFF_S = 0.5  # the wait before the first restart of a unit
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_BACKOFF_S again
 MAX_DECODE_WORKERS = 8
+START_PORT_RETRIES = 3  # starts of a child that lost a port picked for it to another process
+PORT_TAKEN = "Address already in use"
 
 
 
@@ -147,9 +152,17 @@ class Child:
     log_path: Path
     args: list[str] = field(default_factory=list)  # the role's own flags, to start it again
     metrics_port: int = 0  # its /metrics (autoscaled clusters only)
+    log_start: int = 0  # where this start's output begins in the (appended) log
+    port_retries: int = 0  # starts again after losing a port to another process
 
     def log_tail(self, num_chars: int = 3000) -> str:
         return tail(self.log_path, num_chars)
+
+    def lost_a_port(self) -> bool:
+        """This start died binding a port another process took since it was picked."""
+        with self.log_path.open("rb") as log:
+            log.seek(self.log_start)
+            return PORT_TAKEN in log.read().decode(errors="replace")
 
 
 class LocalCluster:
@@ -227,13 +240,14 @@ class LocalCluster:
         command = [sys.executable, "-m", "baton.cli", role, *self._common_args(role), *metrics,
                    *args, *self.spec.extra_args.get(role, [])]
         log_path = self.log_dir / f"{name}.log"
+        log_start = log_path.stat().st_size if log_path.exists() else 0
         threads = str(self.spec.threads_of(role))
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "PYTHONUNBUFFERED": "1"}
         with log_path.open("ab") as log_file:  # a restart appends: the crash stays readable
             process = popen_dying_with_parent(command, stdout=log_file, stderr=subprocess.STDOUT,
                                                env=env)
-        child = Child(name, role, process, log_path, args, metrics_port)
+        child = Child(name, role, process, log_path, args, metrics_port, log_start)
         self.children.append(child)
         return child
 
@@ -264,6 +278,7 @@ class LocalCluster:
         roles: list[str] = []
         try:
             for wait_s in ready_retries_s(time.monotonic() + timeout_s):
+                self._start_again_after_lost_ports()
                 self.check_alive()
                 workers = store.list_workers()
                 roles = [worker.role for worker in workers]
@@ -278,6 +293,19 @@ class LocalCluster:
                                f"registered: {sorted(roles)}; logs in {self.log_dir}")
         finally:
             store.close()
+
+    def _start_again_after_lost_ports(self) -> None:
+        """A child that died at start binding a port it was given (``free_port`` picks it
+        free; another process on the machine may bind it first) starts again, with ports
+        picked anew (``START_PORT_RETRIES`` times at most; a port fixed by the spec stays)."""
+        for child in list(self.children):
+            if (child.process.poll() is not None and child.port_retries < START_PORT_RETRIES
+                    and child.lost_a_port()):
+                log.warning("%s lost a port to another process as it started: starting it "
+                            "again", child.name)
+                self.children.remove(child)
+                again = self._spawn(child.name, child.role, child.args)
+                again.port_retries = child.port_retries + 1
 
     def check_alive(self) -> None:
         for child in self.children:
