@@ -1,15 +1,17 @@
 """The chain's tail: sample the first token, compress, ship the cache to the decode pod.
 
-Per request, in the tail's chain loop (``ChainSink.deliver``): the request's details came
-with its broadcast (``ChainResult.details``, the service's ``PrefillRequest``); sample the
-first token from the tail's logits with the request's sampler, encode the cache
-(``baton.kv.wire``; PyramidInfer-compressed by the observer when the request's settings
-enable it) and push it with Decode.PushKV to the decode pod the gateway chose. The push's
-header carries the first token and the chain's figures: the decode pod streams the token
-to the caller as soon as the header checks out, before the KV has landed. Nothing goes
-back to rank 0: the decode pod is the request's only source of tokens and of news. A push
-the decode pod refuses or loses fails the request's stream there; one that cannot reach
-the pod at all is logged (the pod is gone, and the caller's stream with it).
+Per request: the request's details came with its broadcast (the service's
+``PrefillRequest``); before the tail computes (``make_observer``) it reads them and opens the
+push (Decode.PushKV) to the decode pod the gateway chose. Shipping by layer (the default),
+the header goes out at once and each layer (``baton.kv.wire``; PyramidInfer-compressed when
+the request's settings enable it) as the chain finishes it (``on_layer``); once the logits
+exist (``deliver``) the tail samples the first token with the request's sampler and sends
+it, with the chain's figures, ahead of the last layer. After prefill, the whole cache goes
+then, the first token on its header. The decode pod streams the token to the caller as
+soon as it checks out, before the KV has landed. Nothing goes back to rank 0: the decode
+pod is the request's only source of tokens and of news. A push the decode pod refuses or
+loses fails the request's stream there; one that cannot reach the pod at all is logged
+(the pod is gone, and the caller's stream with it).
 
 Compression is decided per request: ``make_observer(C)`` is called by the chain for each
 request before the tail computes its slice, and builds a ``PromptCompressor`` only when the
