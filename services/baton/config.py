@@ -137,6 +137,7 @@ class PyramidConfig:
 
 
 RUNAHEAD_MODES = ("runahead", "tsp")
+KV_SHIPPING = ("by-layer", "after-prefill")
 
 
 @dataclass
@@ -152,9 +153,15 @@ class ChainConfig:
                         choices=RUNAHEAD_MODES)
     partition_table: str = setting("", "JSON partition table; empty = the shipped default table")
     timeout_s: float = setting(60.0, "a rank waiting longer than this on a peer gives up")
+    kv_shipping: str = setting("by-layer", "how the tail ships a prompt's KV: by-layer = each "
+                               "layer as soon as it is computed, the first token before the "
+                               "last layer; after-prefill = the whole cache once the logits "
+                               "exist, the first token on its header", choices=KV_SHIPPING)
 
     def __post_init__(self) -> None:
         require(self.ranks >= 1, f"chain ranks must be >= 1, got {self.ranks}")
+        require(self.kv_shipping in KV_SHIPPING,
+                f"chain kv_shipping {self.kv_shipping!r} is not one of {KV_SHIPPING}")
         require(0 <= self.rank < self.ranks, f"chain rank {self.rank} is outside 0..{self.ranks - 1}")
         require(1 <= self.master_port <= 65535, f"chain master_port {self.master_port} is not a port")
         require(self.mode in RUNAHEAD_MODES, f"chain mode {self.mode!r} is not one of {RUNAHEAD_MODES}")

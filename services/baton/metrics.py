@@ -118,7 +118,9 @@ class PrefillMetrics:
             "baton_prefill_queue_seconds", "request arrival at rank 0 to the chain starting it",
             buckets=LATENCY_BUCKETS_S, registry=registry)
         self.kv_push_s = Histogram(
-            "baton_prefill_kv_push_seconds", "shipping one cache to a decode pod",
+            "baton_prefill_kv_push_seconds", "shipping one cache to a decode pod, from the "
+            "logits to the pod's answer (by layer: the last layer's part, the rest went "
+            "during the compute)",
             buckets=LATENCY_BUCKETS_S, registry=registry)
         self.queued_requests = Gauge(
             "baton_prefill_queued_requests", "requests accepted by rank 0 whose caller still waits on the chain",

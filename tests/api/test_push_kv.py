@@ -9,10 +9,10 @@ import grpc
 import pytest
 import torch
 from baton.api import push_kv
-from baton.api.requests import CompressionParams, KVHandoff
+from baton.api.requests import CompressionParams, FirstToken, KVHandoff
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
 from baton.kv.dense import LayerKV
-from baton.kv.wire import KVDataLoss, KVMalformed, encode_kv
+from baton.kv.wire import KVDataLoss, KVMalformed, encode_kv, layer_segments
 from baton.model.sampling import SamplingParams
 from decode.decode_servers import proto_messages
 
@@ -47,6 +47,32 @@ def test_anything_but_a_lone_chunk_is_parsed_by_protobuf():
     assert not isinstance(parsed, push_kv.Chunk) and parsed.trailer.checksum == 9
     with pytest.raises(Exception):  # noqa: B017 - protobuf's DecodeError
         push_kv.parse(b"\x12\x05ab")  # a chunk cut short
+
+
+def test_a_push_built_layer_by_layer_sends_the_same_bytes_and_its_first_token_before_the_last():
+    layers = [LayerKV(torch.randn(n, 2, 4), torch.randn(n, 2, 4), torch.arange(n) * 2)
+              for n in (9, 5)]
+    encoded = encode_kv(layers, "r6", "m", "rev")
+    follows = KVHandoff(encoded.header, (1, 2, 3), 0, SamplingParams(max_tokens=4),
+                        CompressionParams(), first_token_follows=True)
+    sent = []
+    writer = push_kv.LayerByLayer(follows, sent.append)
+    writer.layer(layer_segments(layers[0]))
+    writer.first_token(FirstToken(77, 0.25, (0, 2, 3)))
+    writer.layer(layer_segments(layers[1]))
+    writer.finish()
+    received, parts = push_kv.read(iter([push_kv.parse(push_kv.serialize(m)) for m in sent]))
+    assert received == follows
+    *payload, checksum = parts
+    first = [part for part in payload if isinstance(part, FirstToken)]
+    assert first == [FirstToken(77, 0.25, (0, 2, 3))]
+    assert isinstance(payload[-2], FirstToken)  # the last layer (one chunk here) after it
+    chunks = [b"".join(pieces) for pieces in payload if not isinstance(pieces, FirstToken)]
+    assert b"".join(chunks) == b"".join(encoded.chunks())  # the layer-major payload, as encoded
+    assert checksum == encoded.checksum()
+    assert received.with_first(first[0]) == KVHandoff(
+        encoded.header, (1, 2, 3), 77, SamplingParams(max_tokens=4), CompressionParams(),
+        prefill_s=0.25, partition=(0, 2, 3))
 
 
 def test_the_stream_round_trips_with_the_checksum_of_its_chunks():

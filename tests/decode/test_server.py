@@ -8,12 +8,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from baton.api import convert
+from baton.api.requests import FirstToken
 from baton.api.v1 import common_pb2, decode_pb2
 from baton.config import StreamConfig
+from baton.kv.wire import Checksum
 from baton.routing import InMemoryStore
 from baton.serving import free_port
 from decode_servers import (
@@ -489,3 +492,69 @@ def test_work_meant_for_another_incarnation_of_this_address_is_refused(stub, ser
     request.incarnation = mine
     tokens, _ = collect(stub.Generate(request, timeout=30))
     assert tokens == reference
+
+
+# --- a push whose first token follows its header (the tail ships layer by layer) ----------
+
+
+def layer_by_layer(handoff, chunks, first=None, before_first=lambda: None, trailer=True):
+    """The push as a tail shipping by layer sends it: the header (its first token to follow),
+    the payload, the first token before the last chunk, the trailer."""
+    follows = dataclasses.replace(handoff, first_token_id=0, prefill_s=0.0, partition=(),
+                                  first_token_follows=True)
+    yield decode_pb2.PushKVRequest(header=convert.handoff_to_proto(follows))
+    checksum = Checksum()
+    for index, chunk in enumerate(chunks):
+        if index == len(chunks) - 1 and first is not None:
+            before_first()
+            yield decode_pb2.PushKVRequest(first_token=convert.first_token_to_proto(first))
+        checksum.update(chunk)
+        yield decode_pb2.PushKVRequest(chunk=chunk)
+    if trailer:
+        yield decode_pb2.PushKVRequest(trailer=decode_pb2.PushKVTrailer(checksum=checksum.value))
+
+
+def test_a_first_token_that_follows_streams_when_it_comes_and_the_rest_equals_the_engine(
+        stub, server, checkpoint, reference):
+    handoff, chunks = prefilled_handoff(checkpoint, "by-layer-1", PROMPT, MAX_TOKENS)
+    attach = stub.Attach(decode_pb2.AttachRequest(request_id="by-layer-1", wait_s=20), timeout=30)
+    layers_out, first_may_go = threading.Event(), threading.Event()
+
+    def before_first():
+        layers_out.set()
+        assert first_may_go.wait(20)
+
+    first = FirstToken(handoff.first_token_id, 0.5, (0, 7, len(PROMPT)))
+    pushing = threading.Thread(target=lambda: stub.PushKV(
+        layer_by_layer(handoff, chunks, first, before_first), timeout=30))
+    pushing.start()
+    assert layers_out.wait(20)
+    with ThreadPoolExecutor(1) as reader:
+        reading = reader.submit(lambda: next(attach))
+        time.sleep(0.3)  # the header and all but one chunk are in: still no token
+        assert not reading.done()
+        first_may_go.set()
+        tokens = list(reading.result(20).token_ids)
+    more, messages = collect(attach)
+    pushing.join(30)
+    assert tokens + more == reference
+    assert list(messages[-1].route.partition) == [0, 7, len(PROMPT)]
+
+
+@pytest.mark.parametrize("case, named", [("unannounced", "did not announce"),
+                                         ("missing", "without the first token"),
+                                         ("outside the vocabulary", "999")])
+def test_a_first_token_out_of_turn_or_of_range_is_invalid(stub, server, checkpoint, case, named):
+    handoff, chunks = prefilled_handoff(checkpoint, f"by-layer-{case}", PROMPT, MAX_TOKENS)
+    free = server.worker.engine.pool.num_free_blocks
+    if case == "unannounced":  # a header with its token, and a token message after it
+        messages = list(proto_messages(handoff, chunks))
+        messages.insert(2, decode_pb2.PushKVRequest(
+            first_token=convert.first_token_to_proto(FirstToken(handoff.first_token_id))))
+    else:
+        first = FirstToken(999) if case == "outside the vocabulary" else None
+        messages = list(layer_by_layer(handoff, chunks, first))
+    code, details = status_of(lambda: stub.PushKV(iter(messages), timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and named in details
+    assert server.worker.engine.pool.num_free_blocks == free
+

@@ -88,14 +88,30 @@ def test_other_byte_order_is_swapped():
     native = b"".join(encode_kv(layers, "r", "tiny", "rev-1").chunks())
     # the same cache as a machine of the other byte order would send it
     swapped = bytearray()
-    for tensors, width in (([layer.positions for layer in layers], 8),
-                           ([t for layer in layers for t in (layer.k, layer.v)], 2)):
-        for tensor in tensors:
+    for layer in layers:
+        for tensor, width in ((layer.positions, 8), (layer.k, 2), (layer.v, 2)):
             raw = tensor.contiguous().view(torch.uint8).reshape(-1, width).flip(1)
             swapped += raw.numpy().tobytes()
     assert len(swapped) == len(native)
     header = dataclasses.replace(encode_kv(layers, "r", "tiny", "rev-1").header, byte_order=other)
     assert_same(layers, receive(header, [bytes(swapped)], dataclasses.replace(SPEC, dtype="float16")))
+
+
+@pytest.mark.parametrize("layout", ["positions-first", ""])
+def test_a_payload_of_an_earlier_release_positions_first_is_received(layout):
+    layers = pyramid_cache()
+    payload = b"".join(layer.positions.numpy().tobytes() for layer in layers)
+    payload += b"".join(tensor.contiguous().numpy().tobytes()
+                        for layer in layers for tensor in (layer.k, layer.v))
+    header = dataclasses.replace(encode_kv(layers, "r", "tiny", "rev-1").header, layout=layout)
+    assert_same(layers, receive(header, [payload]))
+
+
+def test_an_unknown_layout_is_malformed():
+    header = dataclasses.replace(encode_kv(pyramid_cache(), "r", "tiny", "rev-1").header,
+                                 layout="diagonal")
+    with pytest.raises(KVMalformed, match="layout 'diagonal' is not one of"):
+        KVAssembler(header, SPEC)
 
 
 def test_truncated_stream_is_data_loss_and_leaves_nothing():

@@ -79,7 +79,9 @@ def decode_server(checkpoint, redis, pki):
 
 @pytest.fixture(scope="module")
 def chain(checkpoint, redis, pki, tmp_path_factory):
-    """Rank 0 and rank 1 of chain-test, as `baton prefill` processes; yields rank 0's port."""
+    """Rank 0 and rank 1 of chain-test, as `baton prefill` processes; yields rank 0's port.
+    Its tail ships each cache whole once the logits exist (the clusters of tests/e2e ship
+    layer by layer, the default)."""
     grpc_port, master_port = free_port(), free_port()
     logs = tmp_path_factory.mktemp("chain-logs")
     environment = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -90,6 +92,7 @@ def chain(checkpoint, redis, pki, tmp_path_factory):
                        "--chain-ranks", "2", "--chain-rank", str(rank),
                        "--chain-chain-id", "chain-test", "--chain-master-port", str(master_port),
                        "--chain-backend", "gloo", "--chain-timeout-s", "30",
+                       "--chain-kv-shipping", "after-prefill",
                        "--pyramid-enabled", "false", "--server-listen", f"127.0.0.1:{grpc_port}",
                        "--server-grace-s", "1", "--mtls-ca", pki["prefill"].ca,
                        "--mtls-cert", pki["prefill"].cert, "--mtls-key", pki["prefill"].key,

@@ -19,6 +19,7 @@ from baton.api.requests import (
     CompressionParams,
     DecodeRequest,
     FinishReason,
+    FirstToken,
     GenerateRequest,
     GenerationStep,
     KVHandoff,
@@ -291,7 +292,8 @@ def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
         first_token_id=handoff.first_token_id, sampling=sampling_to_proto(handoff.sampling),
         compression=compression_to_proto(handoff.compression),
         decode_incarnation=handoff.decode_incarnation, cache_salt=handoff.cache_salt,
-        prefill_s=handoff.prefill_s, partition=handoff.partition)
+        prefill_s=handoff.prefill_s, partition=handoff.partition,
+        first_token_follows=handoff.first_token_follows)
 
 
 def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
@@ -301,7 +303,17 @@ def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
                      sampling=sampling_from_proto(message.sampling),
                      compression=compression_from_proto(message.compression),
                      decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt,
-                     prefill_s=message.prefill_s, partition=tuple(message.partition))
+                     prefill_s=message.prefill_s, partition=tuple(message.partition),
+                     first_token_follows=message.first_token_follows)
+
+
+def first_token_to_proto(first: FirstToken) -> decode_pb2.PushKVFirstToken:
+    return decode_pb2.PushKVFirstToken(token_id=first.token_id, prefill_s=first.prefill_s,
+                                       partition=first.partition)
+
+
+def first_token_from_proto(message: decode_pb2.PushKVFirstToken) -> FirstToken:
+    return FirstToken(message.token_id, message.prefill_s, tuple(message.partition))
 
 
 # --- errors --------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The PushKV stream: a header, the KV payload in chunks, a trailer with the checksum; its
-chunk messages framed by hand (docs/architecture.md, "KV on the wire").
+chunk messages framed by hand (docs/architecture.md, "KV on the wire"). A tail that ships
+each layer as it is computed sends the first token in a message of its own, before the
+last layer's bytes (``LayerByLayer``); otherwise it rides on the header (``messages``).
 
 Protobuf's Python runtime copies a ``bytes`` field each time a message is built, serialized,
 parsed or read: four copies of every byte of the cache, slower together than the socket
@@ -15,14 +17,19 @@ sender writes the tag, the length and the payload's pieces into the one buffer g
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 
-from baton.api.convert import handoff_from_proto, handoff_to_proto
-from baton.api.requests import KVHandoff
+from baton.api.convert import (
+    first_token_from_proto,
+    first_token_to_proto,
+    handoff_from_proto,
+    handoff_to_proto,
+)
+from baton.api.requests import FirstToken, KVHandoff
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
-from baton.kv.wire import Checksum, KVDataLoss, KVMalformed
+from baton.kv.wire import Checksum, KVDataLoss, KVMalformed, chunk_pieces
 
 METHOD = "/baton.v1.Decode/PushKV"
 _CHUNK_FIELD = decode_pb2.PushKVRequest.DESCRIPTOR.fields_by_name["chunk"].number
@@ -60,6 +67,32 @@ def messages(handoff: KVHandoff, chunks: Iterable[Sequence[bytes | memoryview]]
     yield decode_pb2.PushKVRequest(trailer=decode_pb2.PushKVTrailer(checksum=checksum.value))
 
 
+class LayerByLayer:
+    """A push whose messages are made as the chain computes: the header (its first token to
+    follow) at once, each layer's bytes when the layer is done, the first token once the
+    logits exist, then the trailer. ``send`` takes each message in order."""
+
+    def __init__(self, handoff: KVHandoff, send: Callable[[PushKVMessage], None]) -> None:
+        assert handoff.first_token_follows, "the first token follows the header"
+        self._send = send
+        self._checksum = Checksum(handoff.kv.checksum_algorithm)
+        send(decode_pb2.PushKVRequest(header=handoff_to_proto(handoff)))
+
+    def layer(self, segments: list[memoryview]) -> None:
+        """One layer's part of the payload (``baton.kv.wire.layer_segments``)."""
+        for pieces in chunk_pieces(segments):
+            for piece in pieces:
+                self._checksum.update(piece)
+            self._send(Chunk(pieces))
+
+    def first_token(self, first: FirstToken) -> None:
+        self._send(decode_pb2.PushKVRequest(first_token=first_token_to_proto(first)))
+
+    def finish(self) -> None:
+        self._send(decode_pb2.PushKVRequest(
+            trailer=decode_pb2.PushKVTrailer(checksum=self._checksum.value)))
+
+
 def serialize(message: PushKVMessage) -> bytes:
     """A message's bytes: a chunk's framed by hand (one copy of its pieces), others by protobuf."""
     if not isinstance(message, Chunk):
@@ -86,9 +119,10 @@ def header_of(first: PushKVMessage | None) -> KVHandoff:
     return handoff_from_proto(first.header)
 
 
-def part_of(message: PushKVMessage) -> Sequence[bytes | memoryview] | int:
-    """A message after a PushKV stream's header: a payload chunk's pieces, or the trailer's
-    checksum (int), which must be the last message."""
+def part_of(message: PushKVMessage) -> Sequence[bytes | memoryview] | int | FirstToken:
+    """A message after a PushKV stream's header: a payload chunk's pieces, the first token
+    (when the header said it follows), or the trailer's checksum (int), which must be the
+    last message."""
     if isinstance(message, Chunk):
         return message.pieces
     kind = message.WhichOneof("part")
@@ -96,12 +130,14 @@ def part_of(message: PushKVMessage) -> Sequence[bytes | memoryview] | int:
         return (message.chunk,)
     if kind == "trailer":
         return message.trailer.checksum
+    if kind == "first_token":
+        return first_token_from_proto(message.first_token)
     raise KVMalformed("PushKV stream sent a second header" if kind == "header" else
                       "PushKV stream sent an empty message")
 
 
 def read(stream: Iterator[PushKVMessage]
-         ) -> tuple[KVHandoff, Iterator[Sequence[bytes | memoryview] | int]]:
+         ) -> tuple[KVHandoff, Iterator[Sequence[bytes | memoryview] | int | FirstToken]]:
     """Split a PushKV stream into its handoff and the parts after it (``part_of``).
 
     Raises KVMalformed when the stream does not open with a header or repeats it; an empty

@@ -4,8 +4,9 @@ of it has.
 
 Order of checks, cheapest first and all before the payload buffer is allocated: the stream
 opens with a header; the header matches this pod's model, dtype and shape
-(``baton.kv.wire.check_header``); the prompt, the first token and the sampling parameters fit
-the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
+(``baton.kv.wire.check_header``); the prompt, the first token (on the header, or in a message
+of its own once the chain's logits exist, when the tail ships each layer as it is computed)
+and the sampling parameters fit the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
 sender can pick another pod). Then the bytes: ``KVAssembler`` counts them and checks the
 checksum and the positions; a stream that ends early or fails half way frees its buffer. A
 sender that stalls (no message for ``STALL_S``) is cut off with DATA_LOSS: a push holds pool
@@ -15,11 +16,11 @@ room and memory, so it cannot wait on a silent peer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from baton.api import push_kv
-from baton.api.requests import KVHandoff
+from baton.api.requests import FirstToken, KVHandoff
 from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool, KVPoolExhausted
@@ -68,13 +69,18 @@ def check_handoff(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig,
     check_header(handoff.kv, spec)
     check_prompt(handoff.prompt_token_ids, handoff.sampling, model_config.vocab_size,
                  model_config.max_position_embeddings)
-    if not 0 <= handoff.first_token_id < model_config.vocab_size:
-        raise ValueError(f"first_token_id {handoff.first_token_id} is outside the vocabulary "
-                         f"0..{model_config.vocab_size - 1}")
+    if not handoff.first_token_follows:
+        check_first_token(handoff.first_token_id, model_config)
     longest = max(handoff.kv.layer_num_tokens)
     if longest > len(handoff.prompt_token_ids):
         raise KVMalformed(f"a KV layer holds {longest} tokens, more than the prompt's "
                           f"{len(handoff.prompt_token_ids)}")
+
+
+def check_first_token(token_id: int, model_config: ModelConfig) -> None:
+    if not 0 <= token_id < model_config.vocab_size:
+        raise ValueError(f"first_token_id {token_id} is outside the vocabulary "
+                         f"0..{model_config.vocab_size - 1}")
 
 
 def check_room(pool: KVPool, layer_num_tokens: tuple[int, ...]) -> None:
@@ -98,21 +104,38 @@ def check_push(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig, pool
 
 
 async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec,
-                       stall_s: float | None = None) -> PushedCache:
+                       stall_s: float | None = None, model_config: ModelConfig | None = None,
+                       on_first_token: Callable[[KVHandoff], Awaitable[None]] | None = None
+                       ) -> PushedCache:
     """The rest of a PushKV stream whose header checked out, as a checked cache (views into
-    one receive buffer)."""
+    one receive buffer). When the header said the first token follows, it must come once,
+    before the trailer: the handoff it completes goes to ``on_first_token`` at once, and
+    with the cache."""
     stall_s = STALL_S if stall_s is None else stall_s
     checksum = None  # the trailer's: the last message
+    request_id = handoff.request_id
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:
             if checksum is not None:
-                raise KVMalformed(f"PushKV stream for {handoff.request_id!r} went on after its checksum")
+                raise KVMalformed(f"PushKV stream for {request_id!r} went on after its checksum")
             part = push_kv.part_of(message)
             if isinstance(part, int):
                 checksum = part
+            elif isinstance(part, FirstToken):
+                if not handoff.first_token_follows:
+                    raise KVMalformed(f"PushKV stream for {request_id!r} sent a first token its "
+                                      f"header did not announce (or a second one)")
+                if model_config is not None:
+                    check_first_token(part.token_id, model_config)
+                handoff = handoff.with_first(part)
+                if on_first_token is not None:
+                    await on_first_token(handoff)
             else:
                 for piece in part:
                     assembler.add(piece)
+        if handoff.first_token_follows and checksum is not None:
+            raise KVMalformed(f"PushKV stream for {request_id!r} ended without the first token "
+                              f"its header announced")
         layers = assembler.finish(checksum)
     last_position = len(handoff.prompt_token_ids) - 1
     for index, layer in enumerate(layers):
@@ -128,7 +151,7 @@ async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: Mod
     """Read a whole PushKV stream into a checked cache."""
     handoff = await receive_header(messages, stall_s)
     check_push(handoff, spec, model_config, pool, incarnation)
-    return await receive_body(handoff, messages, spec, stall_s)
+    return await receive_body(handoff, messages, spec, stall_s, model_config)
 
 
 async def _next(messages: AsyncIterator, stall_s: float):

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 
 from baton.api import convert
-from baton.api.requests import GenerationStep
+from baton.api.requests import GenerationStep, KVHandoff
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.answers import failure_answer
@@ -160,10 +160,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             handoff = await receive_header(request_iterator)
             check_push(handoff, self.spec, worker.model_config, worker.engine.pool, self.incarnation)
-            stream = worker.announce_push(handoff)  # the first token streams from here on
-            if self._attaching[handoff.request_id]:  # let it leave before the body is read
-                await stream.first_taken(FIRST_TOKEN_LEAD_S)
-            cache = await receive_body(handoff, request_iterator, self.spec)
+            # The first token streams from here on, or from its own message if it follows.
+            stream = worker.announce_push(handoff)
+
+            async def first_token_arrived(complete: KVHandoff) -> None:
+                worker.publish_pushed_first(stream, complete)
+                await self._let_it_leave(stream)
+
+            if not handoff.first_token_follows:
+                await self._let_it_leave(stream)
+            cache = await receive_body(handoff, request_iterator, self.spec, model_config=worker.model_config,
+                                       on_first_token=first_token_arrived)
             worker.submit_pushed(stream, cache)
         except BaseException as e:
             if handoff is not None and handoff.request_id:  # and its request's stream's
@@ -177,6 +184,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
         return decode_pb2.PushKVResponse(request_id=cache.request_id,
                                          bytes_received=cache.num_bytes)
+
+    async def _let_it_leave(self, stream: RequestStream) -> None:
+        """When the request's Attach waits, until it has taken the pushed first token: the
+        push's bytes would hold the event loop meanwhile (``FIRST_TOKEN_LEAD_S``)."""
+        if self._attaching[stream.request_id]:
+            await stream.first_taken(FIRST_TOKEN_LEAD_S)
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         worker = await self._worker(context, ("gateway",), "Generate")

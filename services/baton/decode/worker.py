@@ -152,18 +152,13 @@ class DecodeWorker:
         return stream
 
     def announce_push(self, handoff: KVHandoff) -> RequestStream:
-        """A checked push header: the request's stream opens with the chain's first token
-        (with its text unless stop strings decide what is released); the KV follows."""
+        """A checked push header: the request's stream opens, with the chain's first token
+        unless that follows (``publish_pushed_first``); the KV follows."""
         full = len(handoff.prompt_token_ids) * len(handoff.kv.layer_num_tokens)
         kept = sum(handoff.kv.layer_num_tokens)
         stream = RequestStream(handoff.request_id, len(handoff.prompt_token_ids),
                                Route(self.address),
-                               PushedKVInfo(handoff.kv.total_bytes, kept, full, handoff.prefill_s,
-                                            handoff.partition),
-                               in_engine=False)
-        text = ""
-        if not handoff.sampling.stop and self.engine.tokenizer is not None:
-            text = IncrementalDecoder(self.engine.tokenizer).push(handoff.first_token_id)
+                               PushedKVInfo(handoff.kv.total_bytes, kept, full), in_engine=False)
         with self._lock:
             if handoff.request_id in self._aborted_early:
                 raise RequestAborted(f"request {handoff.request_id!r} was aborted before its KV "
@@ -171,9 +166,22 @@ class DecodeWorker:
             self._claim(stream)
             self._failed_pushes.pop(handoff.request_id, None)  # an earlier push's failure
             self._awaiting_attach[handoff.request_id] = stream
-            stream.publish_first(handoff.first_token_id, text, stream.arrival_s)
-        self.on_published([stream])
+        if not handoff.first_token_follows:
+            self.publish_pushed_first(stream, handoff)
         return stream
+
+    def publish_pushed_first(self, stream: RequestStream, handoff: KVHandoff) -> None:
+        """The chain's first token (``handoff``'s, complete) streams now, with its text unless
+        stop strings decide what is released."""
+        text = ""
+        if not handoff.sampling.stop and self.engine.tokenizer is not None:
+            text = IncrementalDecoder(self.engine.tokenizer).push(handoff.first_token_id)
+        stream.pushed.prefill_s, stream.pushed.partition = handoff.prefill_s, handoff.partition
+        with self._lock:
+            if self._streams.get(handoff.request_id) is not stream or stream.finished:
+                return  # aborted or failed since its header: its stream says so already
+            stream.publish_first(handoff.first_token_id, text, time.monotonic())
+        self.on_published([stream])
 
     def submit_pushed(self, stream: RequestStream, cache: PushedCache) -> None:
         """The checked cache of the push that announced ``stream`` joins the running set."""

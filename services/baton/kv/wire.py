@@ -3,13 +3,15 @@ checksum (docs/architecture.md, "KV on the wire").
 
 Design: a prefill chain's tail ships a (pyramid-shaped) cache to a decode pod. The sender
 describes the payload in a ``KVHeader`` and streams the bytes of the tensors themselves; no
-pickle, no per-element encoding. The payload is, in order:
+pickle, no per-element encoding. The payload is, layer by layer (``LAYER_MAJOR``), so that
+a layer can leave as soon as it is computed:
 
-    positions of every layer   int64 [S_0] | int64 [S_1] | ... | int64 [S_{L-1}]
-    then for each layer l      K_l [S_l, Hkv, D] (dtype) | V_l [S_l, Hkv, D] (dtype)
+    for each layer l   positions int64 [S_l] | K_l [S_l, Hkv, D] (dtype) | V_l [S_l, Hkv, D]
 
-The receiver copies each byte once, from the network into a buffer per tensor (all
-positions in one); the received layers are *views* of those buffers. The header keeps
+A sender of an earlier release sends every layer's positions first, then each layer's K
+and V (``POSITIONS_FIRST``); a receiver takes either. The receiver copies each byte once,
+from the network into a buffer per tensor; the received layers are *views* of those
+buffers. The header keeps
 per-layer token counts, so it stays small at any context length (its size is independent
 of S).
 
@@ -57,6 +59,9 @@ CHUNK_BYTES = 1 << 20
 CHECKSUM_ALGORITHM = "xxh3-64"
 CHECKSUM_ALGORITHMS = ("xxh3-64", "crc32")
 BYTE_ORDERS = ("little", "big")
+LAYER_MAJOR = "layer-major"
+POSITIONS_FIRST = "positions-first"  # also what an empty layout means (an earlier release)
+LAYOUTS = (LAYER_MAJOR, POSITIONS_FIRST, "")
 POSITION_DTYPE = torch.int64
 POSITION_BYTES = 8
 
@@ -98,6 +103,7 @@ class KVHeader:
     byte_order: str
     total_bytes: int
     checksum_algorithm: str = CHECKSUM_ALGORITHM  # of the payload, which the checksum follows
+    layout: str = LAYER_MAJOR  # the payload's order (``LAYOUTS``)
 
     @property
     def element_bytes(self) -> int:
@@ -163,10 +169,7 @@ class EncodedKV:
 
     @functools.cached_property
     def segments(self) -> list[memoryview]:
-        segments = [_byte_view(layer.positions.to(POSITION_DTYPE)) for layer in self._layers]
-        for layer in self._layers:
-            segments += [_byte_view(layer.k), _byte_view(layer.v)]
-        return segments
+        return [segment for layer in self._layers for segment in layer_segments(layer)]
 
     def checksum(self) -> int:
         """The payload's checksum (what the sender's chunks add up to)."""
@@ -176,28 +179,50 @@ class EncodedKV:
         return checksum.value
 
     def chunk_pieces(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[memoryview]]:
-        """The payload in chunks of ``chunk_bytes`` (the last may be shorter), each as the
-        views of the tensors it spans: nothing is copied here."""
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-        pieces: list[memoryview] = []
-        pending = 0
-        for segment in self.segments:
-            offset = 0
-            while offset < len(segment):
-                take = min(chunk_bytes - pending, len(segment) - offset)
-                pieces.append(segment[offset:offset + take])
-                pending += take
-                offset += take
-                if pending == chunk_bytes:
-                    yield pieces
-                    pieces, pending = [], 0
-        if pending:
-            yield pieces
+        """The payload in chunks of ``chunk_bytes`` (``chunk_pieces``)."""
+        return chunk_pieces(self.segments, chunk_bytes)
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """The payload in chunks of ``chunk_bytes``, each as bytes (a copy)."""
         return (b"".join(pieces) for pieces in self.chunk_pieces(chunk_bytes))
+
+
+def layer_segments(layer: LayerKV) -> list[memoryview]:
+    """One layer's part of the (layer-major) payload: its positions, keys and values."""
+    return [_byte_view(layer.positions.to(POSITION_DTYPE)), _byte_view(layer.k),
+            _byte_view(layer.v)]
+
+
+def chunk_pieces(segments: list[memoryview], chunk_bytes: int = CHUNK_BYTES
+                 ) -> Iterator[list[memoryview]]:
+    """``segments`` in chunks of ``chunk_bytes`` (the last may be shorter), each as the views
+    of the segments it spans: nothing is copied here."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    pieces: list[memoryview] = []
+    pending = 0
+    for segment in segments:
+        offset = 0
+        while offset < len(segment):
+            take = min(chunk_bytes - pending, len(segment) - offset)
+            pieces.append(segment[offset:offset + take])
+            pending += take
+            offset += take
+            if pending == chunk_bytes:
+                yield pieces
+                pieces, pending = [], 0
+    if pending:
+        yield pieces
+
+
+def kv_header(layer_num_tokens: tuple[int, ...], dtype: torch.dtype, num_kv_heads: int,
+              head_dim: int, request_id: str, model_id: str, model_revision: str) -> KVHeader:
+    """The header of a (layer-major) cache with these shapes, before any of it exists."""
+    header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
+                      dtype=dtype_name(dtype), num_layers=len(layer_num_tokens),
+                      layer_num_tokens=tuple(layer_num_tokens), num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, byte_order=sys.byteorder, total_bytes=0)
+    return dataclasses.replace(header, total_bytes=header.payload_bytes())
 
 
 def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
@@ -216,12 +241,9 @@ def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
         if layer.v.shape[0] != layer.num_tokens or layer.positions.shape != (layer.num_tokens,):
             raise ValueError(f"layer {index} has {layer.num_tokens} keys, {layer.v.shape[0]} values "
                              f"and {tuple(layer.positions.shape)} positions")
-    header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
-                      dtype=dtype_name(dtype), num_layers=len(layers),
-                      layer_num_tokens=tuple(layer.num_tokens for layer in layers),
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, byte_order=sys.byteorder,
-                      total_bytes=0)
-    return EncodedKV(dataclasses.replace(header, total_bytes=header.payload_bytes()), layers)
+    header = kv_header(tuple(layer.num_tokens for layer in layers), dtype, num_kv_heads,
+                       head_dim, request_id, model_id, model_revision)
+    return EncodedKV(header, layers)
 
 
 # --- receiver ------------------------------------------------------------------------------
@@ -233,6 +255,8 @@ def check_header(header: KVHeader, spec: KVSpec) -> None:
         raise KVMalformed(f"KV dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
     if header.byte_order not in BYTE_ORDERS:
         raise KVMalformed(f"KV byte_order {header.byte_order!r} is not one of {BYTE_ORDERS}")
+    if header.layout not in LAYOUTS:
+        raise KVMalformed(f"KV layout {header.layout!r} is not one of {LAYOUTS[:2]}")
     if header.checksum_algorithm not in CHECKSUM_ALGORITHMS:
         raise KVMalformed(f"KV checksum_algorithm {header.checksum_algorithm!r} is not one of "
                           f"{CHECKSUM_ALGORITHMS}")
@@ -275,17 +299,21 @@ class KVAssembler:
         self._init_buffer()
 
     def _init_buffer(self) -> None:
-        # One buffer per tensor, in the payload's order: every layer's positions together,
-        # then each layer's K and V. A tensor's buffer is as large as one layer's keys (a few
-        # MiB), which malloc serves from memory the process already has and reuses once the
-        # cache has moved into the pool (``baton.host_memory.keep_freed_memory``); one buffer
-        # for the whole cache would be fresh pages each time, whose first touch costs more
-        # than the copy into them.
+        # One buffer per tensor, in the payload's order (each layer's positions, K and V;
+        # or every layer's positions together, then each layer's K and V). A tensor's buffer
+        # is as large as one layer's keys (a few MiB), which malloc serves from memory the
+        # process already has and reuses once the cache has moved into the pool
+        # (``baton.host_memory.keep_freed_memory``); one buffer for the whole cache would be
+        # fresh pages each time, whose first touch costs more than the copy into them.
         header = self.header
         tensor_bytes = header.num_kv_heads * header.head_dim * header.element_bytes
-        sizes = [sum(header.layer_num_tokens) * POSITION_BYTES]
-        for num_tokens in header.layer_num_tokens:
-            sizes += [num_tokens * tensor_bytes] * 2
+        if header.layout == LAYER_MAJOR:
+            sizes = [size for num_tokens in header.layer_num_tokens for size in
+                     (num_tokens * POSITION_BYTES, num_tokens * tensor_bytes, num_tokens * tensor_bytes)]
+        else:
+            sizes = [sum(header.layer_num_tokens) * POSITION_BYTES]
+            for num_tokens in header.layer_num_tokens:
+                sizes += [num_tokens * tensor_bytes] * 2
         self._buffers: list[torch.Tensor] | None = [torch.empty(size, dtype=torch.uint8)
                                                     for size in sizes]
         self._writable = [memoryview(buffer.numpy()) for buffer in self._buffers]
@@ -352,9 +380,17 @@ class KVAssembler:
                 raw = raw.view(-1, element_bytes).flip(1).reshape(-1)
             return raw.view(element_dtype)
 
-        all_positions = typed(buffers[0], POSITION_DTYPE, POSITION_BYTES)
         shape = (header.num_kv_heads, header.head_dim)
-        layers, start = [], 0
+        layers = []
+        if header.layout == LAYER_MAJOR:
+            for layer, count in enumerate(header.layer_num_tokens):
+                positions, k, v = buffers[3 * layer:3 * layer + 3]
+                layers.append(LayerKV(typed(k, dtype, header.element_bytes).view(count, *shape),
+                                      typed(v, dtype, header.element_bytes).view(count, *shape),
+                                      typed(positions, POSITION_DTYPE, POSITION_BYTES)))
+            return layers
+        all_positions = typed(buffers[0], POSITION_DTYPE, POSITION_BYTES)
+        start = 0
         for layer, count in enumerate(header.layer_num_tokens):
             k = typed(buffers[1 + 2 * layer], dtype, header.element_bytes).view(count, *shape)
             v = typed(buffers[2 + 2 * layer], dtype, header.element_bytes).view(count, *shape)

@@ -109,20 +109,26 @@ class PrefillServer:
     def _register(self, server) -> None:
         prefill_pb2_grpc.add_PrefillServicer_to_server(self.frontend, server)
 
+    @property
+    def by_layer(self) -> bool:
+        return self.config.chain.kv_shipping == "by-layer"
+
     def _init_chain(self) -> None:
         on_ready = self._on_ready if self.is_head else (lambda: None)
         on_fail = self._on_fail
         if self.is_tail:
             self.sink = TailSink(self.model_config, self.model_id, self.revision,
                                  self.config.pyramid, self.metrics, lambda: self.rank.details,
-                                 on_ready, on_fail, self.mtls)
+                                 on_ready, on_fail, self.mtls, self.by_layer,
+                                 lambda: self.rank.model.dtype)
         else:
             self.sink = RankSink(on_ready, on_fail)
         def build() -> ChainRank:
             return ChainRank(self.config.chain, self.model_source, self.sink,
                              source=self.frontend if self.is_head else None,
                              make_observer=self.sink.make_observer if self.is_tail else None,
-                             cpu_threads=self.config.model.threads or 1)
+                             cpu_threads=self.config.model.threads or 1,
+                             on_layer=self.sink.on_layer if self.is_tail and self.by_layer else None)
 
         # Rank 0 serves its chain on a thread of its own (the main thread waits for signals):
         # it loads on a short-lived one, so only the serving thread keeps an OpenMP pool

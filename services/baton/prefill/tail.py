@@ -1,15 +1,17 @@
 """The chain's tail: sample the first token, compress, ship the cache to the decode pod.
 
-Per request, in the tail's chain loop (``ChainSink.deliver``): the request's details came
-with its broadcast (``ChainResult.details``, the service's ``PrefillRequest``); sample the
-first token from the tail's logits with the request's sampler, encode the cache
-(``baton.kv.wire``; PyramidInfer-compressed by the observer when the request's settings
-enable it) and push it with Decode.PushKV to the decode pod the gateway chose. The push's
-header carries the first token and the chain's figures: the decode pod streams the token
-to the caller as soon as the header checks out, before the KV has landed. Nothing goes
-back to rank 0: the decode pod is the request's only source of tokens and of news. A push
-the decode pod refuses or loses fails the request's stream there; one that cannot reach
-the pod at all is logged (the pod is gone, and the caller's stream with it).
+Per request: the request's details came with its broadcast (the service's
+``PrefillRequest``); before the tail computes (``make_observer``) it reads them and opens the
+push (Decode.PushKV) to the decode pod the gateway chose. Shipping by layer (the default),
+the header goes out at once and each layer (``baton.kv.wire``; PyramidInfer-compressed when
+the request's settings enable it) as the chain finishes it (``on_layer``); once the logits
+exist (``deliver``) the tail samples the first token with the request's sampler and sends
+it, with the chain's figures, ahead of the last layer. After prefill, the whole cache goes
+then, the first token on its header. The decode pod streams the token to the caller as
+soon as it checks out, before the KV has landed. Nothing goes back to rank 0: the decode
+pod is the request's only source of tokens and of news. A push the decode pod refuses or
+loses fails the request's stream there; one that cannot reach the pod at all is logged
+(the pod is gone, and the caller's stream with it).
 
 Compression is decided per request: ``make_observer(C)`` is called by the chain for each
 request before the tail computes its slice, and builds a ``PromptCompressor`` only when the
@@ -24,12 +26,14 @@ import time
 from collections.abc import Callable
 
 import grpc
+import torch
 
 from baton.api import convert, push_kv
-from baton.api.requests import KVHandoff, PrefillRequest
+from baton.api.requests import FirstToken, KVHandoff, PrefillRequest
 from baton.api.v1 import prefill_pb2
 from baton.config import MtlsConfig, PyramidConfig
-from baton.kv.wire import encode_kv
+from baton.kv.dense import LayerKV
+from baton.kv.wire import KVHeader, KVMalformed, encode_kv, kv_header, layer_segments
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.sampling import Sampler
@@ -44,14 +48,18 @@ PUSH_TIMEOUT_S = 120.0  # one cache over gRPC; at ~1 GB/s even a large cache tak
 
 
 class TailSink:
-    """The tail's ``ChainSink`` (and its ``make_observer``)."""
+    """The tail's ``ChainSink`` (with its ``make_observer`` and ``on_layer``)."""
 
     def __init__(self, model_config: ModelConfig, model_id: str,
                  revision: str, pyramid: PyramidConfig, metrics: PrefillMetrics,
                  current_details: Callable[[], bytes],
                  on_ready: Callable[[], None] = lambda: None,
                  on_fail: Callable[[str], None] = lambda message: None,
-                 mtls: Mtls | None = None) -> None:
+                 mtls: Mtls | None = None, by_layer: bool = False,
+                 kv_dtype: Callable[[], torch.dtype] = lambda: torch.float32) -> None:
+        """``by_layer``: ship each layer as it is computed (``on_layer``), the first token
+        before the last layer; otherwise the whole cache once the logits exist, the first
+        token on the header. ``kv_dtype``: the model's, once it is loaded."""
         self.model_config = model_config
         self.model_id = model_id
         self.revision = revision
@@ -61,10 +69,12 @@ class TailSink:
         self.on_ready = on_ready
         self.on_fail = on_fail
         self.mtls = mtls or Mtls(MtlsConfig())
+        self.by_layer = by_layer
+        self.kv_dtype = kv_dtype
         self._channels: dict[str, grpc.Channel] = {}
-        # The request being computed (by its broadcast details), read and its push opened
-        # before the chain computes it: off the first token's path.
-        self._computing: tuple[bytes, PrefillRequest, PushCall] | None = None
+        # The request being computed, read and its push opened before the chain computes it:
+        # off the first token's path.
+        self._computing: Shipment | None = None
         self._generation = self.mtls.generation()
 
     # --- ChainSink -------------------------------------------------------------------------
@@ -77,35 +87,61 @@ class TailSink:
         self.on_fail(message)
 
     def make_observer(self, prompt_length: int) -> PromptCompressor | None:
-        """The compression observer of the request about to be computed (None = keep all)."""
+        """The compression observer of the request about to be computed (None = keep all);
+        its push opens now, and when it ships by layer its header goes out now."""
         details = self.current_details()
         request = read_details(details)
         settings = request_config(self.pyramid, request.compression.enabled,
                                   request.compression.keep_ratio)
-        if self._computing is not None:  # the chain moved on without delivering it
-            self._computing[2].cancel()
-        self._computing = (details, request, self._open_push(request))
         # The request's own settings, not the deployment's: its keep_ratio holds here too.
-        return compressor_factory(settings, self.model_config)(prompt_length) if settings.enabled else None
+        compressor = (compressor_factory(settings, self.model_config)(prompt_length)
+                      if settings.enabled else None)
+        if self._computing is not None:  # the chain moved on without delivering it
+            self._computing.cancel()
+        self._computing = Shipment(details, request, self._open_push(request), compressor,
+                                   self.model_id, self.revision)
+        if self.by_layer:
+            kept = compressor.kept_counts() if compressor else (
+                (prompt_length,) * self.model_config.num_hidden_layers)
+            self._computing.begin_by_layer(
+                kv_header(kept, self.kv_dtype(), self.model_config.num_key_value_heads,
+                          self.model_config.head_dim, request.request_id, self.model_id,
+                          self.revision))
+        return compressor
+
+    def on_layer(self, index: int, layer: LayerKV) -> None:
+        """A layer the chain has finished, but the last: it goes out now (by layer)."""
+        if self._computing is not None:
+            self._computing.ship_layer(index, layer)
 
     def deliver(self, result: ChainResult) -> None:
-        computing, self._computing = self._computing, None
-        if computing is not None and computing[0] == result.details:
-            _, request, push = computing
-        else:
-            if computing is not None:
-                computing[2].cancel()
+        shipment, self._computing = self._computing, None
+        if shipment is None or shipment.details != result.details:
+            if shipment is not None:
+                shipment.cancel()
             request = read_details(result.details)
-            push = self._open_push(request)
+            shipment = Shipment(result.details, request, self._open_push(request), None,
+                                self.model_id, self.revision)
+        request = shipment.request
         try:
-            self._ship(request, result, push)
+            push_start = time.monotonic()
+            shipment.finish(result)
+            self.metrics.kv_push_s.observe(time.monotonic() - push_start)
         except Exception as e:  # noqa: BLE001 - one request's failure is logged, the chain goes on
-            push.cancel()  # (a no-op once the pod has answered)
+            shipment.cancel()  # (a no-op once the pod has answered)
             code = e.code().name if isinstance(e, grpc.RpcError) else convert.status_for(e).name
             details = e.details() if isinstance(e, grpc.RpcError) else str(e)
             log.warning("request %s not shipped to %s: %s %s", request.request_id,
                         request.decode_address, code, details)
             self.metrics.requests_finished.labels(outcome="failed").inc()
+            return
+        self.metrics.record_partition(result.boundaries)
+        self.metrics.record_prefill(len(request.prompt_token_ids), result.ttft_s)
+        full = len(request.prompt_token_ids) * len(result.layers)
+        kept = sum(layer.num_tokens for layer in result.layers)
+        self.metrics.kv_bytes_shipped.inc(shipment.num_bytes)
+        self.metrics.compression_ratio.observe(kept / full)
+        self.metrics.requests_finished.labels(outcome="shipped").inc()
 
     # --- one request -----------------------------------------------------------------------
 
@@ -113,24 +149,6 @@ class TailSink:
         """The request's PushKV call, opened now: its setup (a stream, the pod's handler) costs
         ~2 ms, which the chain's compute hides when it is opened before it."""
         return PushCall(push_kv.stub_push_kv(self._channel(request.decode_address)))
-
-    def _ship(self, request: PrefillRequest, result: ChainResult, push: PushCall) -> None:
-        # The header (the first token) goes first; everything else waits behind it.
-        first_token = Sampler(request.sampling).sample(result.first_token_logits, position=0)
-        push_start = time.monotonic()
-        encoded = encode_kv(result.layers, request.request_id, self.model_id, self.revision)
-        handoff = KVHandoff(encoded.header, request.prompt_token_ids, first_token,
-                            request.sampling, request.compression, request.decode_incarnation,
-                            request.cache_salt, result.ttft_s, tuple(result.boundaries))
-        push.send(push_kv.messages(handoff, encoded.chunk_pieces()))
-        self.metrics.record_partition(result.boundaries)
-        self.metrics.record_prefill(len(request.prompt_token_ids), result.ttft_s)
-        full = len(request.prompt_token_ids) * len(result.layers)
-        kept = sum(layer.num_tokens for layer in result.layers)
-        self.metrics.kv_bytes_shipped.inc(encoded.header.total_bytes)
-        self.metrics.compression_ratio.observe(kept / full)
-        self.metrics.kv_push_s.observe(time.monotonic() - push_start)
-        self.metrics.requests_finished.labels(outcome="shipped").inc()
 
     def _channel(self, address: str) -> grpc.Channel:
         """A channel per decode pod (mTLS when on); all anew once the certificates rotate."""
@@ -147,6 +165,77 @@ class TailSink:
             channel.close()
 
 
+class Shipment:
+    """One request's KV on its way to the decode pod, over its open ``PushCall``.
+
+    By layer (``begin_by_layer``): the header at once, each layer as the chain finishes it
+    (compressed first when the request compresses), then, once the logits exist, the first
+    token, the last layer and the trailer. Otherwise (``finish`` alone): the header with the
+    first token, then the whole cache. A failure while layers go out (the pod refused the
+    header, a layer is not what the header announced) never reaches the chain: the push is
+    cancelled, and ``finish`` raises what happened."""
+
+    def __init__(self, details: bytes, request: PrefillRequest, push: PushCall,
+                 compressor: PromptCompressor | None, model_id: str, revision: str) -> None:
+        self.details = details
+        self.model_id, self.revision = model_id, revision
+        self.request = request
+        self.push = push
+        self.compressor = compressor
+        self.num_bytes = 0
+        self._writer: push_kv.LayerByLayer | None = None
+        self._header: KVHeader | None = None
+        self._failure: Exception | None = None
+
+    def begin_by_layer(self, header: KVHeader) -> None:
+        request = self.request
+        self._header = header
+        handoff = KVHandoff(header, request.prompt_token_ids, 0, request.sampling,
+                            request.compression, request.decode_incarnation, request.cache_salt,
+                            first_token_follows=True)
+        self._writer = push_kv.LayerByLayer(handoff, self.push.put)
+
+    def ship_layer(self, index: int, layer: LayerKV) -> None:
+        if self._writer is None or self._failure is not None:
+            return
+        try:
+            self._ship(index, layer)
+        except Exception as e:  # noqa: BLE001 - kept for finish(); the chain computes on
+            self._failure = e
+            self.push.cancel()
+
+    def finish(self, result: ChainResult) -> None:
+        """Send what is left (everything, unless by layer) and wait for the pod's answer."""
+        if self._failure is not None:
+            raise self._failure
+        request = self.request
+        first_token = Sampler(request.sampling).sample(result.first_token_logits, position=0)
+        if self._writer is None:
+            encoded = encode_kv(result.layers, request.request_id, self.model_id, self.revision)
+            handoff = KVHandoff(encoded.header, request.prompt_token_ids, first_token,
+                                request.sampling, request.compression, request.decode_incarnation,
+                                request.cache_salt, result.ttft_s, tuple(result.boundaries))
+            self.num_bytes = encoded.header.total_bytes
+            self.push.send(push_kv.messages(handoff, encoded.chunk_pieces()))
+            return
+        self._writer.first_token(FirstToken(first_token, result.ttft_s, tuple(result.boundaries)))
+        self._ship(len(result.layers) - 1, result.layers[-1])
+        self._writer.finish()
+        self.push.end()
+
+    def cancel(self) -> None:
+        self.push.cancel()
+
+    def _ship(self, index: int, layer: LayerKV) -> None:
+        if self.compressor is not None:
+            layer = self.compressor.compress_layer(index, layer)
+        announced = self._header.layer_num_tokens[index]
+        if layer.num_tokens != announced:
+            raise KVMalformed(f"layer {index} keeps {layer.num_tokens} tokens; the header "
+                              f"announced {announced}")
+        segments = layer_segments(layer)
+        self.num_bytes += sum(len(segment) for segment in segments)
+        self._writer.layer(segments)
 class PushCall:
     """A Decode.PushKV call opened before its messages exist: they are fed to it later."""
 
@@ -161,6 +250,15 @@ class PushCall:
                 self._messages.put(message)
         finally:
             self._messages.put(None)  # the stream's end (a half-sent one fails on the pod)
+        self._future.result()
+
+    def put(self, message) -> None:
+        """Send one message (it leaves in order, from gRPC's thread)."""
+        self._messages.put(message)
+
+    def end(self) -> None:
+        """End the stream and wait for the pod's answer (raises its status)."""
+        self._messages.put(None)
         self._future.result()
 
     def cancel(self) -> None:

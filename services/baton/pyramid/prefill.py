@@ -69,6 +69,7 @@ class PromptCompressor:
         _, self.by_attention = BUDGET_POLICIES[config.policy]
         self.needs_scores = self.by_attention and any(b < prompt_length for b in self.budgets)
         self._scores: list[torch.Tensor | None] = [None] * num_layers  # [P] per layer, by position
+        self._compressed: dict[int, LayerKV] = {}  # compress_layer's, by layer
 
     # --- observer -----------------------------------------------------------------------------
 
@@ -121,13 +122,23 @@ class PromptCompressor:
 
     def compress(self, layers: list[LayerKV]) -> list[LayerKV]:
         """The pyramid-shaped cache: each layer cut to its budget, original positions kept."""
-        compressed = []
-        for layer, keep in zip(layers, self.select(layers)):
-            if keep.numel() == layer.num_tokens:
-                compressed.append(layer)
-            else:
-                compressed.append(LayerKV(layer.k[keep], layer.v[keep], layer.positions[keep]))
-        return compressed
+        assert len(layers) == self.num_layers, "one LayerKV per layer"
+        return [self.compress_layer(index, layer) for index, layer in enumerate(layers)]
+
+    def compress_layer(self, index: int, layer: LayerKV) -> LayerKV:
+        """One layer cut to its budget, once its attention has been observed (a tail that
+        ships layer by layer compresses each as it is done; ``compress`` reuses the cut)."""
+        if index not in self._compressed:
+            keep = self.keep_indices(index, layer.positions)
+            self._compressed[index] = layer if keep.numel() == layer.num_tokens else LayerKV(
+                layer.k[keep], layer.v[keep], layer.positions[keep])
+        return self._compressed[index]
+
+    def kept_counts(self) -> tuple[int, ...]:
+        """Tokens each layer keeps of a cache holding the whole prompt (what a header
+        announces before the layers exist): its budget, which the floor of sinks and recent
+        window never exceeds."""
+        return tuple(self.budgets)
 
     def retain_in_pool(self, pool: KVPool, seq_id: str) -> None:
         """Compress a sequence held in a paged pool in place (frees the emptied blocks)."""

@@ -96,9 +96,13 @@ class ChainRank:
     def __init__(self, config: ChainConfig, model_source: ModelSource, sink: ChainSink,
                  source: RequestSource | None = None,
                  make_observer: Callable[[int], CompressingObserver] | None = None,
-                 cpu_threads: int = 1, gather_counters: bool = False) -> None:
+                 cpu_threads: int = 1, gather_counters: bool = False,
+                 on_layer: Callable[[int, LayerKV], None] | None = None) -> None:
         """``gather_counters``: collect every rank's byte and work counters at the tail with
-        each result (one collective per request: for benchmarks and tests, not serving)."""
+        each result (one collective per request: for benchmarks and tests, not serving).
+        ``on_layer(l, kv)``: the tail's whole cache of each layer but the last, as soon as
+        the layer is done (its keys are in, and its attention has been observed), while the
+        next one computes; the last comes with the result."""
         assert (source is not None) == (config.rank == 0), "rank 0, and only rank 0, has a source"
         self.config = config
         self.gather_counters = gather_counters
@@ -106,6 +110,7 @@ class ChainRank:
         self.sink = sink
         self.source = source
         self.make_observer = make_observer
+        self.on_layer = on_layer
         self.request_id = -1
         self.details = b""  # the current request's details (ChainRequest.details)
         self.pending: ChainRequest | None = None  # rank 0: the request being broadcast
@@ -230,8 +235,9 @@ class ChainRank:
         observer = self.make_observer(end) if self.is_tail and self.make_observer else None
         logits = None
         if end > start:
+            kv = _LayerTap(transport, self.on_layer) if self.is_tail and self.on_layer else transport
             logits = prefill(self.model, token_ids[start:end],
-                             torch.arange(start, end, device=self.device), transport,
+                             torch.arange(start, end, device=self.device), kv,
                              observer=observer, want_logits=self.is_tail)
         else:
             transport.pass_through()
@@ -262,3 +268,19 @@ class ChainRank:
             raise ChainError(f"rank {self.config.rank}: counter exchange with the tail "
                              f"(rank {tail}) failed: {e}") from e
         return [RankCounters(*row.tolist()) for row in gathered] if self.is_tail else []
+
+
+class _LayerTap:
+    """The tail's chain transport, telling ``on_layer`` of each layer but the last once it is
+    done: when the next layer stores its keys, the previous one's attention (and so its
+    observed scores) is complete."""
+
+    def __init__(self, transport: RunaheadKV | AllGatherKV,
+                 on_layer: Callable[[int, LayerKV], None]) -> None:
+        self._transport = transport
+        self._on_layer = on_layer
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        if layer > 0:
+            self._on_layer(layer - 1, self._transport.cache[layer - 1])
+        return self._transport.extend(layer, k, v, positions)

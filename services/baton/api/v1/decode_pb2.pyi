@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PushKVHeader(_message.Message):
-    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation", "cache_salt", "prefill_s", "partition")
+    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation", "cache_salt", "prefill_s", "partition", "first_token_follows")
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class PushKVHeader(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     kv: _kv_pb2.KVHeader
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -28,17 +29,30 @@ class PushKVHeader(_message.Message):
     cache_salt: str
     prefill_s: float
     partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
+    first_token_follows: bool
+    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ..., first_token_follows: _Optional[bool] = ...) -> None: ...
+
+class PushKVFirstToken(_message.Message):
+    __slots__ = ("token_id", "prefill_s", "partition")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    prefill_s: float
+    partition: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "first_token")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     header: PushKVHeader
     chunk: bytes
     trailer: PushKVTrailer
-    def __init__(self, header: _Optional[_Union[PushKVHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[PushKVTrailer, _Mapping]] = ...) -> None: ...
+    first_token: PushKVFirstToken
+    def __init__(self, header: _Optional[_Union[PushKVHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[PushKVTrailer, _Mapping]] = ..., first_token: _Optional[_Union[PushKVFirstToken, _Mapping]] = ...) -> None: ...
 
 class PushKVTrailer(_message.Message):
     __slots__ = ("checksum",)

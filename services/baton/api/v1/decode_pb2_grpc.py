@@ -71,10 +71,12 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PushKV(self, request_iterator, context):
-        """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-        The header carries the first token, which the request's stream (Attach) sends as soon
-        as the header checks out; the KV enters the pool once every byte has arrived and checked
-        out. A push that fails after its header fails the request's stream (DATA_LOSS).
+        """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks,
+        layer by layer, then their checksum. The first token comes on the header, or, when the
+        tail ships each layer as it is computed, in its own message once the logits exist
+        (before the last layer's bytes); the request's stream (Attach) sends it as soon as it
+        checks out. The KV enters the pool once every byte has arrived and checked out. A push
+        that fails after its header fails the request's stream (DATA_LOSS).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -33,10 +33,12 @@ class DecodeStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> DecodeAsyncStub: ...
     PushKV: _grpc.StreamUnaryMultiCallable[_decode_pb2.PushKVRequest, _decode_pb2.PushKVResponse]
-    """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-    The header carries the first token, which the request's stream (Attach) sends as soon
-    as the header checks out; the KV enters the pool once every byte has arrived and checked
-    out. A push that fails after its header fails the request's stream (DATA_LOSS).
+    """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks,
+    layer by layer, then their checksum. The first token comes on the header, or, when the
+    tail ships each layer as it is computed, in its own message once the logits exist
+    (before the last layer's bytes); the request's stream (Attach) sends it as soon as it
+    checks out. The KV enters the pool once every byte has arrived and checked out. A push
+    that fails after its header fails the request's stream (DATA_LOSS).
     """
     Generate: _grpc.UnaryStreamMultiCallable[_decode_pb2.DecodeGenerateRequest, _common_pb2.GenerateResponse]
     """A prompt prefilled here (short prompts), streamed like the client API."""
@@ -59,10 +61,12 @@ class DecodeStub:
 class DecodeAsyncStub(DecodeStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     PushKV: _aio.StreamUnaryMultiCallable[_decode_pb2.PushKVRequest, _decode_pb2.PushKVResponse]  # type: ignore[assignment]
-    """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-    The header carries the first token, which the request's stream (Attach) sends as soon
-    as the header checks out; the KV enters the pool once every byte has arrived and checked
-    out. A push that fails after its header fails the request's stream (DATA_LOSS).
+    """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks,
+    layer by layer, then their checksum. The first token comes on the header, or, when the
+    tail ships each layer as it is computed, in its own message once the logits exist
+    (before the last layer's bytes); the request's stream (Attach) sends it as soon as it
+    checks out. The KV enters the pool once every byte has arrived and checked out. A push
+    that fails after its header fails the request's stream (DATA_LOSS).
     """
     Generate: _aio.UnaryStreamMultiCallable[_decode_pb2.DecodeGenerateRequest, _common_pb2.GenerateResponse]  # type: ignore[assignment]
     """A prompt prefilled here (short prompts), streamed like the client API."""
@@ -88,10 +92,12 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_decode_pb2.PushKVRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_decode_pb2.PushKVResponse, _abc.Awaitable[_decode_pb2.PushKVResponse]]:
-        """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks.
-        The header carries the first token, which the request's stream (Attach) sends as soon
-        as the header checks out; the KV enters the pool once every byte has arrived and checked
-        out. A push that fails after its header fails the request's stream (DATA_LOSS).
+        """A prefill chain's tail ships a request's KV cache: one header, then raw byte chunks,
+        layer by layer, then their checksum. The first token comes on the header, or, when the
+        tail ships each layer as it is computed, in its own message once the logits exist
+        (before the last layer's bytes); the request's stream (Attach) sends it as soon as it
+        checks out. The KV enters the pool once every byte has arrived and checked out. A push
+        that fails after its header fails the request's stream (DATA_LOSS).
         """
 
     @_abc_1.abstractmethod

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "model_revision", "dtype", "num_layers", "layer_num_tokens", "num_kv_heads", "head_dim", "byte_order", "total_bytes", "checksum_algorithm")
+    __slots__ = ("request_id", "model_id", "model_revision", "dtype", "num_layers", "layer_num_tokens", "num_kv_heads", "head_dim", "byte_order", "total_bytes", "checksum_algorithm", "layout")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class KVHeader(_message.Message):
     BYTE_ORDER_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     model_revision: str
@@ -30,4 +31,5 @@ class KVHeader(_message.Message):
     byte_order: str
     total_bytes: int
     checksum_algorithm: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_num_tokens: _Optional[_Iterable[int]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., byte_order: _Optional[str] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_num_tokens: _Optional[_Iterable[int]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., byte_order: _Optional[str] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
