@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,3 +58,9 @@ def write_report(name: str, text: str) -> Path:
     path.write_text(text)
     print(f"wrote {path}")
     return path
+
+
+def git(*args: str) -> str:
+    """``git *args`` in this repository, its output stripped."""
+    return subprocess.run(["git", *args], cwd=REPORT_DIR.parents[1], check=True,
+                          capture_output=True, text=True).stdout.strip()

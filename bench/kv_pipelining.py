@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_DIR, machine_description, markdown_table, write_report
+from common import REPORT_DIR, git, machine_description, markdown_table, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPORT_DIR / "kv-pipelining-results.json.gz"
@@ -104,10 +104,6 @@ def run_round(mode: str, model_dir: Path, requests_per_length: int, first_prompt
                             cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads(output.stdout.strip().splitlines()[-1])
 
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout.strip()
 
 
 def run(rounds: int, requests_per_length: int) -> dict:

@@ -27,7 +27,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -44,7 +43,7 @@ from baton.kv.dense import LayerKV
 from baton.kv.wire import CHUNK_BYTES, KVAssembler, KVSpec, encode_kv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_DIR, machine_description, markdown_table, write_report
+from common import REPORT_DIR, git, machine_description, markdown_table, write_report
 
 RESULTS = REPORT_DIR / "kv-transfer-results.json.gz"
 LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 16, 8, 128, 4096  # a 7B-class GQA layout, 16 layers
@@ -130,10 +129,6 @@ def time_tcp(payload: memoryview) -> list[float]:
     listener.close()
     return seconds
 
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], check=True,
-                          capture_output=True, text=True).stdout.strip()
 
 
 def run(rounds: int) -> dict:
