@@ -188,13 +188,13 @@ class LocalChain:
                 continue
             if message[0] == "fail":
                 reports[message[1]] = message[2]
-        culprits = []
-        for rank, process in enumerate(self.processes):
-            if process.exitcode not in (None, 1):
-                culprits.append(f"rank {rank} exited with code {process.exitcode}")
-            elif process.exitcode is None and rank not in reports:
-                culprits.append(f"rank {rank} stopped responding")
-        self.down = "; ".join(culprits + [reports[rank] for rank in sorted(reports)])
+        # The dead first (the likeliest cause), then the silent: on a busy machine a survivor
+        # may not have reported its failed wait within the grace.
+        exited = [f"rank {rank} exited with code {process.exitcode}"
+                  for rank, process in enumerate(self.processes) if process.exitcode not in (None, 1)]
+        silent = [f"rank {rank} stopped responding" for rank, process in enumerate(self.processes)
+                  if process.exitcode is None and rank not in reports]
+        self.down = "; ".join(exited + silent + [reports[rank] for rank in sorted(reports)])
         self._stop_processes(grace_s=0.0)  # the chain is broken: survivors may be stuck in a wait
         raise ChainError(f"prefill chain failed: {self.down}")
 
