@@ -18,6 +18,7 @@ cancelled (every open request is then cancelled, which frees its KV).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -32,6 +33,8 @@ from baton.decode.streams import RequestStream
 # session knows no servicer): open a request's stream, and read it as its own call would.
 OpenStream = Callable[[object], Awaitable[RequestStream]]
 ReadSteps = Callable[[RequestStream], AsyncIterator[tuple[GenerationStep, bool]]]
+
+log = logging.getLogger(__name__)
 
 
 class PodSession:
@@ -64,6 +67,9 @@ class PodSession:
                     await self._ready.wait()
         finally:
             reader.cancel()
+            if self._tasks and self._draining():
+                # The grace of a draining pod ended with these open: the gateway moves them.
+                log.info("draining: %d open requests cut when the grace ended", len(self._tasks))
             for task in list(self._tasks.values()):
                 task.cancel()
 
