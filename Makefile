@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup kernels redis run test proto lint bench bench-peer gpu-check helm-lint image image-check clean
+.PHONY: help setup kernels redis nixl run test proto lint bench bench-peer gpu-check helm-lint image image-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,10 +31,18 @@ redis: # the redis-server binary, from the system's package manager when missing
 
 setup: $(STAMP) redis kernels ## create the virtualenv, install packages and redis-server, build the CPU kernels
 
+# NIXL, the optional second KV data plane (--kv-transport-kind nixl). Installed without its
+# declared dependencies, which would pull a CUDA build of torch; it needs numpy, which baton has.
+NIXL_STAMP := $(VENV)/.nixl
+nixl: $(NIXL_STAMP) ## add NIXL (UCX) to the virtualenv, for pods that ship KV over it (~220 MB)
+$(NIXL_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	@touch $@
+
 run: setup ## run the whole service locally (gateway, prefill chain, decode) and stream a generation
 	$(PY) -m baton.cli up --demo
 
-test: setup ## run the test suite
+test: setup nixl ## run the test suite (NIXL's tests too: it is installed for them)
 	$(PY) -m pytest -q
 
 proto: $(STAMP) ## regenerate services/baton/api from proto/

@@ -136,6 +136,27 @@ class PyramidConfig:
             require(0.0 < value <= 1.0, f"pyramid {name} must be in (0, 1], got {value}")
 
 
+# The PushKV stream itself, and NIXL (baton.kv.nixl).
+KV_TRANSPORTS = ("grpc", "nixl")
+
+
+@dataclass
+class KVTransportConfig:
+    kind: str = setting("grpc", "the data plane of pushed KV caches: grpc = the PushKV stream "
+                        "itself; nixl = NIXL (UCX: RDMA where the cluster has it) for the bytes, "
+                        "gRPC for the rest, with any peer that reads over NIXL too (gRPC with the "
+                        "others); needs the nixl package (`make nixl`)", choices=KV_TRANSPORTS)
+    nixl_read_timeout_s: float = setting(60.0, "a decode pod's NIXL read of a pushed layer or "
+                                         "cache taking longer fails the push (DATA_LOSS)")
+
+    def __post_init__(self) -> None:
+        require(self.kind in KV_TRANSPORTS,
+                f"kv_transport kind {self.kind!r} is not one of {KV_TRANSPORTS}")
+        require(math.isfinite(self.nixl_read_timeout_s) and self.nixl_read_timeout_s > 0,
+                f"kv_transport nixl_read_timeout_s must be a positive number of seconds, got "
+                f"{self.nixl_read_timeout_s}")
+
+
 RUNAHEAD_MODES = ("runahead", "tsp")
 KV_SHIPPING = ("by-layer", "after-prefill")
 
@@ -377,6 +398,7 @@ class DecodeServiceConfig:
     stream: StreamConfig = field(default_factory=StreamConfig)
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
+    kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -390,6 +412,7 @@ class PrefillServiceConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     chain: ChainConfig = field(default_factory=ChainConfig)
+    kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     mtls: MtlsConfig = field(default_factory=MtlsConfig)

@@ -59,9 +59,6 @@ class DecodeMetrics:
             "baton_decode_kv_blocks_used", "KV pool blocks in use", registry=registry)
         self.kv_blocks_total = Gauge(
             "baton_decode_kv_blocks_total", "KV pool blocks in all", registry=registry)
-        self.kv_bytes_received = Counter(
-            "baton_decode_kv_bytes_received_total", "bytes of KV cache accepted through PushKV",
-            registry=registry)
         self.kv_pushes_in_progress = Gauge(
             "baton_decode_kv_pushes_in_progress", "KV uploads being received now (at most "
             "kv.max_pending_pushes)", registry=registry)
@@ -71,6 +68,10 @@ class DecodeMetrics:
         self.kv_pushes_rejected = Counter(
             "baton_decode_kv_pushes_rejected_total", "PushKV streams refused, by gRPC status",
             ["code"], registry=registry)
+        self.kv_bytes_received = Counter(
+            "baton_decode_kv_bytes_received_total", "bytes of pushed caches taken, by the data "
+            "plane that carried them (grpc: the PushKV stream; nixl: a NIXL read)",
+            ["transport"], registry=registry)
         self.compression_ratio = Histogram(
             "baton_decode_kv_compression_ratio", "kept / full KV entries of each pushed cache",
             buckets=RATIO_BUCKETS, registry=registry)

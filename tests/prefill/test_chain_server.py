@@ -2,7 +2,9 @@
 decode server in this process (both registered in a real redis-server): the streamed tokens
 equal the monolithic engine, and the chain pushes only to registered decode pods. Every hop
 is mTLS with certificates made here; the prefill port refuses callers without a gateway
-certificate of the CA."""
+certificate of the CA. Where NIXL is installed, the chain's tail and the decode pod both
+take KV over it, and the chain ships a request over the plane the gateway names for the pod
+(exact either way)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import grpc
 import pytest
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from baton.config import MtlsConfig
+from baton.kv.nixl import nixl_missing
 from baton.routing.redis_store import RedisStore
 from baton.security.certificates import Authority
 from baton.security.mtls import Mtls
@@ -36,6 +39,8 @@ pytestmark = pytest.mark.slow
 PROMPT = list(range(3, 203, 2))  # 100 tokens: each rank computes a real slice
 MAX_TOKENS = 10
 START_TIMEOUT_S = 90.0
+# Both ends read and push over NIXL where it is installed (and over gRPC too: it is per request).
+KV_TRANSPORT = "nixl" if nixl_missing() is None else "grpc"
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,8 @@ def decode_stub(server, pki):
 
 @pytest.fixture(scope="module")
 def decode_server(checkpoint, redis, pki):
-    server, _ = start_decode_server(checkpoint, store=RedisStore(redis.url), mtls=pki["decode"])
+    server, _ = start_decode_server(checkpoint, store=RedisStore(redis.url), mtls=pki["decode"],
+                                    kv_transport=KV_TRANSPORT)
     yield server
     server.stop(0)
 
@@ -92,7 +98,7 @@ def chain(checkpoint, redis, pki, tmp_path_factory):
                        "--chain-ranks", "2", "--chain-rank", str(rank),
                        "--chain-chain-id", "chain-test", "--chain-master-port", str(master_port),
                        "--chain-backend", "gloo", "--chain-timeout-s", "30",
-                       "--chain-kv-shipping", "after-prefill",
+                       "--chain-kv-shipping", "after-prefill", "--kv-transport-kind", KV_TRANSPORT,
                        "--pyramid-enabled", "false", "--server-listen", f"127.0.0.1:{grpc_port}",
                        "--server-grace-s", "1", "--mtls-ca", pki["prefill"].ca,
                        "--mtls-cert", pki["prefill"].cert, "--mtls-key", pki["prefill"].key,
@@ -145,20 +151,34 @@ def wait_serving(channel, processes, logs) -> None:
     raise AssertionError(f"the chain did not start: {[p.read_text() for p in logs.iterdir()]}")
 
 
-def prefill_request(request_id, decode_address, prompt=PROMPT, **sampling):
+def prefill_request(request_id, decode_address, prompt=PROMPT, kv_transport="", **sampling):
     fields = {"temperature": 0.0, "max_tokens": MAX_TOKENS} | sampling
     return prefill_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
                                       sampling=common_pb2.SamplingParams(**fields),
-                                      decode_address=decode_address)
+                                      decode_address=decode_address,
+                                      decode_kv_transport=kv_transport)
 
 
-def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_server, checkpoint, pki):
+def bytes_received(server) -> dict[str, float]:
+    """The decode pod's pushed bytes so far, by the data plane that carried them."""
+    counter = server.metrics.kv_bytes_received
+    return {transport: counter.labels(transport=transport)._value.get()
+            for transport in ("grpc", "nixl")}
+
+
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
+    KV_TRANSPORT != "nixl", reason=str(nixl_missing())))])
+def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_server, checkpoint,
+                                                                pki, transport):
     reference = reference_tokens(checkpoint, PROMPT, MAX_TOKENS)
     stub = prefill_pb2_grpc.PrefillStub(chain.channel)
     decode_channel, decode = decode_stub(decode_server, pki)
+    before = bytes_received(decode_server)
     # As the gateway does: the request's stream opens on the decode pod while the chain runs.
-    attach = decode.Attach(decode_pb2.AttachRequest(request_id="chain-1", wait_s=60), timeout=120)
-    call = stub.Prefill(prefill_request("chain-1", decode_server.address), timeout=120)
+    request_id = f"chain-{transport}"
+    attach = decode.Attach(decode_pb2.AttachRequest(request_id=request_id, wait_s=60), timeout=120)
+    call = stub.Prefill(prefill_request(request_id, decode_server.address, kv_transport=transport),
+                        timeout=120)
     started = next(call).started  # the chain took it; the call stays open while it may hold it
     assert started.partition[0] == 0 and started.partition[-1] == len(PROMPT)
     assert len(started.partition) == 3
@@ -173,6 +193,11 @@ def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_se
     assert usage.kv_bytes_shipped > 0
     assert list(messages[-1].route.partition) == list(started.partition)
     assert timings.prefill_s > 0 and timings.kv_push_s > 0
+    # The bytes came over the plane the request named (the pod's record names what it takes).
+    after = bytes_received(decode_server)
+    assert after[transport] - before[transport] == usage.kv_bytes_shipped
+    assert sum(after.values()) - sum(before.values()) == usage.kv_bytes_shipped
+    assert decode_server.describe().kv_transport == KV_TRANSPORT
 
 
 def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_server, checkpoint, pki):

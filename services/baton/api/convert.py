@@ -231,7 +231,7 @@ def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequ
         prompt_token_ids=request.prompt_token_ids, sampling=sampling_to_proto(request.sampling),
         compression=compression_to_proto(request.compression),
         decode_address=request.decode_address, decode_incarnation=request.decode_incarnation,
-        cache_salt=request.cache_salt)
+        cache_salt=request.cache_salt, decode_kv_transport=request.decode_kv_transport)
 
 
 def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRequest:
@@ -241,7 +241,7 @@ def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRe
         sampling=sampling_from_proto(message.sampling),
         compression=compression_from_proto(message.compression),
         decode_address=message.decode_address, decode_incarnation=message.decode_incarnation,
-        cache_salt=message.cache_salt)
+        cache_salt=message.cache_salt, decode_kv_transport=message.decode_kv_transport or "grpc")
 
 
 def prefill_started_to_proto(event: PrefillStarted) -> prefill_pb2.PrefillResponse:

@@ -1,7 +1,9 @@
 """The PushKV stream: a header, the KV payload in chunks, a trailer with the checksum; its
 chunk messages framed by hand (docs/architecture.md, "KV on the wire"). A tail that ships
 each layer as it is computed sends the first token in a message of its own, before the
-last layer's bytes (``LayerByLayer``); otherwise it rides on the header (``messages``).
+last layer's bytes (``LayerByLayer``); otherwise it rides on the header (``messages``). To a
+pod that reads over NIXL, a ``PushKVNixl`` message (where the bytes lie in the sender's
+memory: ``baton.kv.nixl``) stands in for each layer's chunks, or for all of them.
 
 Protobuf's Python runtime copies a ``bytes`` field each time a message is built, serialized,
 parsed or read: four copies of every byte of the cache, slower together than the socket
@@ -29,6 +31,7 @@ from baton.api.convert import (
 )
 from baton.api.requests import FirstToken, KVHandoff
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
+from baton.kv.nixl import NixlSource, Regions
 from baton.kv.wire import Checksum, KVDataLoss, KVMalformed, chunk_pieces
 
 METHOD = "/baton.v1.Decode/PushKV"
@@ -67,19 +70,45 @@ def messages(handoff: KVHandoff, chunks: Iterable[Sequence[bytes | memoryview]]
     yield decode_pb2.PushKVRequest(trailer=decode_pb2.PushKVTrailer(checksum=checksum.value))
 
 
+def nixl_messages(handoff: KVHandoff, segments: Sequence[memoryview], source: NixlSource
+                  ) -> Iterator[PushKVMessage]:
+    """``messages`` to a pod that reads over NIXL: the header, where the whole payload lies
+    (``source`` registers it, and holds it until released), the trailer."""
+    yield decode_pb2.PushKVRequest(header=handoff_to_proto(handoff))
+    checksum = Checksum(handoff.kv.checksum_algorithm)
+    for segment in segments:
+        checksum.update(segment)
+    yield nixl_message(source.offer(segments))
+    yield decode_pb2.PushKVRequest(trailer=decode_pb2.PushKVTrailer(checksum=checksum.value))
+
+
+def nixl_message(regions: Regions) -> decode_pb2.PushKVRequest:
+    return decode_pb2.PushKVRequest(nixl=decode_pb2.PushKVNixl(
+        agent_metadata=regions.agent_metadata, addresses=regions.addresses,
+        lengths=regions.lengths))
+
+
 class LayerByLayer:
     """A push whose messages are made as the chain computes: the header (its first token to
-    follow) at once, each layer's bytes when the layer is done, the first token once the
-    logits exist, then the trailer. ``send`` takes each message in order."""
+    follow) at once, each layer's bytes when the layer is done (or, with a NIXL ``source``,
+    where they lie), the first token once the logits exist, then the trailer. ``send`` takes
+    each message in order."""
 
-    def __init__(self, handoff: KVHandoff, send: Callable[[PushKVMessage], None]) -> None:
+    def __init__(self, handoff: KVHandoff, send: Callable[[PushKVMessage], None],
+                 source: NixlSource | None = None) -> None:
         assert handoff.first_token_follows, "the first token follows the header"
         self._send = send
+        self._source = source
         self._checksum = Checksum(handoff.kv.checksum_algorithm)
         send(decode_pb2.PushKVRequest(header=handoff_to_proto(handoff)))
 
     def layer(self, segments: list[memoryview]) -> None:
         """One layer's part of the payload (``baton.kv.wire.layer_segments``)."""
+        if self._source is not None:
+            for segment in segments:
+                self._checksum.update(segment)
+            self._send(nixl_message(self._source.offer(segments)))
+            return
         for pieces in chunk_pieces(segments):
             for piece in pieces:
                 self._checksum.update(piece)
@@ -119,10 +148,11 @@ def header_of(first: PushKVMessage | None) -> KVHandoff:
     return handoff_from_proto(first.header)
 
 
-def part_of(message: PushKVMessage) -> Sequence[bytes | memoryview] | int | FirstToken:
-    """A message after a PushKV stream's header: a payload chunk's pieces, the first token
-    (when the header said it follows), or the trailer's checksum (int), which must be the
-    last message."""
+def part_of(message: PushKVMessage
+            ) -> Sequence[bytes | memoryview] | int | FirstToken | Regions:
+    """A message after a PushKV stream's header: a payload chunk's pieces, where the next
+    bytes lie for a NIXL read (``Regions``), the first token (when the header said it
+    follows), or the trailer's checksum (int), which must be the last message."""
     if isinstance(message, Chunk):
         return message.pieces
     kind = message.WhichOneof("part")
@@ -132,6 +162,9 @@ def part_of(message: PushKVMessage) -> Sequence[bytes | memoryview] | int | Firs
         return message.trailer.checksum
     if kind == "first_token":
         return first_token_from_proto(message.first_token)
+    if kind == "nixl":
+        nixl = message.nixl
+        return Regions(nixl.agent_metadata, tuple(nixl.addresses), tuple(nixl.lengths))
     raise KVMalformed("PushKV stream sent a second header" if kind == "header" else
                       "PushKV stream sent an empty message")
 

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from baton.config import KV_TRANSPORTS
 from baton.configtree import require
 from baton.errors import TooLarge
 from baton.kv.wire import KVHeader
@@ -81,9 +82,13 @@ class PrefillRequest:
     decode_address: str
     decode_incarnation: str = ""  # of the decode pod at decode_address the gateway chose
     cache_salt: str = ""  # the caller's tenant, for the decode pod's prefix cache
+    # How that pod takes pushed KV (its routing record's kv_transport): "grpc" or "nixl".
+    decode_kv_transport: str = "grpc"
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a prefill request needs a request_id")
+        require(self.decode_kv_transport in KV_TRANSPORTS,
+                f"decode_kv_transport {self.decode_kv_transport!r} is not one of {KV_TRANSPORTS}")
         check_request_id(self.request_id, MAX_POD_REQUEST_ID_CHARS)
         require(len(self.prompt_token_ids) > 0, "the prompt is empty")
         require(bool(self.decode_address), "a prefill request needs the decode pod's address")

@@ -7,10 +7,12 @@ opens with a header; the header matches this pod's model, dtype and shape
 (``baton.kv.wire.check_header``); the prompt, the first token (on the header, or in a message
 of its own once the chain's logits exist, when the tail ships each layer as it is computed)
 and the sampling parameters fit the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
-sender can pick another pod). Then the bytes: ``KVAssembler`` counts them and checks the
-checksum and the positions; a stream that ends early or fails half way frees its buffer. A
-sender that stalls (no message for ``STALL_S``) is cut off with DATA_LOSS: a push holds pool
-room and memory, so it cannot wait on a silent peer.
+sender can pick another pod). Then the bytes, in chunks or, from a sender that leaves them
+in its memory for this pod to read over NIXL (``baton.kv.nixl``; a pod without it refuses
+that with FAILED_PRECONDITION), read straight into the receive buffer: ``KVAssembler``
+counts them and checks the checksum and the positions; a stream that ends early or fails
+half way frees its buffer. A sender that stalls (no message for ``STALL_S``) is cut off with
+DATA_LOSS: a push holds pool room and memory, so it cannot wait on a silent peer.
 """
 
 from __future__ import annotations
@@ -23,12 +25,22 @@ from baton.api import push_kv
 from baton.api.requests import FirstToken, KVHandoff
 from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
+from baton.kv.nixl import GRPC, NIXL, NixlReader, Regions
 from baton.kv.pool import KVPool, KVPoolExhausted
-from baton.kv.wire import KVAssembler, KVDataLoss, KVMalformed, KVSpec, check_header
+from baton.kv.wire import KVAssembler, KVDataLoss, KVIncompatible, KVMalformed, KVSpec, check_header
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
 
 STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
+NIXL_READ_TIMEOUT_S = 60.0  # a NIXL read of pushed bytes (the pod's configuration sets its own)
+
+
+@dataclass(frozen=True)
+class NixlPlane:
+    """How this pod reads pushed bytes over NIXL."""
+
+    reader: NixlReader
+    timeout_s: float = NIXL_READ_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class PushedCache:
     handoff: KVHandoff
     layers: list[LayerKV]
     num_bytes: int
+    transport: str = GRPC  # the data plane that carried the bytes
 
     @property
     def request_id(self) -> str:
@@ -105,15 +118,16 @@ def check_push(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig, pool
 
 async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec,
                        stall_s: float | None = None, model_config: ModelConfig | None = None,
-                       on_first_token: Callable[[KVHandoff], Awaitable[None]] | None = None
-                       ) -> PushedCache:
+                       on_first_token: Callable[[KVHandoff], Awaitable[None]] | None = None,
+                       nixl: NixlPlane | None = None) -> PushedCache:
     """The rest of a PushKV stream whose header checked out, as a checked cache (views into
     one receive buffer). When the header said the first token follows, it must come once,
     before the trailer: the handoff it completes goes to ``on_first_token`` at once, and
-    with the cache."""
+    with the cache. Bytes the sender left for a NIXL read are read with ``nixl``."""
     stall_s = STALL_S if stall_s is None else stall_s
     checksum = None  # the trailer's: the last message
     request_id = handoff.request_id
+    transport = GRPC
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:
             if checksum is not None:
@@ -130,6 +144,16 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
                 handoff = handoff.with_first(part)
                 if on_first_token is not None:
                     await on_first_token(handoff)
+            elif isinstance(part, Regions):
+                if nixl is None:
+                    raise KVIncompatible(f"PushKV stream for {request_id!r} left its bytes for a "
+                                         f"NIXL read; this decode pod takes KV over gRPC only "
+                                         f"(its routing record says kv_transport grpc)")
+                part.check()
+                views = assembler.next_views(part.num_bytes)
+                await nixl.reader.read(part, views, nixl.timeout_s)
+                assembler.filled(views)
+                transport = NIXL
             else:
                 for piece in part:
                     assembler.add(piece)
@@ -142,16 +166,17 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
         if int(layer.positions[-1]) > last_position:
             raise KVMalformed(f"KV layer {index} has position {int(layer.positions[-1])}, past the "
                               f"prompt's last position {last_position}")
-    return PushedCache(handoff, layers, handoff.kv.total_bytes)
+    return PushedCache(handoff, layers, handoff.kv.total_bytes, transport)
 
 
 async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: ModelConfig,
                         pool: KVPool, incarnation: Incarnation | None = None,
-                        stall_s: float | None = None) -> PushedCache:
+                        stall_s: float | None = None, nixl: NixlPlane | None = None
+                        ) -> PushedCache:
     """Read a whole PushKV stream into a checked cache."""
     handoff = await receive_header(messages, stall_s)
     check_push(handoff, spec, model_config, pool, incarnation)
-    return await receive_body(handoff, messages, spec, stall_s, model_config)
+    return await receive_body(handoff, messages, spec, stall_s, model_config, nixl=nixl)
 
 
 async def _next(messages: AsyncIterator, stall_s: float):

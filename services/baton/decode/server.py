@@ -23,11 +23,12 @@ from baton.api import push_kv
 from baton.api.v1 import decode_pb2
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
-from baton.decode.receiver import Incarnation, kv_spec
+from baton.decode.receiver import Incarnation, NixlPlane, kv_spec
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
 from baton.dtypes import dtype_name
+from baton.kv.nixl import NIXL, NixlAgent, NixlReader
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
 from baton.pyramid.engine_hook import engine_compressor_factory
@@ -64,8 +65,12 @@ class DecodeServer:
         self.registry = CollectorRegistry()
         self.metrics = DecodeMetrics(self.registry)
         self.mtls = Mtls(config.mtls)
+        transport = config.kv_transport
+        # Refuses to start when NIXL is asked for and missing.
+        nixl = (NixlPlane(NixlReader(NixlAgent("decode")), transport.nixl_read_timeout_s)
+                if transport.kind == NIXL else None)
         self.servicer = DecodeServicer(config.kv.max_pending_pushes, self.mtls,
-                                       config.stream.interval_ms / 1000)
+                                       config.stream.interval_ms / 1000, nixl)
         self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME],
                                     self.mtls.server_credentials() if self.mtls.enabled else None,
                                     ping_callers=True)
@@ -129,7 +134,8 @@ class DecodeServer:
                           model_id=self.loaded.model_id, model_revision=self.loaded.revision,
                           version=release_version(), kv_dtype=self.kv_spec.dtype,
                           incarnation=self.incarnation,
-                          kv_block_size=pool.block_size if pool.prefix_cache is not None else 0)
+                          kv_block_size=pool.block_size if pool.prefix_cache is not None else 0,
+                          kv_transport=self.config.kv_transport.kind)
 
     def _engine_stalled(self) -> None:
         """The watchdog's verdict (its streams are failed already): leave routing, refuse new

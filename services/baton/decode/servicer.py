@@ -23,7 +23,7 @@ from baton.api.requests import GenerationStep, KVHandoff
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.answers import failure_answer
-from baton.decode.receiver import Incarnation, check_push, receive_body, receive_header
+from baton.decode.receiver import Incarnation, NixlPlane, check_push, receive_body, receive_header
 from baton.decode.session import PodSession
 from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestLeaving, RequestNotFound
@@ -89,8 +89,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ``drain()``."""
 
     def __init__(self, max_pending_pushes: int = 64, mtls: Mtls | None = None,
-                 stream_interval_s: float = 0.0) -> None:
+                 stream_interval_s: float = 0.0, nixl: NixlPlane | None = None) -> None:
+        """``nixl``: how pushed bytes are read over NIXL (None: pushes come over gRPC only)."""
         self.mtls = mtls or Mtls(MtlsConfig())
+        self.nixl = nixl
         self.stream_interval_s = stream_interval_s  # see StreamConfig.interval_ms
         self.worker: DecodeWorker | None = None
         self.spec: KVSpec | None = None
@@ -169,8 +171,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
             if not handoff.first_token_follows:
                 await self._let_it_leave(stream)
-            cache = await receive_body(handoff, request_iterator, self.spec, model_config=worker.model_config,
-                                       on_first_token=first_token_arrived)
+            cache = await receive_body(handoff, request_iterator, self.spec,
+                                       model_config=worker.model_config,
+                                       on_first_token=first_token_arrived, nixl=self.nixl)
             worker.submit_pushed(stream, cache)
         except BaseException as e:
             if handoff is not None and handoff.request_id:  # and its request's stream's

@@ -201,7 +201,7 @@ class DecodeWorker:
             with self._lock:
                 stream.in_engine = False  # push_failed fails its stream
             raise
-        self.metrics.kv_bytes_received.inc(cache.num_bytes)
+        self.metrics.kv_bytes_received.labels(transport=cache.transport).inc(cache.num_bytes)
         self.metrics.compression_ratio.observe(stream.pushed.kv_tokens_kept / stream.pushed.kv_tokens_full)
 
     def push_failed(self, request_id: str, error: BaseException,

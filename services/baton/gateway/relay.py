@@ -53,7 +53,7 @@ from baton.api.requests import (
     Usage,
 )
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from baton.config import GatewayRoutingConfig, MtlsConfig
+from baton.config import KV_TRANSPORTS, GatewayRoutingConfig, MtlsConfig
 from baton.errors import Unavailable
 from baton.gateway.decode_session import DecodeSession
 from baton.gateway.request_table import LiveRequest
@@ -304,7 +304,10 @@ class Relay:
             request_id=live.record.pod_request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
             decode_address=decision.decode.address, decode_incarnation=decision.decode.incarnation,
-            cache_salt=live.record.owner)
+            cache_salt=live.record.owner,
+            # (a transport this release does not know, a newer pod's, is not used)
+            decode_kv_transport=(decision.decode.kv_transport
+                                 if decision.decode.kv_transport in KV_TRANSPORTS else "grpc"))
         prefill = self.channels.prefill(decision.chain.address).Prefill(
             convert.prefill_request_to_proto(prefill_request))
         live.watch(prefill)

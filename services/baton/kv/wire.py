@@ -77,7 +77,8 @@ class KVMalformed(KVWireError):
 
 
 class KVIncompatible(KVWireError):
-    """The cache belongs to another model, revision, dtype or shape than the receiver's."""
+    """The cache belongs to another model, revision, dtype or shape than the receiver's, or
+    comes over a data plane the receiver lacks."""
 
     status = FailedPrecondition.status
 
@@ -346,6 +347,32 @@ class KVAssembler:
             if self._offset == len(target):
                 self._segment, self._offset = self._segment + 1, 0
         self.bytes_received += size
+
+    def next_views(self, num_bytes: int) -> list[memoryview]:
+        """Writable views of the buffer's next ``num_bytes`` (for a read straight into them:
+        ``baton.kv.nixl``); they count as received once ``filled``."""
+        if self._buffers is None:
+            raise RuntimeError("this KV assembler is finished or discarded")
+        if self.bytes_received + num_bytes > self.header.total_bytes:
+            raise KVDataLoss(f"KV stream for {self.header.request_id!r} sent more than the "
+                             f"{self.header.total_bytes} bytes its header announced")
+        views, left = [], num_bytes
+        while left:
+            target = self._writable[self._segment]
+            count = min(len(target) - self._offset, left)
+            if count:
+                views.append(target[self._offset:self._offset + count])
+            left -= count
+            self._offset += count
+            if self._offset == len(target):
+                self._segment, self._offset = self._segment + 1, 0
+        return views
+
+    def filled(self, views: list[memoryview]) -> None:
+        """``next_views`` hold their bytes now."""
+        for view in views:
+            self._checksum.update(view)
+            self.bytes_received += len(view)
 
     def finish(self, checksum: int | None) -> list[LayerKV]:
         """The received cache (views of its receive buffers), after checking size, the

@@ -25,6 +25,7 @@ from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
 from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
+from baton.kv.nixl import NIXL, NixlAgent
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.prefill.frontend import PrefillFrontend
@@ -120,7 +121,10 @@ class PrefillServer:
             self.sink = TailSink(self.model_config, self.model_id, self.revision,
                                  self.config.pyramid, self.metrics, lambda: self.rank.details,
                                  on_ready, on_fail, self.mtls, self.by_layer,
-                                 lambda: self.rank.model.dtype)
+                                 lambda: self.rank.model.dtype,
+                                 # Refuses to start when NIXL is asked for and missing.
+                                 nixl=(NixlAgent("prefill")
+                                       if self.config.kv_transport.kind == NIXL else None))
         else:
             self.sink = RankSink(on_ready, on_fail)
         def build() -> ChainRank:

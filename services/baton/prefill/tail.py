@@ -8,7 +8,10 @@ the request's settings enable it) as the chain finishes it (``on_layer``); once 
 exist (``deliver``) the tail samples the first token with the request's sampler and sends
 it, with the chain's figures, ahead of the last layer. After prefill, the whole cache goes
 then, the first token on its header. The decode pod streams the token to the caller as
-soon as it checks out, before the KV has landed. Nothing goes back to rank 0: the decode
+soon as it checks out, before the KV has landed. To a decode pod that reads over NIXL (the
+gateway passes on what its routing record says), when this tail has NIXL too, the bytes stay
+in the tail's memory for the pod to read (``baton.kv.nixl``); only where they lie goes on
+the stream. Nothing goes back to rank 0: the decode
 pod is the request's only source of tokens and of news. A push the decode pod refuses or
 loses fails the request's stream there; one that cannot reach the pod at all is logged
 (the pod is gone, and the caller's stream with it).
@@ -33,6 +36,7 @@ from baton.api.requests import FirstToken, KVHandoff, PrefillRequest
 from baton.api.v1 import prefill_pb2
 from baton.config import MtlsConfig, PyramidConfig
 from baton.kv.dense import LayerKV
+from baton.kv.nixl import NIXL, NixlAgent, NixlSource
 from baton.kv.wire import KVHeader, KVMalformed, encode_kv, kv_header, layer_segments
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
@@ -56,10 +60,12 @@ class TailSink:
                  on_ready: Callable[[], None] = lambda: None,
                  on_fail: Callable[[str], None] = lambda message: None,
                  mtls: Mtls | None = None, by_layer: bool = False,
-                 kv_dtype: Callable[[], torch.dtype] = lambda: torch.float32) -> None:
+                 kv_dtype: Callable[[], torch.dtype] = lambda: torch.float32,
+                 nixl: NixlAgent | None = None) -> None:
         """``by_layer``: ship each layer as it is computed (``on_layer``), the first token
         before the last layer; otherwise the whole cache once the logits exist, the first
-        token on the header. ``kv_dtype``: the model's, once it is loaded."""
+        token on the header. ``kv_dtype``: the model's, once it is loaded. ``nixl``: this
+        process's agent, for pods that read over NIXL (None: gRPC to every pod)."""
         self.model_config = model_config
         self.model_id = model_id
         self.revision = revision
@@ -71,6 +77,7 @@ class TailSink:
         self.mtls = mtls or Mtls(MtlsConfig())
         self.by_layer = by_layer
         self.kv_dtype = kv_dtype
+        self.nixl = nixl
         self._channels: dict[str, grpc.Channel] = {}
         # The request being computed, read and its push opened before the chain computes it:
         # off the first token's path.
@@ -99,7 +106,7 @@ class TailSink:
         if self._computing is not None:  # the chain moved on without delivering it
             self._computing.cancel()
         self._computing = Shipment(details, request, self._open_push(request), compressor,
-                                   self.model_id, self.revision)
+                                   self.model_id, self.revision, self._nixl_source(request))
         if self.by_layer:
             kept = compressor.kept_counts() if compressor else (
                 (prompt_length,) * self.model_config.num_hidden_layers)
@@ -121,7 +128,7 @@ class TailSink:
                 shipment.cancel()
             request = read_details(result.details)
             shipment = Shipment(result.details, request, self._open_push(request), None,
-                                self.model_id, self.revision)
+                                self.model_id, self.revision, self._nixl_source(request))
         request = shipment.request
         try:
             push_start = time.monotonic()
@@ -150,6 +157,12 @@ class TailSink:
         ~2 ms, which the chain's compute hides when it is opened before it."""
         return PushCall(push_kv.stub_push_kv(self._channel(request.decode_address)))
 
+    def _nixl_source(self, request: PrefillRequest) -> NixlSource | None:
+        """Where the request's bytes wait for the pod's NIXL read (None: they go on the stream)."""
+        if self.nixl is None or request.decode_kv_transport != NIXL:
+            return None
+        return NixlSource(self.nixl)
+
     def _channel(self, address: str) -> grpc.Channel:
         """A channel per decode pod (mTLS when on); all anew once the certificates rotate."""
         generation = self.mtls.generation()
@@ -171,13 +184,17 @@ class Shipment:
     By layer (``begin_by_layer``): the header at once, each layer as the chain finishes it
     (compressed first when the request compresses), then, once the logits exist, the first
     token, the last layer and the trailer. Otherwise (``finish`` alone): the header with the
-    first token, then the whole cache. A failure while layers go out (the pod refused the
+    first token, then the whole cache. With a NIXL ``source``, where each layer's (or the
+    cache's) bytes lie goes in place of the bytes, which stay registered until the pod has
+    answered (or the push is cancelled). A failure while layers go out (the pod refused the
     header, a layer is not what the header announced) never reaches the chain: the push is
     cancelled, and ``finish`` raises what happened."""
 
     def __init__(self, details: bytes, request: PrefillRequest, push: PushCall,
-                 compressor: PromptCompressor | None, model_id: str, revision: str) -> None:
+                 compressor: PromptCompressor | None, model_id: str, revision: str,
+                 source: NixlSource | None = None) -> None:
         self.details = details
+        self.source = source
         self.model_id, self.revision = model_id, revision
         self.request = request
         self.push = push
@@ -193,7 +210,7 @@ class Shipment:
         handoff = KVHandoff(header, request.prompt_token_ids, 0, request.sampling,
                             request.compression, request.decode_incarnation, request.cache_salt,
                             first_token_follows=True)
-        self._writer = push_kv.LayerByLayer(handoff, self.push.put)
+        self._writer = push_kv.LayerByLayer(handoff, self.push.put, self.source)
 
     def ship_layer(self, index: int, layer: LayerKV) -> None:
         if self._writer is None or self._failure is not None:
@@ -206,6 +223,13 @@ class Shipment:
 
     def finish(self, result: ChainResult) -> None:
         """Send what is left (everything, unless by layer) and wait for the pod's answer."""
+        try:
+            self._finish(result)
+        finally:
+            if self.source is not None:
+                self.source.release()
+
+    def _finish(self, result: ChainResult) -> None:
         if self._failure is not None:
             raise self._failure
         request = self.request
@@ -216,7 +240,8 @@ class Shipment:
                                 request.sampling, request.compression, request.decode_incarnation,
                                 request.cache_salt, result.ttft_s, tuple(result.boundaries))
             self.num_bytes = encoded.header.total_bytes
-            self.push.send(push_kv.messages(handoff, encoded.chunk_pieces()))
+            self.push.send(push_kv.messages(handoff, encoded.chunk_pieces()) if self.source is None
+                           else push_kv.nixl_messages(handoff, encoded.segments, self.source))
             return
         self._writer.first_token(FirstToken(first_token, result.ttft_s, tuple(result.boundaries)))
         self._ship(len(result.layers) - 1, result.layers[-1])
@@ -225,6 +250,8 @@ class Shipment:
 
     def cancel(self) -> None:
         self.push.cancel()
+        if self.source is not None:
+            self.source.release()
 
     def _ship(self, index: int, layer: LayerKV) -> None:
         if self.compressor is not None:

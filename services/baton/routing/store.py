@@ -77,6 +77,8 @@ class WorkerInfo:
     # Decode pods with a prefix cache: tokens per KV block (0 = no cache); the cache's
     # events are published under ``prefix_stream``.
     kv_block_size: int = 0
+    # Decode pods: how they take pushed KV: "grpc", or "nixl" (over NIXL as well as gRPC).
+    kv_transport: str = "grpc"
 
     @property
     def prefix_stream(self) -> str:

@@ -43,16 +43,28 @@ class PushKVFirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("header", "chunk", "trailer", "first_token")
+    __slots__ = ("header", "chunk", "trailer", "first_token", "nixl")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     header: PushKVHeader
     chunk: bytes
     trailer: PushKVTrailer
     first_token: PushKVFirstToken
-    def __init__(self, header: _Optional[_Union[PushKVHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[PushKVTrailer, _Mapping]] = ..., first_token: _Optional[_Union[PushKVFirstToken, _Mapping]] = ...) -> None: ...
+    nixl: PushKVNixl
+    def __init__(self, header: _Optional[_Union[PushKVHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[PushKVTrailer, _Mapping]] = ..., first_token: _Optional[_Union[PushKVFirstToken, _Mapping]] = ..., nixl: _Optional[_Union[PushKVNixl, _Mapping]] = ...) -> None: ...
+
+class PushKVNixl(_message.Message):
+    __slots__ = ("agent_metadata", "addresses", "lengths")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., addresses: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushKVTrailer(_message.Message):
     __slots__ = ("checksum",)

@@ -1,0 +1,207 @@
+"""NIXL, the second KV data plane, on this machine's CPU (UCX moves the bytes between two
+real agents): a pushed cache read over NIXL is the cache sent in chunks, whatever the
+pieces' boundaries; a receiver without NIXL, bad regions, memory the sender never
+registered and bytes changed after their checksum are each refused with their own error.
+Skipped, with the reason, where the nixl package is not installed (`make nixl`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from baton.api import push_kv
+from baton.api.requests import CompressionParams, FirstToken, KVHandoff
+from baton.decode.receiver import NixlPlane, receive_body
+from baton.kv.dense import LayerKV
+from baton.kv.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
+from baton.kv.wire import (
+    KVAssembler,
+    KVDataLoss,
+    KVIncompatible,
+    KVMalformed,
+    KVSpec,
+    encode_kv,
+    layer_segments,
+)
+from baton.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
+
+SPEC = KVSpec(model_id="m", model_revision="rev", dtype="float32", num_layers=3,
+              num_kv_heads=2, head_dim=4, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def agents():
+    return NixlAgent("prefill"), NixlAgent("decode")
+
+
+def cache() -> list[LayerKV]:
+    return [LayerKV(torch.randn(n, 2, 4), torch.randn(n, 2, 4), torch.arange(n) * 2)
+            for n in (9, 5, 7)]
+
+
+def handoff_of(layers, follows: bool = False) -> KVHandoff:
+    encoded = encode_kv(layers, "r1", "m", "rev")
+    return KVHandoff(encoded.header, tuple(range(20)), 0 if follows else 77,
+                     SamplingParams(max_tokens=4), CompressionParams(), first_token_follows=follows)
+
+
+async def messages_of(sent):
+    for message in sent:  # as they cross the wire
+        yield push_kv.parse(push_kv.serialize(message))
+
+
+def receive(handoff, sent, plane: NixlPlane | None, **kwargs):
+    """The pod's side of a push whose messages were ``sent`` (the header read already)."""
+    assert push_kv.header_of(sent[0]) == handoff
+    return asyncio.run(receive_body(handoff, messages_of(sent[1:]), SPEC, nixl=plane, **kwargs))
+
+
+def assert_same_cache(received, layers):
+    assert len(received.layers) == len(layers)
+    for got, want in zip(received.layers, layers):
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+        assert torch.equal(got.positions, want.positions)
+
+
+def test_a_cache_read_over_nixl_is_the_cache_sent_in_chunks(agents):
+    sender, receiver = agents
+    layers = cache()
+    handoff = handoff_of(layers)
+    source = NixlSource(sender)
+    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
+    assert [m.WhichOneof("part") for m in sent] == ["header", "nixl", "trailer"]
+    try:
+        received = receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0))
+    finally:
+        source.release()
+    assert_same_cache(received, layers)
+    assert received.num_bytes == handoff.kv.total_bytes
+
+
+def test_layer_by_layer_over_nixl_with_the_first_token_before_the_last_layer(agents):
+    sender, receiver = agents
+    layers = cache()
+    handoff = handoff_of(layers, follows=True)
+    source, sent, firsts = NixlSource(sender), [], []
+    writer = push_kv.LayerByLayer(handoff, sent.append, source)
+    writer.layer(layer_segments(layers[0]))
+    writer.layer(layer_segments(layers[1]))
+    writer.first_token(FirstToken(77, 0.5, (0, 20)))
+    writer.layer(layer_segments(layers[2]))
+    writer.finish()
+    assert [m.WhichOneof("part") for m in sent] == [
+        "header", "nixl", "nixl", "first_token", "nixl", "trailer"]
+
+    async def first(complete):
+        firsts.append(complete.first_token_id)
+
+    try:
+        received = receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0),
+                           on_first_token=first)
+    finally:
+        source.release()
+    assert_same_cache(received, layers) and firsts == [77]
+    assert received.handoff.first_token_id == 77
+
+
+def test_layers_that_share_a_tensor_are_offered_and_released(agents):
+    # Unpruned layers share their positions: one region named twice in one offer.
+    sender, receiver = agents
+    positions = torch.arange(6)
+    layers = [LayerKV(torch.randn(6, 2, 4), torch.randn(6, 2, 4), positions) for _ in range(3)]
+    handoff = handoff_of(layers)
+    source = NixlSource(sender)
+    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
+    try:
+        received = receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0))
+    finally:
+        source.release()
+    assert_same_cache(received, layers)
+
+
+def test_a_read_pairs_pieces_cut_at_different_boundaries_on_either_side(agents):
+    sender, receiver = agents
+    payload = torch.randint(0, 255, (1000,), dtype=torch.uint8)
+    views = memoryview(payload.numpy())
+    source = NixlSource(sender)
+    regions = source.offer([views[:10], views[10:600], views[600:]])
+    target = torch.zeros(1000, dtype=torch.uint8)
+    out = memoryview(target.numpy())
+    try:
+        asyncio.run(NixlReader(receiver).read(regions, [out[:333], out[333:334], out[334:]], 10.0))
+    finally:
+        source.release()
+    assert torch.equal(target, payload)
+
+
+def test_a_pod_without_nixl_refuses_bytes_left_for_a_nixl_read(agents):
+    sender, _ = agents
+    layers = cache()
+    handoff = handoff_of(layers)
+    source = NixlSource(sender)
+    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
+    try:
+        with pytest.raises(KVIncompatible, match="gRPC only"):
+            receive(handoff, sent, None)
+    finally:
+        source.release()
+
+
+def test_bytes_changed_after_their_checksum_are_data_loss(agents):
+    sender, receiver = agents
+    layers = cache()
+    handoff = handoff_of(layers)
+    source = NixlSource(sender)
+    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
+    layers[1].k.add_(1.0)  # the memory the pod reads, after the checksum was taken
+    try:
+        with pytest.raises(KVDataLoss, match="checksum"):
+            receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0))
+    finally:
+        source.release()
+
+
+def test_memory_the_sender_did_not_register_is_not_read(agents):
+    sender, receiver = agents
+    registered = torch.ones(64, dtype=torch.uint8)
+    secret = torch.full((64,), 7, dtype=torch.uint8)
+    source = NixlSource(sender)
+    regions = source.offer([memoryview(registered.numpy())])
+    elsewhere = Regions(regions.agent_metadata, (secret.data_ptr(),), (64,))
+    target = torch.zeros(64, dtype=torch.uint8)
+    try:
+        with pytest.raises(KVDataLoss, match="could not start"):
+            asyncio.run(NixlReader(receiver).read(elsewhere, [memoryview(target.numpy())], 10.0))
+    finally:
+        source.release()
+    assert int(target.sum()) == 0
+
+
+@pytest.mark.parametrize("regions, message", [
+    (Regions(b"", (1,), (8,)), "agent_metadata is 0 bytes"),
+    (Regions(b"x", (1, 2), (8,)), "2 addresses and 1 lengths"),
+    (Regions(b"x", (), ()), "names 0 regions"),
+    (Regions(b"x", (1,), (0,)), "empty region"),
+])
+def test_malformed_regions_are_refused_before_any_read(agents, regions, message):
+    _, receiver = agents
+    with pytest.raises(KVMalformed, match=message):
+        asyncio.run(NixlReader(receiver).read(regions, [memoryview(bytearray(8))], 10.0))
+
+
+def test_regions_for_more_bytes_than_the_header_announced_are_data_loss(agents):
+    layers = cache()
+    handoff = handoff_of(layers)
+    with KVAssembler(handoff.kv, SPEC) as assembler:
+        with pytest.raises(KVDataLoss, match="more than"):
+            assembler.next_views(handoff.kv.total_bytes + 1)
+
+
+def test_metadata_that_is_no_agent_s_is_malformed(agents):
+    _, receiver = agents
+    with pytest.raises(KVMalformed, match="not a NIXL agent's"):
+        asyncio.run(NixlReader(receiver).read(Regions(b"garbage", (4096,), (8,)),
+                                              [memoryview(bytearray(8))], 10.0))
