@@ -192,12 +192,11 @@ def test_malformed_regions_are_refused_before_any_read(agents, regions, message)
         asyncio.run(NixlReader(receiver).read(regions, [memoryview(bytearray(8))], 10.0))
 
 
-def test_regions_for_more_bytes_than_the_header_announced_are_data_loss(agents):
+def test_regions_for_more_bytes_than_the_header_announced_are_data_loss():
     layers = cache()
     handoff = handoff_of(layers)
-    with KVAssembler(handoff.kv, SPEC) as assembler:
-        with pytest.raises(KVDataLoss, match="more than"):
-            assembler.next_views(handoff.kv.total_bytes + 1)
+    with KVAssembler(handoff.kv, SPEC) as assembler, pytest.raises(KVDataLoss, match="more than"):
+        assembler.next_views(handoff.kv.total_bytes + 1)
 
 
 def test_metadata_that_is_no_agent_s_is_malformed(agents):
