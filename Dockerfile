@@ -16,6 +16,9 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # the index. `make image TORCH_WHEELS=DIR` mounts DIR here for the build; nothing is copied in.
 ARG TORCH_FIND_LINKS=
 ARG TORCH_VERSION=2.13.0
+# 1 = add NIXL, the KV data plane for RDMA clusters (spec.kvTransport: nixl), ~220 MB; its
+# declared dependencies would pull a CUDA build of torch, so it goes in without them.
+ARG NIXL=0
 ARG UID=10001
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -51,7 +54,7 @@ RUN if [ -n "${TORCH_FIND_LINKS}" ]; then \
     fi
 
 WORKDIR /opt/baton
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements-nixl.txt ./
 COPY proto/ proto/
 COPY services/ services/
 COPY operator/ operator/
@@ -59,6 +62,7 @@ COPY operator/ operator/
 COPY models/ models/
 # Editable: the shipped model and partition tables are found relative to the source tree.
 RUN pip install -e . \
+    && if [ "${NIXL}" = 1 ]; then pip install --no-deps -r requirements-nixl.txt; fi \
     && useradd --uid ${UID} --user-group --no-create-home --shell /usr/sbin/nologin baton \
     && python -m compileall -q services operator
 

@@ -31,12 +31,11 @@ redis: # the redis-server binary, from the system's package manager when missing
 
 setup: $(STAMP) redis kernels ## create the virtualenv, install packages and redis-server, build the CPU kernels
 
-# NIXL, the optional second KV data plane (--kv-transport-kind nixl). Installed without its
-# declared dependencies, which would pull a CUDA build of torch; it needs numpy, which baton has.
+# NIXL, the optional second KV data plane (--kv-transport-kind nixl): requirements-nixl.txt.
 NIXL_STAMP := $(VENV)/.nixl
 nixl: $(NIXL_STAMP) ## add NIXL (UCX) to the virtualenv, for pods that ship KV over it (~220 MB)
-$(NIXL_STAMP): $(STAMP)
-	$(PIP) install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+$(NIXL_STAMP): $(STAMP) requirements-nixl.txt
+	$(PIP) install -q --no-deps -r requirements-nixl.txt
 	@touch $@
 
 run: setup ## run the whole service locally (gateway, prefill chain, decode) and stream a generation
@@ -75,15 +74,17 @@ helm-lint: $(STAMP) ## lint and render the Helm chart with the real Helm library
 	$(PY) -m pytest -q tests/helm
 
 # The image's settings; empty keeps the Dockerfile's defaults (python:3.11-slim-bookworm, torch
-# from the PyTorch CPU index). TORCH_WHEELS=DIR takes torch from a wheel directory (buildah only).
+# from the PyTorch CPU index). TORCH_WHEELS=DIR takes torch from a wheel directory (buildah only);
+# NIXL=1 adds NIXL (requirements-nixl.txt) for spec.kvTransport nixl.
 IMAGE ?= baton:0.1.0
 BASE_IMAGE ?=
 TORCH_INDEX_URL ?=
 TORCH_WHEELS ?=
+NIXL ?=
 
-image: ## build the image: docker build when a daemon answers, else buildah (IMAGE, BASE_IMAGE, TORCH_*)
+image: ## build the image: docker build when a daemon answers, else buildah (IMAGE, BASE_IMAGE, TORCH_*, NIXL)
 	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) TORCH_INDEX_URL=$(TORCH_INDEX_URL) \
-	TORCH_WHEELS=$(TORCH_WHEELS) scripts/image.sh build
+	TORCH_WHEELS=$(TORCH_WHEELS) NIXL=$(NIXL) scripts/image.sh build
 
 image-check: ## build the image here with buildah and run baton, the operator and `baton up` in it (slow)
 	BASE_IMAGE=$(BASE_IMAGE) TORCH_INDEX_URL=$(TORCH_INDEX_URL) TORCH_WHEELS=$(TORCH_WHEELS) \

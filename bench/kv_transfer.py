@@ -8,10 +8,14 @@ pyramid-shaped fp32 cache goes, in interleaved rounds, through
   receiver that assembles and checks it as a decode pod does (``KVAssembler``: one copy
   into a buffer per tensor, the checksum, the positions);
 * gRPC PushKV as plain protobuf messages (a generated stub; the pod takes these too): what
-  the hand framing saves.
+  the hand framing saves;
+* NIXL (when installed: ``make nixl``): the same PushKV stream carries the header, where the
+  bytes lie in the sender's memory (``PushKVNixl``) and the checksum; the receiver reads the
+  bytes with NIXL (UCX picks its transport: on one host, shared memory or a cross-memory
+  copy) straight into its buffers and checks them as for chunks.
 
-Each gRPC push is end to end: encode, send, receive, verify. Goal (issue: KV shipping at
-wire speed): gRPC at least half of raw TCP.
+Each push is end to end: encode, send, receive, verify. Goal (issue: KV shipping at wire
+speed): gRPC at least half of raw TCP.
 
     .venv/bin/python bench/kv_transfer.py --rounds 8
     .venv/bin/python bench/kv_transfer.py --report-only
@@ -22,6 +26,7 @@ Writes docs/benchmarks/kv_transfer.md from docs/benchmarks/kv-transfer-results.j
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gzip
 import json
 import os
@@ -40,6 +45,7 @@ from baton.api.requests import CompressionParams, KVHandoff, SamplingParams
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
 from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
+from baton.kv.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
 from baton.kv.wire import CHUNK_BYTES, KVAssembler, KVSpec, encode_kv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,7 +57,8 @@ PUSHES_PER_ROUND = 5
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
                 ("grpc.max_send_message_length", 4 * CHUNK_BYTES)]
 SPEC = KVSpec("bench", "r1", "float32", LAYERS, KV_HEADS, HEAD_DIM, PROMPT)
-PATHS = ("raw TCP", "gRPC PushKV", "gRPC PushKV, protobuf messages")
+NIXL_PATH = "NIXL read, PushKV for the rest"
+PATHS = ("raw TCP", "gRPC PushKV", "gRPC PushKV, protobuf messages", NIXL_PATH)
 
 
 def pyramid_cache() -> list[LayerKV]:
@@ -64,7 +71,11 @@ def pyramid_cache() -> list[LayerKV]:
 
 
 class Receiver(decode_pb2_grpc.DecodeServicer):
-    """Only PushKV: assemble and verify, as a decode pod does before the KV becomes visible."""
+    """Only PushKV: assemble and verify, as a decode pod does before the KV becomes visible
+    (bytes left for a NIXL read are read with ``reader``, as a decode pod reads them)."""
+
+    def __init__(self, reader: NixlReader | None) -> None:
+        self.reader = reader
 
     def PushKV(self, request_iterator, context):
         handoff, parts = push_kv.read(request_iterator)
@@ -73,6 +84,10 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
             for part in parts:
                 if isinstance(part, int):
                     checksum = part
+                elif isinstance(part, Regions):
+                    views = assembler.next_views(part.num_bytes)
+                    asyncio.run(self.reader.read(part, views, 60.0))
+                    assembler.filled(views)
                 else:
                     for piece in part:
                         assembler.add(piece)
@@ -96,6 +111,23 @@ def time_pushes(send, layers: list[LayerKV], framed: bool) -> list[float]:
         handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
         messages = push_kv.messages(handoff, encoded.chunk_pieces())
         reply = send(messages if framed else as_protobuf(messages))
+        seconds.append(time.perf_counter() - started)
+        assert reply.bytes_received == encoded.header.total_bytes
+    return seconds
+
+
+def time_nixl_pushes(send, layers: list[LayerKV], agent: NixlAgent) -> list[float]:
+    """As a tail pushes to a pod that reads over NIXL: registered, read, released."""
+    seconds = []
+    for _ in range(PUSHES_PER_ROUND):
+        started = time.perf_counter()
+        encoded = encode_kv(layers, "bench", "bench", "r1")
+        handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
+        source = NixlSource(agent)
+        try:
+            reply = send(push_kv.nixl_messages(handoff, encoded.segments, source))
+        finally:
+            source.release()
         seconds.append(time.perf_counter() - started)
         assert reply.bytes_received == encoded.header.total_bytes
     return seconds
@@ -141,9 +173,14 @@ def run(rounds: int) -> dict:
                "machine": machine_description(), "torch_threads": torch.get_num_threads(),
                "grpcio": grpc.__version__, "total_bytes": encoded.header.total_bytes,
                "chunk_bytes": CHUNK_BYTES, "checksum": encoded.header.checksum_algorithm,
-               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": []}
+               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": [],
+               "nixl": nixl_missing() or "nixl 1.5.1 (UCX), UCX_TLS="
+                       + os.environ.get("UCX_TLS", "unset (UCX's choice)")}
+    paths = PATHS if nixl_missing() is None else PATHS[:-1]
+    sender = NixlAgent("prefill") if nixl_missing() is None else None
+    reader = NixlReader(NixlAgent("decode")) if sender is not None else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-    push_kv.add_decode_servicer(Receiver(), server)
+    push_kv.add_decode_servicer(Receiver(reader), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -152,15 +189,16 @@ def run(rounds: int) -> dict:
             generated = decode_pb2_grpc.DecodeStub(channel).PushKV
             measures = {"raw TCP": lambda: time_tcp(payload),
                         "gRPC PushKV": lambda: time_pushes(framed, layers, True),
-                        "gRPC PushKV, protobuf messages": lambda: time_pushes(generated, layers, False)}
+                        "gRPC PushKV, protobuf messages": lambda: time_pushes(generated, layers, False),
+                        NIXL_PATH: lambda: time_nixl_pushes(framed, layers, sender)}
             for number in range(rounds):
-                order = PATHS if number % 2 == 0 else PATHS[::-1]
+                order = paths if number % 2 == 0 else paths[::-1]
                 entry = {"round": number + 1}
                 for path in order:
                     entry[path] = measures[path]()
                 results["rounds"].append(entry)
                 print(f"round {number + 1}: " + ", ".join(
-                    f"{path} {statistics.median(entry[path]):.3f} s" for path in PATHS), flush=True)
+                    f"{path} {statistics.median(entry[path]):.3f} s" for path in paths), flush=True)
     finally:
         server.stop(grace=None)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -170,19 +208,20 @@ def run(rounds: int) -> dict:
 
 def report(results: dict) -> str:
     total = results["total_bytes"]
-    pooled = {path: [s for entry in results["rounds"] for s in entry[path]] for path in PATHS}
+    paths = [path for path in PATHS if path in results["rounds"][0]]
+    pooled = {path: [s for entry in results["rounds"] for s in entry[path]] for path in paths}
     tcp = statistics.median(pooled["raw TCP"])
     rows = []
-    for path in PATHS:
+    for path in paths:
         per_round = [statistics.median(entry["raw TCP"]) / statistics.median(entry[path])
                      for entry in results["rounds"]]
         median = statistics.median(pooled[path])
         rows.append([path, len(pooled[path]), f"{median:.3f}", f"{total / median / 1e9:.2f}",
                      f"**{tcp / median:.2f}**", " / ".join(f"{r:.2f}" for r in per_round)])
     ratio = tcp / statistics.median(pooled["gRPC PushKV"])
-    seconds = sum(sum(entry[path]) for entry in results["rounds"] for path in PATHS)
+    seconds = sum(sum(entry[path]) for entry in results["rounds"] for path in paths)
     return "\n".join([
-        "# KV transfer: gRPC PushKV against raw TCP on loopback",
+        "# KV transfer: gRPC PushKV and NIXL against raw TCP on loopback",
         "",
         (f"Written by `bench/kv_transfer.py` from [kv-transfer-results.json.gz]"
          f"(kv-transfer-results.json.gz): commit `{results['commit'][:12]}`"
@@ -203,7 +242,12 @@ def report(results: dict) -> str:
          "127.0.0.1, and the receiver copying the bytes into a buffer per tensor and checking "
          "size, checksum and positions. Raw TCP only moves the same bytes through a socket in "
          "1 MiB sends into one buffer. The protobuf row sends the same stream as a generated "
-         "stub does (a `PushKVRequest` per chunk), to the same receiver."),
+         "stub does (a `PushKVRequest` per chunk), to the same receiver. The NIXL row sends "
+         "the header, where the bytes lie (the sender registers them) and the checksum on the "
+         "same stream; the receiver reads the bytes with NIXL into its buffers and checks them "
+         "the same way, and the sender deregisters them once answered. Both agents are on this "
+         f"host, so UCX moves the bytes by shared memory or a cross-memory copy, as between "
+         f"two pods of one node (between nodes: RDMA or TCP). NIXL: {results.get('nixl', 'not run')}."),
         "",
         markdown_table(["path", "transfers", "median s", "GB/s", "vs raw TCP",
                         "vs raw TCP per round"], rows),

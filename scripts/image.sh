@@ -15,6 +15,7 @@
 #   TORCH_INDEX_URL  index for torch                     (default: the Dockerfile's, the CPU one)
 #   TORCH_WHEELS     directory holding the torch wheel   (default none; check: /opt/wheels when
 #                    it holds one); buildah mounts it into the build, docker cannot
+#   NIXL             1 = add NIXL, the KV data plane for RDMA clusters (default: the Dockerfile's, 0)
 #
 # buildah runs with vfs storage and chroot isolation: no overlay mounts, no user namespaces,
 # no daemon, which is what a machine without Docker (or inside a container) allows.
@@ -40,6 +41,7 @@ build_args() {
     [ -z "${BASE_IMAGE:-}" ] || echo "--build-arg BASE_IMAGE=$BASE_IMAGE"
     [ -z "${TORCH_INDEX_URL:-}" ] || echo "--build-arg TORCH_INDEX_URL=$TORCH_INDEX_URL"
     [ -z "${TORCH_WHEELS:-}" ] || echo "--build-arg TORCH_FIND_LINKS=$WHEELS_MOUNT"
+    [ -z "${NIXL:-}" ] || echo "--build-arg NIXL=$NIXL"
 }
 
 build_with_buildah() {

@@ -20,6 +20,7 @@ from baton.config import (
     GatewayRoutingConfig,
     HttpConfig,
     KVPoolConfig,
+    KVTransportConfig,
     ModelSourceConfig,
     PlannerConfig,
     PyramidConfig,
@@ -126,6 +127,8 @@ class ServiceSpec:
     autoscaling: AutoscalingSpec
     node_selector: dict[str, str]
     tolerations: list[dict]
+    # The data plane of pushed KV, on the chains' tails and the decode pods alike.
+    kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
 
 
 def _section(spec: dict, name: str) -> dict:
@@ -331,4 +334,5 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         autoscaling=_read_autoscaling(spec),
         node_selector=dict(spec.get("nodeSelector") or {}),
         tolerations=list(spec.get("tolerations") or []),
+        kv_transport=_build("kvTransport", KVTransportConfig, kind=spec.get("kvTransport")),
     )

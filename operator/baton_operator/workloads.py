@@ -140,14 +140,14 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
             spec.prefill.chain, chain_id=chain, master_addr=f"{chain}-0.{chain}.{namespace}.svc",
             master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",
             partition_table=table),
-        pyramid=spec.pyramid,
+        kv_transport=spec.kv_transport, pyramid=spec.pyramid,
         routing=_routing(name, namespace, spec), mtls=_mtls(spec))
 
 
 def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
     return DecodeServiceConfig(
         server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec), kv=spec.decode.kv,
-        scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
+        kv_transport=spec.kv_transport, scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
         routing=_routing(name, namespace, spec), mtls=_mtls(spec))
 
 

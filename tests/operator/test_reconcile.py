@@ -149,6 +149,7 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
     ({"gateway": {"http": {"port": 9090}}}, "the gateway pod's metrics port"),
     ({"gateway": {"http": {"port": 70000}}}, "http port 70000 is not a port"),
     ({"gateway": {"apiKeys": {"secretName": "keys", "key": "../keys"}}}, "apiKeys.key"),
+    ({"kvTransport": "rdma"}, "spec.kvTransport: kv_transport kind 'rdma' is not one of"),
 ])
 def test_invalid_spec_sets_degraded_and_builds_nothing(cluster, reconciler, bad, says):
     from baton_operator.spec import InvalidSpec
@@ -237,6 +238,14 @@ def test_the_routing_settings_reach_the_gateway(cluster, reconciler):
     assert _flag(args, "--gateway-policy") == "least-loaded"
     decode_args = _args(cluster.kube.get("Deployment", NS, "demo-decode"))
     assert _flag(decode_args, "--kv-prefix-cache") == "false"
+
+
+def test_the_kv_transport_reaches_the_chains_and_the_decode_pods(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "kvTransport": "nixl"})
+    _reconcile(cluster, reconciler)
+    for kind, name in (("StatefulSet", "demo-prefill-0"), ("Deployment", "demo-decode")):
+        assert _flag(_args(cluster.kube.get(kind, NS, name)), "--kv-transport-kind") == "nixl"
+    assert "--kv-transport-kind" not in _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
 
 
 def _container(obj: dict) -> dict:

@@ -28,7 +28,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from baton import configtree
-from baton.config import PlannerConfig, ServerConfig
+from baton.config import KV_TRANSPORTS, PlannerConfig, ServerConfig
 
 if TYPE_CHECKING:
     from baton.local.cluster import ClusterSpec
@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a decode pod that is stopped (or retired by --autoscale) "
                              "gives its streams; the gateway moves the unfinished ones to another "
                              "pod by replaying their tokens")
+    parser.add_argument("--kv-transport", default="grpc", choices=KV_TRANSPORTS,
+                        help="how the chain ships KV to the decode pods: grpc = on the PushKV "
+                             "stream; nixl = NIXL (UCX) for the bytes (`make nixl` installs it)")
     parser.add_argument("--demo", action="store_true",
                         help="once up, stream a short and a long prompt and show their routes")
     parser.add_argument("--exit-after-demo", action="store_true",
@@ -104,7 +107,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                        decode_threads=next(value for value in (args.decode_threads, args.threads, 0)
                                            if value is not None),
                        stream_interval_ms=args.stream_interval_ms, autoscale=planner,
-                       decode_grace_s=args.decode_grace_s)
+                       decode_grace_s=args.decode_grace_s, kv_transport=args.kv_transport)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from baton.config import MtlsConfig, PlannerConfig, ServerConfig, StreamConfig
+from baton.config import KVTransportConfig, MtlsConfig, PlannerConfig, ServerConfig, StreamConfig
 from baton.local.child_exits import StopEvent, wait_for_exits
 from baton.local.processes import (
     STOP_TIMEOUT_S,
@@ -114,6 +114,7 @@ class ClusterSpec:
     # count to start with); None = they stay as decode_workers made them.
     autoscale: PlannerConfig | None = None
     decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
+    kv_transport: str = "grpc"  # the chain's and the decode pods' --kv-transport-kind
 
     def threads_of(self, role: str) -> int:
         """Torch threads of one process of ``role`` (the gateway runs no torch work)."""
@@ -142,6 +143,7 @@ class ClusterSpec:
                              f"(0 = automatic), got {self.threads_per_process} and "
                              f"{self.decode_threads}")
         StreamConfig(interval_ms=self.stream_interval_ms)  # a bad value fails before any process
+        KVTransportConfig(kind=self.kv_transport)
 
 
 @dataclass
@@ -258,7 +260,8 @@ class LocalCluster:
                 "--routing-view-refresh-s", str(min(0.2, self.spec.heartbeat_s))]
         if role != "gateway":
             args += ["--server-listen", "127.0.0.1:0",
-                     "--model-threads", str(self.spec.threads_of(role))]
+                     "--model-threads", str(self.spec.threads_of(role)),
+                     "--kv-transport-kind", self.spec.kv_transport]
         if role == "decode":
             args += ["--stream-interval-ms", str(self.spec.stream_interval_ms),
                      "--server-grace-s", str(self.spec.decode_grace_s)]
