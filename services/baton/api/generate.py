@@ -12,8 +12,10 @@ so other languages generated from the same files agree on message names.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,22 +36,28 @@ def proto_files(proto_root: Path = PROTO_ROOT) -> list[Path]:
 
 
 def _run_protoc(work_dir: Path, proto_root: Path) -> None:
-    from grpc_tools import protoc  # dev dependency: only generation needs it
-
-    include = Path(protoc.__file__).parent / "_proto"  # google/protobuf/*.proto
+    """protoc (grpcio-tools, a dev dependency) in a process of its own: its compiler's native
+    libraries clash with others a process may have loaded already (NIXL's abseil)."""
+    tools = importlib.util.find_spec("grpc_tools")
+    if tools is None or not tools.submodule_search_locations:
+        raise FileNotFoundError("grpcio-tools is missing: install the dev extras "
+                                "(pip install -e '.[dev]')")
+    include = Path(tools.submodule_search_locations[0]) / "_proto"  # google/protobuf/*.proto
     # mypy-protobuf's plugin writes the .pyi stubs of the _pb2_grpc modules (protoc has none)
     grpc_stub_plugin = Path(sys.executable).parent / "protoc-gen-mypy_grpc"
     if not grpc_stub_plugin.is_file():
         raise FileNotFoundError(f"{grpc_stub_plugin} is missing: install the dev extras "
                                 f"(pip install -e '.[dev]')")
-    args = ["grpc_tools.protoc", f"-I{proto_root}", f"-I{include}",
+    args = [f"-I{proto_root}", f"-I{include}",
             f"--plugin=protoc-gen-mypy_grpc={grpc_stub_plugin}",
             f"--python_out={work_dir}", f"--pyi_out={work_dir}", f"--grpc_python_out={work_dir}",
             f"--mypy_grpc_out={work_dir}",
             *[str(path.relative_to(proto_root)) for path in proto_files(proto_root)]]
-    status = protoc.main(args)
-    if status != 0:
-        raise RuntimeError(f"protoc failed with status {status}: {' '.join(args)}")
+    done = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed with status {done.returncode}: {' '.join(args)}\n"
+                           f"{done.stderr}")
 
 
 def _has_content(path: Path, proto_root: Path) -> bool:

@@ -25,6 +25,7 @@ which would pull a CUDA build of torch) is optional: without it the plane is una
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import socket
@@ -51,11 +52,12 @@ POLL_LONGEST_S = 1e-3
 
 
 def nixl_missing() -> str | None:
-    """Why NIXL cannot be used here (None: it can)."""
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError as e:
-        return f"the nixl package is not installed ({e}); `make nixl` installs it"
+    """Why NIXL cannot be used here (None: it can). Only looks: importing it loads its native
+    libraries (UCX, abseil, ...) into the process, which a process that never uses NIXL
+    should not carry."""
+    for package in ("nixl", "nixl_cu12"):
+        if importlib.util.find_spec(package) is None:
+            return f"the {package} package is not installed; `make nixl` installs it"
     return None
 
 
