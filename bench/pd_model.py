@@ -7,6 +7,9 @@ prefilling on the decode pod? The model:
     TTFT_local(L) = hop_local + prefill_1(L)
     TTFT_chain(L) = hop_chain + prefill_chain(L) + kv_bytes(L) / bandwidth
 
+(``baton.runahead.break_even``: the rule a chain advertises its break-even by, which the
+gateway routes on; this script predicts with its functions.)
+
 * prefill_1: the decode pod's own prefill of L tokens (one process, the decode pod's
   threads); prefill_chain: a chain's (``LocalChain``, 2 ranks of 1 thread, the shipped
   partition table), both measured here on the shipped model (``--measure``);
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baton.runahead.break_even import Link, chain_ttft_s, kv_bytes_per_token
 from common import REPORT_DIR, machine_description, markdown_table, write_report
 
 RESULTS = REPORT_DIR / "pd-model-results.json.gz"
@@ -46,7 +50,6 @@ SERVED = REPORT_DIR / "route-ttft-results.json.gz"
 TRANSFER = REPORT_DIR / "kv-transfer-results.json.gz"
 LENGTHS = (128, 256, 384, 512, 640, 768, 896, 1024)
 RANKS = 2
-POSITION_BYTES = 8
 GOAL_ERROR = 0.20  # predicted within 20% of measured
 
 
@@ -77,11 +80,12 @@ def measure(repeats: int) -> dict:
             print(f"L={length}: local {local[length] * 1e3:.1f} ms, chain "
                   f"{chain[length] * 1e3:.1f} ms", flush=True)
     element = torch.empty(0, dtype=torch.float32).element_size()
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * element + POSITION_BYTES
+    per_token = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
+                                   config.head_dim, element)
     return {"commit": _git("rev-parse", "HEAD"), "machine": machine_description(),
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "local_threads": threads, "chain_ranks": RANKS, "table": table.name,
-            "kv_bytes_per_token": config.num_hidden_layers * per_layer,
+            "kv_bytes_per_token": int(per_token),
             "prefill_local_s": local, "prefill_chain_s": chain}
 
 
@@ -119,7 +123,7 @@ def validation(measured: dict, served: dict, bandwidth: float) -> tuple[list[lis
     shortest = lengths[0]
     components = {
         "local": lambda n: _interpolate(local, n),
-        "chain": lambda n: _interpolate(chain, n) + n * per_token / bandwidth,
+        "chain": lambda n: chain_ttft_s(_interpolate(chain, n), n, per_token, Link(bandwidth)),
     }
     hops = {route: p50[(route, shortest)] - components[route](shortest) for route in components}
     rows = []
@@ -160,7 +164,7 @@ GPU_INPUTS = [
 GPU_EXTRA_HOP_S = 1e-3
 GPU_PARAMS, GPU_LAYERS, GPU_HIDDEN = 8.0e9, 32, 4096
 GPU_FLOPS = 989e12 * 0.5
-GPU_KV_BYTES_PER_TOKEN = GPU_LAYERS * (2 * 8 * 128 * 2 + POSITION_BYTES)
+GPU_KV_BYTES_PER_TOKEN = kv_bytes_per_token(GPU_LAYERS, 8, 128, 2)
 GPU_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -169,12 +173,9 @@ def gpu_prefill_s(length: int, ranks: int = 1) -> float:
     return one if ranks == 1 else one / 2 * (1 / ranks + 1 / ranks**2)
 
 
-def gpu_transfer_s(length: int, rate: float, keep: float) -> float:
-    return length * GPU_KV_BYTES_PER_TOKEN * keep / rate
-
-
 def gpu_chain_s(length: int, ranks: int, rate: float, keep: float) -> float:
-    return GPU_EXTRA_HOP_S + gpu_prefill_s(length, ranks) + gpu_transfer_s(length, rate, keep)
+    return chain_ttft_s(gpu_prefill_s(length, ranks), length, GPU_KV_BYTES_PER_TOKEN * keep,
+                        Link(rate, GPU_EXTRA_HOP_S))
 
 
 def gpu_projection(grpc_rate: float) -> tuple[list[list], list[list]]:
@@ -195,11 +196,17 @@ def gpu_projection(grpc_rate: float) -> tuple[list[list], list[list]]:
 
 
 def _table_break_even(results: dict) -> int:
+    """What `baton up`'s chain advertises: its table's compute, and the KV (compressed as the
+    deployment's default says) over the link its configuration assumes."""
+    from baton.config import ChainConfig, PyramidConfig
     from baton.runahead import PartitionTable
 
     table = PartitionTable.load()
     assert table.name == results["table"], "measured with another partition table"
-    return table.break_even(results["chain_ranks"], "cpu")
+    chain, pyramid = ChainConfig(), PyramidConfig()
+    kept = pyramid.keep_ratio if pyramid.enabled else 1.0
+    return table.break_even(results["chain_ranks"], "cpu", results["kv_bytes_per_token"] * kept,
+                            Link(chain.kv_link_gb_per_s * 1e9, chain.extra_hop_ms / 1e3))
 
 
 def report(results: dict, served: dict, transfer: dict) -> str:
@@ -256,9 +263,10 @@ def report(results: dict, served: dict, transfer: dict) -> str:
          f"{f'a chain wins from {break_even} tokens' if break_even else 'none'} within the shipped "
          f"model's {max(local)}-token context. Two ranks of one thread on two cores have no "
          "cores to themselves, and `baton up`'s decode pod has both: the chain saves no compute "
-         "here and adds the KV transfer, so the gateway keeps these prompts local (the chain's "
-         f"advertised break-even, from its partition table, is {_table_break_even(results)} "
-         "tokens)."),
+         "here and adds the KV transfer, so the gateway keeps these prompts local: the chain "
+         "advertises its break-even by the same rule, from its partition table's measured "
+         "compute and its configured link (`chain.kv_link_gb_per_s`, `chain.extra_hop_ms`), "
+         f"here {_table_break_even(results)} tokens."),
         "",
         "## Projection: an 8B model on H100s",
         "",

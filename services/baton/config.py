@@ -174,6 +174,15 @@ class ChainConfig:
                         choices=RUNAHEAD_MODES)
     partition_table: str = setting("", "JSON partition table; empty = the shipped default table")
     timeout_s: float = setting(60.0, "a rank waiting longer than this on a peer gives up")
+    # What the chain's route costs beyond its compute, for the break-even it advertises
+    # (baton.runahead.break_even). The defaults are what this route measured on one host.
+    kv_link_gb_per_s: float = setting(0.55, "the rate its KV reaches a decode pod, in GB/s: "
+                                      "PushKV's end-to-end rate (0.55 measured on a 2-core "
+                                      "host), or the link's with NIXL over RDMA (~11 for "
+                                      "100 Gbit/s)")
+    extra_hop_ms: float = setting(6.0, "what the chain's route costs a request beyond the "
+                                  "decode pod's own prefill besides compute and the KV "
+                                  "(one more call; 6 ms measured on one host, ~1 in a cluster)")
     kv_shipping: str = setting("by-layer", "how the tail ships a prompt's KV: by-layer = each "
                                "layer as soon as it is computed, the first token before the "
                                "last layer; after-prefill = the whole cache once the logits "
@@ -187,6 +196,10 @@ class ChainConfig:
         require(1 <= self.master_port <= 65535, f"chain master_port {self.master_port} is not a port")
         require(self.mode in RUNAHEAD_MODES, f"chain mode {self.mode!r} is not one of {RUNAHEAD_MODES}")
         require(self.timeout_s > 0, f"chain timeout_s must be > 0, got {self.timeout_s}")
+        require(math.isfinite(self.kv_link_gb_per_s) and self.kv_link_gb_per_s > 0,
+                f"chain kv_link_gb_per_s must be a positive rate, got {self.kv_link_gb_per_s}")
+        require(math.isfinite(self.extra_hop_ms) and self.extra_hop_ms >= 0,
+                f"chain extra_hop_ms must be >= 0, got {self.extra_hop_ms}")
 
 
 @dataclass

@@ -18,6 +18,7 @@ import logging
 import threading
 from pathlib import Path
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
@@ -31,6 +32,7 @@ from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.prefill.frontend import PrefillFrontend
 from baton.prefill.tail import TailSink
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
+from baton.runahead.break_even import Link, kv_bytes_per_token
 from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank
@@ -141,8 +143,7 @@ class PrefillServer:
 
     def _on_ready(self) -> None:
         # Advertised to the gateways (0: not measured here; the threshold alone decides).
-        self.break_even_tokens = (self.table.break_even(self.config.chain.ranks, self.rank.device.type)
-                                  if self.table is not None else 0)
+        self.break_even_tokens = (self._break_even(self.table) if self.table is not None else 0)
         self.kv_dtype = dtype_name(self.rank.model.dtype)
         self.store = self.store or open_store(self.config.routing)
         self.frontend.check_decode = DecodePods(RoutingView(self.store, self.config.routing.view_refresh_s),
@@ -153,6 +154,18 @@ class PrefillServer:
         self.grpc.set_serving(True)
         log.info("prefill chain %s of %d ranks serving at %s", self.config.chain.chain_id,
                  self.config.chain.ranks, self.address)
+
+    def _break_even(self, table: PartitionTable) -> int:
+        """From which prompt length this chain's route gives the first token sooner than the
+        decode pod's own prefill: the table's measured compute, plus shipping the KV the
+        deployment's compression keeps over the configured link (``baton.runahead.break_even``)."""
+        chain, pyramid, model = self.config.chain, self.config.pyramid, self.model_config
+        element_bytes = torch.empty(0, dtype=self.rank.model.dtype).element_size()
+        kv_per_token = kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
+                                          model.head_dim, element_bytes,
+                                          pyramid.keep_ratio if pyramid.enabled else 1.0)
+        link = Link(chain.kv_link_gb_per_s * 1e9, chain.extra_hop_ms / 1e3)
+        return table.break_even(chain.ranks, self.rank.device.type, kv_per_token, link)
 
     def _on_fail(self, message: str) -> None:
         if self.is_head:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from baton.runahead.break_even import COMPUTE_ONLY, Link, break_even
 from baton.runahead.partition import boundaries_from_fractions
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
@@ -132,13 +133,23 @@ class PartitionTable:
         CPU; a table that does not say was measured there too)."""
         return str(self.measured_on.get("device", "cpu"))
 
-    def break_even(self, ranks: int, device_type: str) -> int:
-        """The shortest prompt a chain of ``ranks`` on ``device_type`` prefills faster than one
-        process, by this table; 0 when it was not measured (another kind of device, or no
-        ``min_context`` for that many ranks): a CPU's break-even says nothing of a GPU's."""
+    def points(self, ranks: int) -> list[tuple[int, float, float]]:
+        """(C, one process's TTFT, the chain's TTFT) of each measured length for ``ranks``."""
+        return sorted((entry.context_length, entry.ttft_single_s, entry.ttft_s)
+                      for entry in self.entries if entry.ranks == ranks and entry.ttft_single_s)
+
+    def break_even(self, ranks: int, device_type: str, kv_per_token: float = 0.0,
+                   link: Link = COMPUTE_ONLY) -> int:
+        """The shortest prompt from which a chain of ``ranks`` on ``device_type`` gives the
+        first token sooner than one process, its KV's transfer over ``link`` counted
+        (``baton.runahead.break_even``); 0 when it was not measured (another kind of device,
+        or no entry for that many ranks): a CPU's break-even says nothing of a GPU's."""
         if device_type != self.device_type:
             return 0
-        return self.min_context.get(ranks, 0)
+        points = self.points(ranks)
+        if not points:
+            return self.min_context.get(ranks, 0)
+        return break_even(points, kv_per_token, link)
 
     def chain_size(self, context_length: int, max_ranks: int) -> int:
         """The most ranks (up to ``max_ranks``) that pay off for a prompt of this length."""

@@ -24,6 +24,7 @@ import torch
 
 from baton.kv import DenseKV
 from baton.model import CausalLM, prefill
+from baton.runahead.break_even import break_even
 from baton.runahead.local import LocalChain
 from baton.runahead.partition import even_boundaries, fractions_of
 from baton.runahead.table import PartitionTable, TableEntry
@@ -185,15 +186,7 @@ def tune(chain: LocalChain, model: CausalLM, lengths: list[int], settings: Searc
 
 
 def crossover(table: PartitionTable, num_ranks: int) -> int:
-    """Smallest measured C from which on the chain beats one process at every measured length.
-
-    When the chain never wins, twice the longest length measured: beyond what was seen.
-    """
-    entries = sorted((e for e in table.entries if e.ranks == num_ranks),
-                     key=lambda e: e.context_length)
-    winning = None
-    for entry in reversed(entries):
-        if entry.ttft_s >= entry.ttft_single_s:
-            break
-        winning = entry.context_length
-    return winning if winning is not None else 2 * entries[-1].context_length
+    """Smallest measured C from which on the chain's compute beats one process at every
+    measured length (twice the longest measured when it never does): ``break_even`` with
+    nothing for the KV's transfer."""
+    return break_even(table.points(num_ranks))
