@@ -187,7 +187,8 @@ def _read_redis(spec: dict) -> RedisSpec:
 def _read_prefill(spec: dict) -> PrefillSpec:
     prefill = _section(spec, "prefill")
     chain = _build("prefill", ChainConfig, ranks=prefill.get("ranksPerChain"),
-                   mode=prefill.get("mode"))
+                   mode=prefill.get("mode"), kv_link_gb_per_s=prefill.get("kvLinkGBPerSecond"),
+                   extra_hop_ms=prefill.get("extraHopMs"))
     return PrefillSpec(chains=_count(prefill, "prefill", "chains", PrefillSpec.chains),
                        chain=chain, partition_table=prefill.get("partitionTable", ""),
                        resources=prefill.get("resources") or {})

@@ -145,6 +145,7 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
     ({"decode": {"tokenBudget": 64, "replicas": -1}}, "decode.replicas"),
     ({"decode": {"streamIntervalMs": -5}}, "stream interval_ms must be in 0..1000, got -5"),
     ({"prefill": {"ranksPerChain": 0}}, "chain ranks"),
+    ({"prefill": {"kvLinkGBPerSecond": 0}}, "kv_link_gb_per_s must be a positive rate, got 0"),
     ({"routing": {"chainFailure": "retry"}}, "chain_failure"),
     ({"gateway": {"http": {"port": 9090}}}, "the gateway pod's metrics port"),
     ({"gateway": {"http": {"port": 70000}}}, "http port 70000 is not a port"),
@@ -241,10 +242,14 @@ def test_the_routing_settings_reach_the_gateway(cluster, reconciler):
 
 
 def test_the_kv_transport_reaches_the_chains_and_the_decode_pods(cluster, reconciler):
-    create_service(cluster.kube, "demo", {**SPEC, "kvTransport": "nixl"})
+    create_service(cluster.kube, "demo", {**SPEC, "kvTransport": "nixl", "prefill": {
+        **SPEC.get("prefill", {}), "kvLinkGBPerSecond": 11, "extraHopMs": 1}})
     _reconcile(cluster, reconciler)
     for kind, name in (("StatefulSet", "demo-prefill-0"), ("Deployment", "demo-decode")):
         assert _flag(_args(cluster.kube.get(kind, NS, name)), "--kv-transport-kind") == "nixl"
+    chain_args = _args(cluster.kube.get("StatefulSet", NS, "demo-prefill-0"))
+    assert float(_flag(chain_args, "--chain-kv-link-gb-per-s")) == 11  # its break-even's inputs
+    assert float(_flag(chain_args, "--chain-extra-hop-ms")) == 1
     assert "--kv-transport-kind" not in _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
 
 
