@@ -9,11 +9,14 @@ import dataclasses
 
 import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
-from baton.config import KVPoolConfig, PyramidConfig
+from baton.config import ChainConfig, KVPoolConfig, PyramidConfig
+from baton.dtypes import DTYPES
 from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
 from baton.model.sampling import SamplingParams
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing.redis_store import RedisStore
+from baton.runahead.break_even import Link, kv_bytes_per_token
+from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.sarathi.engine import Engine
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, long_prompt_ids
@@ -111,14 +114,22 @@ def test_the_automatic_route_says_why(client, prompt):
 
 
 def test_the_pods_advertise_what_routing_matches_them_by(cluster):
-    # The chain's break-even from the shipped table it runs on the CPU (this cluster's gateway
-    # ignores it, chain_break_even false, so these tests can send the chain short prompts),
-    # and every pod's KV dtype: a decode pod takes a chain's cache only of its own.
+    # The chain's break-even by the route rule: the shipped table it runs on the CPU, its KV
+    # (compressed by default) over the configured link (this cluster's gateway ignores it,
+    # chain_break_even false, so these tests can send the chain short prompts); and every
+    # pod's KV dtype: a decode pod takes a chain's cache only of its own.
     store = RedisStore(cluster.redis_url)
     try:
         (head,) = [w for w in store.list_workers("prefill") if w.rank == 0]
         pods = store.list_workers("decode")
     finally:
         store.close()
-    assert head.break_even_tokens == PartitionTable.load().min_context[2] > 0
+    model = ModelSource(path=str(SHIPPED_MODEL_DIR)).config()
+    chain, pyramid = ChainConfig(), PyramidConfig()
+    kv_per_token = kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
+                                      model.head_dim, DTYPES[head.kv_dtype].itemsize,
+                                      pyramid.keep_ratio)
+    link = Link(chain.kv_link_gb_per_s * 1e9, chain.extra_hop_ms / 1e3)
+    assert head.break_even_tokens == PartitionTable.load().break_even(2, "cpu", kv_per_token, link)
+    assert head.break_even_tokens > 0
     assert {pod.kv_dtype for pod in pods} == {head.kv_dtype} and head.kv_dtype in ("float32", "bfloat16")
