@@ -125,7 +125,7 @@ def time_nixl_pushes(send, layers: list[LayerKV], agent: NixlAgent) -> list[floa
         handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
         source = NixlSource(agent)
         try:
-            reply = send(push_kv.nixl_messages(handoff, encoded.segments, source))
+            reply = source.answer(send.future(push_kv.nixl_messages(handoff, encoded.segments, source)))
         finally:
             source.release()
         seconds.append(time.perf_counter() - started)

@@ -7,6 +7,7 @@ Skipped, with the reason, where the nixl package is not installed (`make nixl`).
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -34,7 +35,20 @@ SPEC = KVSpec(model_id="m", model_revision="rev", dtype="float32", num_layers=3,
 
 @pytest.fixture(scope="module")
 def agents():
-    return NixlAgent("prefill"), NixlAgent("decode")
+    """A pusher's agent and a pod's, in this process; the pusher's makes progress on a thread
+    of its own (as a tail does between layers and while it waits for the pod's answer)."""
+    sender, receiver = NixlAgent("prefill"), NixlAgent("decode")
+    stop = threading.Event()
+
+    def progress() -> None:
+        while not stop.wait(1e-3):
+            sender.agent.get_new_notifs()
+
+    thread = threading.Thread(target=progress, daemon=True)
+    thread.start()
+    yield sender, receiver
+    stop.set()
+    thread.join()
 
 
 def cache() -> list[LayerKV]:

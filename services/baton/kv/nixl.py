@@ -16,6 +16,11 @@ request, and a tail configured for NIXL uses it only for such a pod (gRPC otherw
 
 NIXL tells that a transfer ended only when asked (``check_xfer_state``: it offers no event or
 descriptor to wait on), so ``NixlReader.read`` asks with a growing back-off, under a deadline.
+And an agent serves a peer's read of its memory only while it is asked to make progress: its
+own progress thread would do that by spinning a core without pause, which on a pod that
+computes is a core lost, so the agents here run none. The pusher makes progress after each
+layer it ships and while it waits for the pod's answer (``NixlSource.progress``,
+``NixlSource.answer``): a read of a layer ends at the latest when the next one goes out.
 
 The package (``make nixl``: ``nixl`` and ``nixl-cu12`` without their declared dependencies,
 which would pull a CUDA build of torch) is optional: without it the plane is unavailable
@@ -49,6 +54,7 @@ MAX_METADATA_BYTES = 1 << 16
 MAX_REMOTE_AGENTS = 64  # pushers a decode pod keeps connections to (each restart is a new one)
 POLL_FIRST_S = 20e-6  # the first look at a read's state, doubled up to POLL_LONGEST_S
 POLL_LONGEST_S = 1e-3
+PROGRESS_S = 1e-3  # how often a pusher waiting for the pod's answer makes progress
 
 
 def nixl_missing() -> str | None:
@@ -99,7 +105,8 @@ class NixlAgent:
 
         self.name = f"baton-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # Strict: the tail's pushes and a decode pod's reads come from more than one thread.
-        config = nixl_agent_config(backends=["UCX"],
+        # No progress thread: NIXL's spins a core (see the module's docstring).
+        config = nixl_agent_config(backends=["UCX"], enable_prog_thread=False,
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = nixl_agent(self.name, config)
         self._remotes: OrderedDict[str, None] = OrderedDict()
@@ -154,6 +161,19 @@ class NixlSource:
         metadata = self.agent.agent.get_partial_agent_metadata(registration, inc_conn_info=True)
         return Regions(metadata, tuple(address for address, _ in regions),
                        tuple(length for _, length in regions))
+
+    def progress(self) -> None:
+        """Serve the pod's reads of what was offered so far, as far as they can go now."""
+        if self._registrations:
+            self.agent.agent.get_new_notifs()  # NIXL's way to make its backends progress
+
+    def answer(self, call) -> object:
+        """The push's answer (``call``: its gRPC future), progressing until it comes."""
+        done = threading.Event()
+        call.add_done_callback(lambda _: done.set())
+        while not done.wait(PROGRESS_S):
+            self.progress()
+        return call.result()
 
     def release(self) -> None:
         registrations, self._registrations, self._held = self._registrations, [], []

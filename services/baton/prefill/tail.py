@@ -241,12 +241,13 @@ class Shipment:
                                 request.cache_salt, result.ttft_s, tuple(result.boundaries))
             self.num_bytes = encoded.header.total_bytes
             self.push.send(push_kv.messages(handoff, encoded.chunk_pieces()) if self.source is None
-                           else push_kv.nixl_messages(handoff, encoded.segments, self.source))
+                           else push_kv.nixl_messages(handoff, encoded.segments, self.source),
+                           self.source)
             return
         self._writer.first_token(FirstToken(first_token, result.ttft_s, tuple(result.boundaries)))
         self._ship(len(result.layers) - 1, result.layers[-1])
         self._writer.finish()
-        self.push.end()
+        self.push.end(self.source)
 
     def cancel(self) -> None:
         self.push.cancel()
@@ -263,6 +264,8 @@ class Shipment:
         segments = layer_segments(layer)
         self.num_bytes += sum(len(segment) for segment in segments)
         self._writer.layer(segments)
+        if self.source is not None:  # the pod's reads of the layers before this one
+            self.source.progress()
 class PushCall:
     """A Decode.PushKV call opened before its messages exist: they are fed to it later."""
 
@@ -270,23 +273,30 @@ class PushCall:
         self._messages: queue.SimpleQueue = queue.SimpleQueue()
         self._future = method.future(iter(self._messages.get, None), timeout=PUSH_TIMEOUT_S)
 
-    def send(self, messages) -> None:
-        """Send every message, then wait for the pod's answer (raises its status)."""
+    def send(self, messages, source: NixlSource | None = None) -> None:
+        """Send every message, then wait for the pod's answer (raises its status); with the
+        NIXL ``source`` the pod reads from, serving its reads meanwhile."""
         try:
             for message in messages:
                 self._messages.put(message)
         finally:
             self._messages.put(None)  # the stream's end (a half-sent one fails on the pod)
-        self._future.result()
+        self._answer(source)
 
     def put(self, message) -> None:
         """Send one message (it leaves in order, from gRPC's thread)."""
         self._messages.put(message)
 
-    def end(self) -> None:
-        """End the stream and wait for the pod's answer (raises its status)."""
+    def end(self, source: NixlSource | None = None) -> None:
+        """End the stream and wait for the pod's answer (raises its status; ``send``)."""
         self._messages.put(None)
-        self._future.result()
+        self._answer(source)
+
+    def _answer(self, source: NixlSource | None) -> None:
+        if source is None:
+            self._future.result()
+        else:
+            source.answer(self._future)
 
     def cancel(self) -> None:
         self._messages.put(None)
