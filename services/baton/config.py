@@ -176,8 +176,8 @@ class ChainConfig:
     timeout_s: float = setting(60.0, "a rank waiting longer than this on a peer gives up")
     # What the chain's route costs beyond its compute, for the break-even it advertises
     # (baton.runahead.break_even). The defaults are what this route measured on one host.
-    kv_link_gb_per_s: float = setting(0.55, "the rate its KV reaches a decode pod, in GB/s: "
-                                      "PushKV's end-to-end rate (0.55 measured on a 2-core "
+    kv_link_gb_per_s: float = setting(1.1, "the rate its KV reaches a decode pod, in GB/s: "
+                                      "PushKV's end-to-end rate (1.1 measured on a 2-core "
                                       "host), or the link's with NIXL over RDMA (~11 for "
                                       "100 Gbit/s)")
     extra_hop_ms: float = setting(6.0, "what the chain's route costs a request beyond the "
