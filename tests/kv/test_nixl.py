@@ -7,6 +7,7 @@ Skipped, with the reason, where the nixl package is not installed (`make nixl`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -67,6 +68,19 @@ async def messages_of(sent):
         yield push_kv.parse(push_kv.serialize(message))
 
 
+@contextlib.contextmanager
+def offered(sender: NixlAgent, layers: list[LayerKV]):
+    """A whole cache's push to a pod that reads over NIXL: its handoff and messages, its
+    memory registered until the block ends."""
+    handoff = handoff_of(layers)
+    source = NixlSource(sender)
+    try:
+        yield handoff, list(push_kv.nixl_messages(
+            handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
+    finally:
+        source.release()
+
+
 def receive(handoff, sent, plane: NixlPlane | None, **kwargs):
     """The pod's side of a push whose messages were ``sent`` (the header read already)."""
     assert push_kv.header_of(sent[0]) == handoff
@@ -83,14 +97,9 @@ def assert_same_cache(received, layers):
 def test_a_cache_read_over_nixl_is_the_cache_sent_in_chunks(agents):
     sender, receiver = agents
     layers = cache()
-    handoff = handoff_of(layers)
-    source = NixlSource(sender)
-    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
-    assert [m.WhichOneof("part") for m in sent] == ["header", "nixl", "trailer"]
-    try:
+    with offered(sender, layers) as (handoff, sent):
+        assert [m.WhichOneof("part") for m in sent] == ["header", "nixl", "trailer"]
         received = receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0))
-    finally:
-        source.release()
     assert_same_cache(received, layers)
     assert received.num_bytes == handoff.kv.total_bytes
 
@@ -126,13 +135,8 @@ def test_layers_that_share_a_tensor_are_offered_and_released(agents):
     sender, receiver = agents
     positions = torch.arange(6)
     layers = [LayerKV(torch.randn(6, 2, 4), torch.randn(6, 2, 4), positions) for _ in range(3)]
-    handoff = handoff_of(layers)
-    source = NixlSource(sender)
-    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
-    try:
+    with offered(sender, layers) as (handoff, sent):
         received = receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0))
-    finally:
-        source.release()
     assert_same_cache(received, layers)
 
 
@@ -153,29 +157,18 @@ def test_a_read_pairs_pieces_cut_at_different_boundaries_on_either_side(agents):
 
 def test_a_pod_without_nixl_refuses_bytes_left_for_a_nixl_read(agents):
     sender, _ = agents
-    layers = cache()
-    handoff = handoff_of(layers)
-    source = NixlSource(sender)
-    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
-    try:
-        with pytest.raises(KVIncompatible, match="gRPC only"):
-            receive(handoff, sent, None)
-    finally:
-        source.release()
+    with offered(sender, cache()) as (handoff, sent), \
+            pytest.raises(KVIncompatible, match="gRPC only"):
+        receive(handoff, sent, None)
 
 
 def test_bytes_changed_after_their_checksum_are_data_loss(agents):
     sender, receiver = agents
     layers = cache()
-    handoff = handoff_of(layers)
-    source = NixlSource(sender)
-    sent = list(push_kv.nixl_messages(handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
-    layers[1].k.add_(1.0)  # the memory the pod reads, after the checksum was taken
-    try:
+    with offered(sender, layers) as (handoff, sent):
+        layers[1].k.add_(1.0)  # the memory the pod reads, after the checksum was taken
         with pytest.raises(KVDataLoss, match="checksum"):
             receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0))
-    finally:
-        source.release()
 
 
 def test_memory_the_sender_did_not_register_is_not_read(agents):
