@@ -15,9 +15,11 @@ stream still running at the end is moved to another pod by the gateway, which re
 prompt and the tokens already sent (docs/operations.md, "Autoscaling"). A chain is only
 removed when the planner saw it idle; the highest-numbered chain goes.
 
-Planner state (measurements, cool-downs) lives in this process, one planner per service:
-an operator that restarts or loses its lease starts learning again, and holds sizes until it
-has two scrapes.
+One planner per service lives in this process. What it has learnt (the model's
+measurements, each role's last change and how long it has wanted fewer) is written with
+every decision to ``status.autoscaling.plannerState``; an operator that restarts or takes
+over the lease restores it from there, so cool-downs and the fitted model survive it. Only
+the scrapes are not kept: the new planner holds sizes until it has two of its own.
 """
 
 from __future__ import annotations
@@ -42,15 +44,23 @@ DRAIN_FIRST_COST = "-1000"  # below every other pod's (default 0)
 COMPONENT = "baton-operator"
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def _timestamp(wall_s: float) -> str:
+    return datetime.datetime.fromtimestamp(wall_s, datetime.UTC).strftime(TIME_FORMAT)
+
+
+def _parse_timestamp(text: str) -> float:
+    return datetime.datetime.strptime(text, TIME_FORMAT).replace(tzinfo=datetime.UTC).timestamp()
 
 
 class Autoscaler:
     def __init__(self, kube: Kube, clock: Callable[[], float] = time.monotonic,
-                 scraper: Callable = scrape) -> None:
+                 scraper: Callable = scrape, wall_clock: Callable[[], float] = time.time) -> None:
         self.kube = kube
         self.clock = clock
+        self.wall_clock = wall_clock  # status timestamps (the planner's clock is monotonic)
         self.scraper = scraper
         self._planners: dict[tuple[str, str], Planner] = {}
         self._last_scrape_s: dict[tuple[str, str], float] = {}
@@ -69,8 +79,7 @@ class Autoscaler:
         config = spec.autoscaling.planner
         planner = self._planners.get(key)
         if planner is None or planner.config != config:
-            planner = self._planners[key] = Planner(
-                config, spec.gateway.routing.prefill_threshold_tokens, self.clock)
+            planner = self._planners[key] = self._new_planner(service, spec, planner)
         now = self.clock()
         if now - self._last_scrape_s.get(key, -float("inf")) < config.interval_s:
             return None
@@ -81,6 +90,27 @@ class Autoscaler:
         self._apply(service, decision)
         self._report(service, decision, planner)
         return decision
+
+    def _new_planner(self, service: dict, spec: ServiceSpec, previous: Planner | None) -> Planner:
+        """A planner for new settings keeps what the previous one learnt; the first one of
+        this process takes it from the service's status (written by whoever ran before)."""
+        planner = Planner(spec.autoscaling.planner, spec.gateway.routing.prefill_threshold_tokens,
+                          self.clock)
+        if previous is not None:
+            planner.restore(previous.snapshot(), 0.0)
+            return planner
+        saved = ((service.get("status") or {}).get("autoscaling") or {}).get("plannerState")
+        if saved:
+            meta = service["metadata"]
+            try:
+                elapsed_s = max(0.0, self.wall_clock() - _parse_timestamp(saved["savedAt"]))
+                planner.restore(saved["snapshot"], elapsed_s)
+                log.info("%s/%s: planner state restored from %s", meta["namespace"],
+                         meta["name"], saved["savedAt"])
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("%s/%s: status.autoscaling.plannerState not used, learning afresh: "
+                            "%s", meta["namespace"], meta["name"], e)
+        return planner
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -117,7 +147,7 @@ class Autoscaler:
                                 {"spec": {"replicas": role_decision.target}}, "scale")
 
     def _report(self, service: dict, decision: Decision, planner: Planner) -> None:
-        meta = service["metadata"]
+        meta, now = service["metadata"], _timestamp(self.wall_clock())
         for role in decision.roles():
             if role.changed:
                 verb = "ScaledUp" if role.target > role.current else "ScaledDown"
@@ -127,18 +157,19 @@ class Autoscaler:
                 self._event(service, verb, f"{what} {role.current} -> {role.target}{drain}: "
                                            f"{role.reason}")
         status = {"autoscaling": {
-            "lastDecisionTime": _now(),
+            "lastDecisionTime": now,
             **{role.role: {"current": role.current, "target": role.target,
                            "reason": role.reason[:1024]} for role in decision.roles()},
-            "model": planner.model.describe()}}
+            "model": planner.model.describe(),
+            "plannerState": {"savedAt": now, "snapshot": planner.snapshot()}}}
         if decision.changed:
-            status["autoscaling"]["lastScaleTime"] = status["autoscaling"]["lastDecisionTime"]
+            status["autoscaling"]["lastScaleTime"] = now
         self.kube.patch("BatonService", meta["namespace"], meta["name"], {"status": status},
                         "status")
 
     def _event(self, service: dict, reason: str, message: str) -> None:
         meta = service["metadata"]
-        now = _now()
+        now = _timestamp(self.wall_clock())
         self.kube.create({
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",

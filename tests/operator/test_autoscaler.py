@@ -8,6 +8,8 @@ shrinks only after the cool-down, emptiest decode pod first; status and Events w
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from baton.metrics import DecodeMetrics, GatewayMetrics, serve_metrics
 from baton.serving import free_port
@@ -145,3 +147,62 @@ def test_bad_autoscaling_settings_are_an_invalid_spec(bad):
 
     with pytest.raises(InvalidSpec, match="autoscaling"):
         read_spec({**SPEC, "autoscaling": {**AUTOSCALING, **bad}}, "img")
+
+
+@pytest.mark.parametrize("state", ["kept", "corrupted"])
+def test_a_restarted_operator_keeps_the_cool_down_and_the_model(cluster, pods, state, caplog):
+    """The planner's state rides in status.autoscaling.plannerState: a new operator process
+    (a new Autoscaler, its own monotonic clock) does not scale up again inside the cool-down
+    the old one started; with that state unreadable it learns afresh and says why."""
+    kube = cluster.kube
+    create_service(kube, "demo", {**SPEC, "autoscaling": {
+        **AUTOSCALING, "scaleUpCooldownSeconds": 60, "decode": {"minReplicas": 1,
+                                                                "maxReplicas": 4}}})
+    Reconciler(kube, "img").reconcile(kube.get("BatonService", NS, "demo"))
+    gateway: GatewayMetrics = pods.add("demo-gateway-x", "gateway", GatewayMetrics)
+    decode: DecodeMetrics = pods.add("demo-decode-a", "decode", DecodeMetrics)
+    decode.kv_blocks_total.set(1000)
+    decode.running_sequences.set(8)
+    wall = [1_800_000_000.0]
+
+    def slow_tokens():  # ITL P90 far above the 0.2 s target, every interval
+        for _ in range(20):
+            gateway.record_lengths(100, 50)
+            gateway.time_between_tokens_s.observe(0.5)
+            decode.time_between_tokens_s.observe(0.5)
+
+    def tick(autoscaler, clock):
+        slow_tokens()
+        service = kube.get("BatonService", NS, "demo")
+        decision = autoscaler.tick(service, read_spec(service["spec"], "img"))
+        clock[0] += 10
+        wall[0] += 10
+        return decision
+
+    old_clock = [0.0]
+    old = Autoscaler(kube, clock=lambda: old_clock[0], wall_clock=lambda: wall[0])
+    tick(old, old_clock)
+    assert tick(old, old_clock).decode.target == 2
+    saved = kube.get("BatonService", NS, "demo")["status"]["autoscaling"]
+    assert saved["model"]["decodeItlPoints"] == 1  # the pod's own gaps, one interval's worth
+    assert saved["plannerState"]["snapshot"]["roles"]["decode"]["secondsSinceChange"] == 0
+    if state == "corrupted":
+        kube.patch("BatonService", NS, "demo", {"status": {"autoscaling": {
+            "plannerState": {"savedAt": "yesterday", "snapshot": {}}}}}, "status")
+
+    new_clock = [5000.0]  # another process: its monotonic clock has nothing to do with the old
+    new = Autoscaler(kube, clock=lambda: new_clock[0], wall_clock=lambda: wall[0])
+    with caplog.at_level(logging.WARNING, "baton_operator.autoscaler"):
+        assert tick(new, new_clock).decode.reason == "waiting for a second scrape"
+    model = kube.get("BatonService", NS, "demo")["status"]["autoscaling"]["model"]
+    decision = tick(new, new_clock)  # 20 s after the scale-up, the target still missed
+    if state == "corrupted":
+        assert "plannerState not used" in caplog.text and "yesterday" in caplog.text
+        assert model["decodeItlPoints"] == 0
+        assert decision.decode.target == 3, decision.decode.reason
+        return
+    assert model == saved["model"]  # nothing learnt yet, nothing forgotten
+    assert decision.decode.target == 2 and decision.decode.reason.startswith("cool-down (20 of 60"), \
+        decision.decode.reason
+    targets = [tick(new, new_clock).decode.target for _ in range(4)]  # 30..60 s after it
+    assert targets == [2, 2, 2, 3], targets

@@ -4,6 +4,7 @@ and when, with the clock in the test's hands."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -155,6 +156,44 @@ def test_no_decision_before_two_scrapes():
     decision = planner.decide(Replicas(1, 2))
     assert decision.target == Replicas(1, 2) and not decision.changed
     assert "second scrape" in decision.decode.reason
+
+
+def test_a_snapshot_carries_the_model_and_the_cool_downs_through_json():
+    """What an operator writes to the service's status and a successor reads back: the
+    model's measurements and each role's timers, a change aged by the time in between,
+    wanting fewer resumed where it stopped (nobody watched the load meanwhile)."""
+    def trace(t):
+        return Load(3.0 if t < 120 else 0.3, SHORT, (100, 300))
+
+    steps, planner = _simulate(trace, 240, Replicas(0, 1), max_decode_pods=8)
+    assert _changes(steps, "decode"), "the burst should have raised decode pods"
+    saved = json.loads(json.dumps(planner.snapshot()))
+    roles = saved["roles"]
+    assert roles["decode"]["secondsSinceChange"] > 0 and "secondsSinceChange" not in roles["prefill"]
+    assert roles["decode"]["wantedFewerForSeconds"] > 0  # the burst is over
+
+    clock = [10_000.0]  # a new process's clock
+    restored = Planner(planner.config, THRESHOLD, clock=lambda: clock[0])
+    restored.restore(saved, elapsed_s=25.0)
+    assert restored.model.itl == planner.model.itl and restored.model.itl is not None
+    assert restored.model.itl_points == planner.model.itl_points
+    again = restored.snapshot()["roles"]
+    assert again["decode"]["secondsSinceChange"] == pytest.approx(
+        roles["decode"]["secondsSinceChange"] + 25.0)
+    assert again["decode"]["wantedFewerForSeconds"] == roles["decode"]["wantedFewerForSeconds"]
+    assert again["prefill"] == roles["prefill"]
+
+
+@pytest.mark.parametrize("saved", [{}, {"version": 2}, {"version": 1, "model": {}, "roles": {}},
+                                   "text"])
+def test_a_damaged_snapshot_is_refused_and_changes_nothing(saved):
+    planner = Planner(PlannerConfig(), THRESHOLD, clock=lambda: 0.0)
+    before = planner.snapshot()
+    with pytest.raises(ValueError, match="not a planner snapshot"):
+        planner.restore(saved, 0.0)
+    assert planner.snapshot() == before
+    with pytest.raises(ValueError, match="elapsed_s"):
+        planner.restore(before, -1.0)
 
 
 @pytest.mark.parametrize("values", [{"min_decode_pods": 3, "max_decode_pods": 2},

@@ -72,6 +72,21 @@ class BinnedPoints:
             self.bins[key] = _Bin(x, y)
         self.num_points += 1
 
+    def snapshot(self) -> dict:
+        """What was learnt, as JSON-ready plain data (``restore`` reads it back). Bins stay in
+        the order they were made: the fit sums in that order, so a restored line is the
+        same to the last bit."""
+        return {"points": self.num_points,
+                "bins": [[key, b.x, b.y, b.weight] for key, b in self.bins.items()]}
+
+    @classmethod
+    def restore(cls, saved: dict) -> BinnedPoints:
+        points = cls()
+        points.num_points = int(saved["points"])
+        for key, x, y, weight in saved["bins"]:
+            points.bins[int(key)] = _Bin(float(x), float(y), float(weight))
+        return points
+
     def fit(self, through_origin_when_one_bin: bool) -> Line | None:
         """Weighted least squares with a non-negative intercept (a negative one: through the
         origin); None while y has not been seen to grow with x (a slope <= 0 is noise)."""
@@ -111,6 +126,17 @@ class PerformanceModel:
         for chain in observation.chains:
             if chain.prompts > 0 and chain.compute_s > 0:
                 self._prefill.add(chain.prompt_tokens / chain.prompts, chain.compute_s / chain.prompts)
+        self.itl = self._fit(self._itl, through_origin_when_one_bin=False)
+        self.prefill = self._fit(self._prefill, through_origin_when_one_bin=True)
+
+    def snapshot(self) -> dict:
+        """The measurements behind both lines (not the lines: they are refitted on restore)."""
+        return {"decodeItl": self._itl.snapshot(), "prefill": self._prefill.snapshot()}
+
+    def restore(self, saved: dict) -> None:
+        """Take back what ``snapshot`` saved, as if this model had learnt it itself."""
+        self._itl = BinnedPoints.restore(saved["decodeItl"])
+        self._prefill = BinnedPoints.restore(saved["prefill"])
         self.itl = self._fit(self._itl, through_origin_when_one_bin=False)
         self.prefill = self._fit(self._prefill, through_origin_when_one_bin=True)
 

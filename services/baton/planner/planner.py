@@ -16,6 +16,11 @@
 
 Time comes from the injected ``clock`` (seconds); nothing here sleeps, reads a socket or
 touches Kubernetes. The operator and ``baton up --autoscale`` apply the decisions.
+
+``snapshot()`` / ``restore()`` carry what outlives a process (the model's measurements, each
+role's last change and since when it has wanted fewer) as plain data, so an operator that
+restarts keeps its cool-downs and its model; the scrapes are not kept (counters are read
+afresh: a restored planner decides again after two scrapes).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from baton.planner import sizing
 from baton.planner.model import PerformanceModel
 from baton.planner.observation import GATEWAY_TTFT, Observation, distribution, merge, observe
 from baton.planner.scrape import ClusterScrape, chain_order
+
+
+SNAPSHOT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,49 @@ class Planner:
         self.model = PerformanceModel(min_points=config.min_fit_points)
         self._scrapes: deque[ClusterScrape] = deque()
         self._roles = {"prefill": _RoleState(), "decode": _RoleState()}
+
+    def snapshot(self) -> dict:
+        """What a successor needs, JSON-ready, with times as ages on this planner's clock."""
+        now = self.clock()
+
+        def ages(state: _RoleState) -> dict:
+            # An age never set is left out rather than null: a merge patch deletes nulls.
+            since = {"secondsSinceChange": state.last_change_s,
+                     "wantedFewerForSeconds": state.lower_since_s}
+            return {name: round(now - t, 3) for name, t in since.items()
+                    if t is not None and t != -math.inf}
+
+        return {"version": SNAPSHOT_VERSION, "model": self.model.snapshot(),
+                "roles": {role: ages(state) for role, state in self._roles.items()}}
+
+    def restore(self, saved: dict, elapsed_s: float) -> None:
+        """Continue from ``snapshot()``'s ``saved``, taken ``elapsed_s`` ago. A change happened
+        that much longer ago; wanting fewer resumes where it stopped, since nobody watched
+        the load in between. Raises ValueError (and keeps its own state) on anything else."""
+        try:
+            if saved["version"] != SNAPSHOT_VERSION:
+                raise ValueError(f"snapshot version {saved['version']!r}, expected "
+                                 f"{SNAPSHOT_VERSION}")
+            model = PerformanceModel(min_points=self.config.min_fit_points)
+            model.restore(saved["model"])
+            ages = {role: (saved["roles"][role].get("secondsSinceChange"),
+                           saved["roles"][role].get("wantedFewerForSeconds"))
+                    for role in self._roles}
+            for since_change, wanted_fewer in ages.values():
+                for value in (since_change, wanted_fewer):
+                    if value is not None and not (math.isfinite(value) and value >= 0):
+                        raise ValueError(f"an age of {value!r} seconds")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a planner snapshot: {e!r}") from e
+        if not (math.isfinite(elapsed_s) and elapsed_s >= 0):
+            raise ValueError(f"elapsed_s must be a number of seconds >= 0, got {elapsed_s}")
+        now = self.clock()
+        self.model = model
+        for role, (since_change, wanted_fewer) in ages.items():
+            state = self._roles[role]
+            state.last_change_s = -math.inf if since_change is None else \
+                now - since_change - elapsed_s
+            state.lower_since_s = None if wanted_fewer is None else now - wanted_fewer
 
     def observe(self, scrape: ClusterScrape) -> None:
         if self._scrapes and scrape.time_s <= self._scrapes[-1].time_s:
