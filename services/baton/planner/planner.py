@@ -37,7 +37,6 @@ from baton.planner.model import PerformanceModel
 from baton.planner.observation import GATEWAY_TTFT, Observation, distribution, merge, observe
 from baton.planner.scrape import ClusterScrape, chain_order
 
-
 SNAPSHOT_VERSION = 1
 
 
