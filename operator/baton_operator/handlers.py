@@ -40,9 +40,11 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
 
 
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
-             autoscaler: Autoscaler | None = None) -> None:
+             autoscaler: Autoscaler | None = None,
+             autoscale_tick_s: float = AUTOSCALE_TICK_S) -> None:
     """Attach baton's handlers to ``registry`` (a fresh one per operator or per test); with
-    an ``autoscaler``, services with ``spec.autoscaling.enabled`` are sized by its planner."""
+    an ``autoscaler``, services with ``spec.autoscaling.enabled`` are sized by its planner,
+    which kopf's timer offers a step every ``autoscale_tick_s``."""
     locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
     kube = reconciler.kube
 
@@ -75,7 +77,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
         reconcile(namespace, name, logger)
 
     if autoscaler is not None:
-        @kopf.timer(GROUP, VERSION, "batonservices", interval=AUTOSCALE_TICK_S, registry=registry)
+        @kopf.timer(GROUP, VERSION, "batonservices", interval=autoscale_tick_s, registry=registry)
         def autoscale(namespace: str, name: str, logger: Any, **_: Any) -> None:
             with locks[namespace, name]:
                 service = kube.get("BatonService", namespace, name)

@@ -11,14 +11,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from baton.metrics import DecodeMetrics, GatewayMetrics, serve_metrics
-from baton.serving import free_port
+from baton.metrics import DecodeMetrics, GatewayMetrics
 from baton_operator.autoscaler import DELETION_COST, Autoscaler
 from baton_operator.reconcile import Reconciler
 from baton_operator.spec import read_spec
-from baton_operator.workloads import labels
 from emulated_cluster import create_service
-from prometheus_client import CollectorRegistry
 
 NS = "serving"
 AUTOSCALING = {"enabled": True, "itlP90Seconds": 0.2, "ttftP90Seconds": 2.0,
@@ -28,40 +25,6 @@ AUTOSCALING = {"enabled": True, "itlP90Seconds": 0.2, "ttftP90Seconds": 2.0,
                "scaleDownCooldownSeconds": 60}
 SPEC = {"prefill": {"chains": 1, "ranksPerChain": 2}, "decode": {"replicas": 1},
         "mtls": {"insecure": True}, "autoscaling": AUTOSCALING}
-
-
-class Pods:
-    """Pods of the service in the emulator, each with a live metrics endpoint."""
-
-    def __init__(self, cluster) -> None:
-        self.cluster = cluster
-        self.stops = []
-        self.metrics = {}
-
-    def add(self, name: str, role: str, kind) -> object:
-        registry = CollectorRegistry()
-        metrics = kind(registry)
-        port = free_port()
-        self.stops.append(serve_metrics("127.0.0.1", port, registry))
-        self.cluster.kube.create({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "labels": labels("demo", role)},
-            "spec": {"containers": [{"name": role, "ports": [
-                {"name": "metrics", "containerPort": port}]}]},
-            "status": {"podIP": "127.0.0.1"}})
-        self.metrics[name] = metrics
-        return metrics
-
-    def close(self) -> None:
-        for stop in self.stops:
-            stop()
-
-
-@pytest.fixture
-def pods(cluster):
-    pods = Pods(cluster)
-    yield pods
-    pods.close()
 
 
 def _events(cluster) -> list[dict]:

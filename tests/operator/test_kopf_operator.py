@@ -1,4 +1,5 @@
-"""The real kopf operator loop against kmock's emulator: create, scale, delete end to end."""
+"""The real kopf operator loop against kmock's emulator: create, scale, delete end to end, and
+the autoscaler's timer sizing a service from its pods' live metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import time
 
 import kopf
 import pytest
+from baton.metrics import DecodeMetrics, GatewayMetrics
+from baton_operator.autoscaler import Autoscaler
 from baton_operator.handlers import register
 from baton_operator.reconcile import Reconciler
 from emulated_cluster import create_service
@@ -32,7 +35,9 @@ def eventually(check, timeout_s: float = 20.0):
 @pytest.fixture
 def operator(cluster):
     registry = kopf.OperatorRegistry()
-    register(registry, Reconciler(cluster.kube, "registry.local/baton:test"))
+    # As the operator's main registers them, with the autoscaler's timer made quick.
+    register(registry, Reconciler(cluster.kube, "registry.local/baton:test"),
+             Autoscaler(cluster.kube), autoscale_tick_s=0.2)
 
     @kopf.on.login(registry=registry)
     def login(**_):
@@ -84,3 +89,38 @@ def test_operator_reports_an_invalid_spec_as_degraded(operator):
     condition = eventually(degraded)
     assert condition["status"] == "True" and "keep_ratio" in condition["message"]
     assert kube.get("Deployment", NS, "broken-decode") is None
+
+
+def test_the_autoscale_timer_raises_the_decode_pool_when_itl_is_missed(operator, pods):
+    kube = operator.kube
+    create_service(kube, "demo", {
+        "prefill": {"chains": 1, "ranksPerChain": 2}, "decode": {"replicas": 1},
+        "mtls": {"insecure": True},
+        "autoscaling": {"enabled": True, "itlP90Seconds": 0.2, "intervalSeconds": 1,
+                        "scaleUpCooldownSeconds": 0, "decode": {"maxReplicas": 3},
+                        "prefill": {"minChains": 1}}})
+    gateway: GatewayMetrics = pods.add("demo-gateway-x", "gateway", GatewayMetrics)
+    decode: DecodeMetrics = pods.add("demo-decode-a", "decode", DecodeMetrics)
+    decode.kv_blocks_total.set(1000)
+    decode.running_sequences.set(8)
+    streaming = threading.Event()
+
+    def stream_slowly():  # tokens 0.5 s apart in every scrape interval: ITL P90 missed
+        while not streaming.wait(0.05):
+            gateway.record_lengths(100, 50)
+            gateway.time_between_tokens_s.observe(0.5)
+
+    feeder = threading.Thread(target=stream_slowly, daemon=True)
+    feeder.start()
+    try:
+        assert eventually(lambda: kube.get("BatonPool", NS, "demo-decode")["spec"]["replicas"] >= 2)
+    finally:
+        streaming.set()
+        feeder.join(timeout=5)
+    # The timer's decision led to a reconcile: the Deployment follows the pool.
+    assert eventually(lambda: kube.get("Deployment", NS, "demo-decode")["spec"]["replicas"] >= 2)
+    status = kube.get("BatonService", NS, "demo")["status"]["autoscaling"]
+    assert status["decode"]["target"] >= 2 and status["plannerState"]["snapshot"]
+    assert any(e["reason"] == "ScaledUp" and "decode pods 1 -> 2" in e["message"]
+               and "ITL P90" in e["message"] for e in kube.list("Event", NS, ""))
+    assert kube.get("BatonPool", NS, "demo-prefill")["spec"]["replicas"] == 1
