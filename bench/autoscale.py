@@ -118,9 +118,12 @@ class Stream:
 class BatonUp:
     """`baton up --autoscale` as a child process; its printed lines, timestamped."""
 
-    def __init__(self, setup: Setup, http_port: int, log_path: Path) -> None:
+    def __init__(self, setup: Setup, http_port: int, log_path: Path,
+                 planner_trace: Path | None = None) -> None:
         command = [sys.executable, "-m", "baton.cli", "up", *setup.flags(),
                    "--listen", "127.0.0.1:0", "--http-port", str(http_port)]
+        if planner_trace is not None:
+            command += ["--planner-trace", str(planner_trace.resolve())]
         self.base_url = f"http://127.0.0.1:{http_port}"
         self.lines: list[tuple[float, str]] = []
         self.serving = False
@@ -273,7 +276,7 @@ def reference_tokens(streams: list[Stream]) -> list[list[int]]:
     return [result.token_ids for result in engine.generate([s.prompt for s in streams], params)]
 
 
-def run(setup: Setup, log_path: Path) -> dict:
+def run(setup: Setup, log_path: Path, planner_trace: Path | None = None) -> dict:
     from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
     from baton.serving import free_port
 
@@ -282,7 +285,7 @@ def run(setup: Setup, log_path: Path) -> dict:
     started = provenance()
     machine = machine_description()
     began_s = time.monotonic()
-    baton = BatonUp(setup, free_port(), log_path)
+    baton = BatonUp(setup, free_port(), log_path, planner_trace)
     try:
         origin_s = time.monotonic()
         sampler = Sampler(baton.base_url, origin_s)
@@ -456,6 +459,9 @@ def main() -> int:
                              "--short, those in --out)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/baton-autoscale"),
                         help="where --short writes its JSON, report and baton up's output")
+    parser.add_argument("--planner-trace", type=Path, default=None,
+                        help="also record the planner's every step there (baton up's "
+                             "--planner-trace): the recorded traces its tests replay")
     args = parser.parse_args()
     out = args.out if args.short else REPORT_DIR
     if args.render:
@@ -464,7 +470,7 @@ def main() -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     log_path = (args.out if args.short else Path("/tmp")) / "autoscale-baton-up.log"
-    results = run(SHORT if args.short else FULL, log_path)
+    results = run(SHORT if args.short else FULL, log_path, args.planner_trace)
     save(results, out / RESULTS_NAME)
     (out / REPORT_NAME).write_text(render(load(out / RESULTS_NAME)))  # from the raw results alone
     print(f"wrote {out / RESULTS_NAME} and {out / REPORT_NAME} (baton up's output: {log_path})")

@@ -64,6 +64,7 @@ def test_every_series_the_planner_reads_is_exported_by_the_pods():
     read = [value for name, value in vars(obs).items() if name.isupper() and isinstance(value, str)]
     missing = [name for name in read if name not in exported and f"{name}_count" not in exported]
     assert not missing and len(read) >= 14
+    assert set(obs.PLANNER_SERIES) == set(read)  # what a recorded trace keeps (trace.py)
 
 
 def test_a_line_needs_two_loads_unless_it_may_go_through_the_origin():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from baton import configtree
@@ -85,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--autoscale", action="store_true",
                         help="start and stop decode pods by the autoscaling planner's decisions "
                              "(--decode-workers is then the count to start with)")
+    parser.add_argument("--planner-trace", type=Path, default=None,
+                        help="with --autoscale: record every planner step (the series it read, "
+                             "the sizes, its decision) to this JSON-lines file, gzipped if it "
+                             "ends in .gz, for replaying in tests (baton.planner.trace)")
     configtree.add_arguments(parser.add_argument_group(
         "autoscaling (with --autoscale; baton up keeps its one chain, the planner's prefill "
         "target is only shown)"), PlannerConfig)
@@ -117,9 +122,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.exit_after_demo and not args.demo:
         raise ValueError("--exit-after-demo needs --demo")
+    if args.planner_trace is not None and not args.autoscale:
+        raise ValueError("--planner-trace needs --autoscale")
     spec = cluster_spec(args)
     stopping = StopEvent()  # SIGTERM's handler sets it; it wakes the supervisor's wait
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    autoscaler = None
     try:
         with LocalCluster(spec) as cluster:
             print(f"baton is up: gateway {cluster.gateway_address}, "
@@ -138,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                     _demo_http(cluster.gateway_http_url, args.max_tokens)
                 if args.exit_after_demo:
                     return 0
-            autoscaler = LocalAutoscaler(cluster) if spec.autoscale else None
+            autoscaler = (LocalAutoscaler(cluster, trace_path=args.planner_trace)
+                          if spec.autoscale else None)
             if autoscaler is not None:
                 print(_autoscaling(spec, cluster.gateway_http_url), flush=True)
             print("serving; Ctrl-C stops every process", flush=True)
@@ -157,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         stopping.close()
+        if autoscaler is not None:
+            autoscaler.close()
     return 0
 
 

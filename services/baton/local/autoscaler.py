@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, write_to_textfile
 
@@ -36,13 +37,14 @@ from baton.local.cluster import LocalCluster
 from baton.metrics import PlannerMetrics
 from baton.planner import Decision, Planner, Replicas
 from baton.planner.scraper import scrape
+from baton.planner.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
 
 class LocalAutoscaler:
     def __init__(self, cluster: LocalCluster, clock: Callable[[], float] = time.monotonic,
-                 scraper: Callable = scrape) -> None:
+                 scraper: Callable = scrape, trace_path: Path | None = None) -> None:
         if cluster.spec.autoscale is None:
             raise ValueError("the cluster is not autoscaled: its spec has no planner settings "
                              "(ClusterSpec.autoscale)")
@@ -55,6 +57,12 @@ class LocalAutoscaler:
         self.last_decision: Decision | None = None
         self._next_tick_s = clock()
         self._prefill_reported = cluster.num_chains  # the prefill target last told (not applied)
+        self.trace = (TraceWriter(trace_path, self.config, cluster.spec.prefill_threshold_tokens)
+                      if trace_path is not None else None)
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
 
     def seconds_to_next_tick(self) -> float:
         return max(0.0, self._next_tick_s - self.clock())
@@ -65,8 +73,12 @@ class LocalAutoscaler:
         if now < self._next_tick_s:
             return []
         self._next_tick_s = now + self.config.interval_s
-        self.planner.observe(self.scraper(self.cluster.metrics_targets(), now))
-        decision = self.planner.decide(self._replicas())
+        scrape = self.scraper(self.cluster.metrics_targets(), now)
+        self.planner.observe(scrape)
+        current = self._replicas()
+        decision = self.planner.decide(current)
+        if self.trace is not None:
+            self.trace.write(scrape, current, decision)
         self.last_decision = decision
         events = self._apply(decision)
         self._publish(decision)

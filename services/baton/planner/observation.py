@@ -38,6 +38,10 @@ PREFILL_COMPUTE = "baton_prefill_compute_seconds"
 # Decode pods with a prefix cache export these; without them the hit rate is unknown.
 PREFIX_HIT_TOKENS = "baton_decode_prefix_cache_hit_tokens_total"
 PREFIX_QUERY_TOKENS = "baton_decode_prefix_cache_prompt_tokens_total"
+PLANNER_SERIES = (GATEWAY_PROMPT_TOKENS, GATEWAY_OUTPUT_TOKENS, GATEWAY_TTFT, GATEWAY_ITL,
+                  DECODE_ITL, DECODE_RUNNING, DECODE_QUEUED, DECODE_KV_USED, DECODE_KV_TOTAL,
+                  PREFILL_QUEUED, PREFILL_QUEUED_TOKENS, PREFILL_TOKENS, PREFILL_COMPUTE,
+                  PREFIX_HIT_TOKENS, PREFIX_QUERY_TOKENS)  # all of the above: what a trace keeps
 
 
 @dataclass(frozen=True)
