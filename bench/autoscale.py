@@ -84,8 +84,9 @@ class Setup:
                 "--decode-grace-s", str(self.decode_grace_s)]
 
 
-# Two climbs to a load one pod cannot stream within the ITL target, each coming down in
-# steps, so that a pod is retired at a load one pod just carries: streams still run on both.
+# Two climbs to about what one pod streams within the ITL target on 2 cores (whether the
+# planner adds a pod depends on its fitted model and the arrivals' spread), each coming
+# down in steps, so that a pod is retired at a load one pod carries: streams run on both.
 FULL = Setup(phases=((0.5, 45), (2.0, 45), (5.0, 75), (2.0, 75), (1.0, 60), (5.0, 60),
                      (2.0, 75), (0.5, 45), (0.0, 45)),
              interval_s=5.0, window_s=30.0, scale_up_cooldown_s=15.0,

@@ -214,6 +214,10 @@ class Planner:
                 down: list[sizing.Need], missed: list[str], low: int, high: int,
                 removable: tuple[bool, str] = (True, "")) -> RoleDecision:
         state, config = self._roles[role], self.config
+        if not low <= current <= high:  # the bounds were changed under it: into them at once
+            bound = sizing.clamp(current, low, high)
+            return self._change(role, current, bound, now, f"{current} is outside the bounds "
+                                f"{low}..{high}")
         known_up = [need.count for need in up if need.count is not None]
         wanted_up = sizing.clamp(max(known_up) if known_up else current, low, high)
         reason = "; ".join(dict.fromkeys(need.reason for need in up))
