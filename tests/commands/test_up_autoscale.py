@@ -43,6 +43,14 @@ def test_bounds_one_machine_cannot_run_are_refused(argv, words):
         parse("--autoscale", *argv)
 
 
+def test_a_planner_trace_needs_the_planner(tmp_path):
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    args = parser.parse_args(["--planner-trace", str(tmp_path / "trace.jsonl")])
+    with pytest.raises(ValueError, match="--planner-trace needs --autoscale"):
+        up.run(args)  # refused before anything starts
+    assert not (tmp_path / "trace.jsonl").exists()
+
 
 def test_the_help_shows_the_planners_flags_with_their_percent_signs():
     parser = argparse.ArgumentParser()

@@ -12,6 +12,8 @@ import pytest
 from baton.config import PlannerConfig
 from baton.local.autoscaler import LocalAutoscaler
 from baton.planner import Replicas, parse_pod
+from baton.planner.observation import PLANNER_SERIES
+from baton.planner.trace import read_trace, replay
 from planner.simulated import Load, SimulatedService, _Pod
 
 QUIET = Load(0.0, (50, 100), (100, 200))
@@ -89,6 +91,28 @@ def test_a_spike_starts_pods_and_the_quiet_after_it_retires_the_named_ones_one_b
     assert published.value("baton_planner_target_replicas", role="decode") == 1
     assert published.value("baton_replicas", role="decode") == 1
     assert published.value("baton_replicas", role="prefill") == 0
+
+
+def test_a_recorded_run_replays_to_the_same_decisions(cluster, tmp_path):
+    """``--planner-trace``: every step written as it is taken, only the planner's series
+    kept, and a fresh planner over the recording decides as the live one did."""
+    path = tmp_path / "trace.jsonl.gz"
+    autoscaler = LocalAutoscaler(cluster, clock=lambda: cluster.service.time_s,
+                                 scraper=lambda targets, now: cluster.service.scrape(),
+                                 trace_path=path)
+    autoscaler.tick()
+    run(cluster, autoscaler, SPIKE, 120)
+    run(cluster, autoscaler, QUIET, 240)
+    autoscaler.close()
+    trace = read_trace(path)
+    assert len(trace.steps) == 1 + 8 + 16 and trace.config == PLANNER
+    assert {name for step in trace.steps for pod in step.scrape.pods for name in pod.samples} \
+        <= {f"{series}{suffix}" for series in PLANNER_SERIES
+            for suffix in ("", "_bucket", "_sum", "_count", "_created")}
+    decisions = replay(trace)
+    assert any(d.decode.changed for d in decisions)
+    assert [(d.decode.target, d.decode.reason) for d in decisions] == \
+        [step.decode for step in trace.steps]
 
 
 def test_ticks_act_only_once_the_interval_has_passed(cluster):
