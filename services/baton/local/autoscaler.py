@@ -20,6 +20,9 @@ After each decision the planner's target and the live count per role are written
 gateway's HTTP ``/metrics`` adds to its own: ``baton_planner_target_replicas{role}`` and
 ``baton_replicas{role}``.
 
+With ``trace_path`` (``baton up --planner-trace``) every step is also recorded
+(``baton.planner.trace``): the planner's tests replay such a recording.
+
 Nothing here sleeps: ``tick()`` is called by ``baton up``'s supervision loop and acts when
 ``interval_s`` has passed on the injected clock.
 """

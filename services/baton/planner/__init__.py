@@ -10,6 +10,7 @@ decision flows through them:
     sizing.py       pods and chains a load needs         (Need)
     planner.py      hysteresis, cool-down, reasons       (Planner, Decision)
     scraper.py      fetching /metrics over HTTP, for whoever applies the decisions
+    trace.py        a live planner's steps recorded, for replaying in tests
 
 docs/operations.md ("Autoscaling") says what it reads and what it will and will not do.
 """
