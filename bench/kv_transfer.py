@@ -260,14 +260,21 @@ def report(results: dict) -> str:
                      f"**{statistics.median(pooled[baseline]) / median:.2f}**",
                      " / ".join(f"{r:.2f}" for r in per_round)])
 
-    def ratio(path: str, baseline: str) -> float:
-        return statistics.median(pooled[baseline]) / statistics.median(pooled[path])
+    def goal(what: str, path: str, baseline: str) -> str:
+        """Met only when the pooled ratio and the median round's both reach 0.5: a ratio
+        that holds in some rounds only is within this machine's noise, not shown."""
+        pooled_ratio = statistics.median(pooled[baseline]) / statistics.median(pooled[path])
+        rounds = [statistics.median(entry[baseline]) / statistics.median(entry[path])
+                  for entry in results["rounds"]]
+        met = min(pooled_ratio, statistics.median(rounds)) >= 0.5
+        return (f"{what} = **{pooled_ratio:.2f}** (per round {min(rounds):.2f}-{max(rounds):.2f}, "
+                f"median {statistics.median(rounds):.2f}; goal: at least 0.5): "
+                f"{'met' if met else 'NOT met'}.")
 
-    goals = [f"gRPC PushKV / raw TCP, both ends in one process = **{ratio('gRPC PushKV', 'raw TCP'):.2f}**"]
+    goals = [goal("gRPC PushKV / raw TCP, both ends in one process", "gRPC PushKV", "raw TCP")]
     if OWN_GRPC in pooled:
-        goals.append(f"each receiver in its own process, as a tail and a decode pod run = "
-                     f"**{ratio(OWN_GRPC, OWN_TCP):.2f}**")
-    met = [float(goal.rsplit("**", 2)[1]) >= 0.5 for goal in goals]
+        goals.append(goal("each receiving end in its own process, as a tail and a decode pod "
+                          "run", OWN_GRPC, OWN_TCP))
     seconds = sum(sum(entry[path]) for entry in results["rounds"] for path in paths)
     return "\n".join([
         "# KV transfer: gRPC PushKV and NIXL against raw TCP on loopback",
@@ -307,8 +314,7 @@ def report(results: dict) -> str:
         markdown_table(["path", "transfers", "median s", "GB/s", "vs raw TCP",
                         "vs raw TCP per round"], rows),
         "",
-        *[f"* {goal} (goal: at least 0.5): {'met' if ok else 'NOT met'}." for goal, ok in
-          zip(goals, met)],
+        *[f"* {line}" for line in goals],
         "",
     ])
 
