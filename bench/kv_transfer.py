@@ -60,10 +60,12 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
 SPEC = KVSpec("bench", "r1", "float32", LAYERS, KV_HEADS, HEAD_DIM, PROMPT)
 NIXL_PATH = "NIXL read, PushKV for the rest"
 OWN_TCP, OWN_GRPC = "raw TCP, receiver in its own process", "gRPC PushKV, receiver in its own process"
+OWN_COUNT = "gRPC PushKV, own-process receiver that only counts the bytes"  # gRPC's own share
 SMALL_CHUNKS, LARGE_CHUNKS = CHUNK_BYTES // 4, CHUNK_BYTES * 4  # the chunk size's neighbours
 PATHS = ("raw TCP", "gRPC PushKV", "gRPC PushKV, protobuf messages",
          f"gRPC PushKV, {SMALL_CHUNKS // 2**10} KiB chunks",
-         f"gRPC PushKV, {LARGE_CHUNKS // 2**20} MiB chunks", OWN_TCP, OWN_GRPC, NIXL_PATH)
+         f"gRPC PushKV, {LARGE_CHUNKS // 2**20} MiB chunks", OWN_TCP, OWN_GRPC, OWN_COUNT,
+         NIXL_PATH)
 
 
 def pyramid_cache() -> list[LayerKV]:
@@ -99,6 +101,18 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
             assembler.finish(checksum)
             return decode_pb2.PushKVResponse(request_id=handoff.request_id,
                                              bytes_received=assembler.bytes_received)
+
+
+class CountingReceiver(decode_pb2_grpc.DecodeServicer):
+    """PushKV taken and its chunk bytes counted, nothing assembled or checked: what gRPC
+    itself costs, apart from the pod's copy into its buffers and its checksum."""
+
+    def PushKV(self, request_iterator, context):
+        num_bytes = 0
+        for message in request_iterator:
+            if isinstance(message, push_kv.Chunk):
+                num_bytes += message.num_bytes
+        return decode_pb2.PushKVResponse(request_id="bench", bytes_received=num_bytes)
 
 
 def as_protobuf(messages):
@@ -179,12 +193,14 @@ def serve_in_own_process(ports: multiprocessing.Queue, num_bytes: int) -> None:
     """The receiving ends as a decode pod runs them, in a process of their own (a tail and a
     pod never share one): PushKV's receiver and a raw TCP receiver, until terminated."""
     keep_freed_memory()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-    push_kv.add_decode_servicer(Receiver(None), server)
-    grpc_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    grpc_ports = []
+    for servicer in (Receiver(None), CountingReceiver()):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+        push_kv.add_decode_servicer(servicer, server)
+        grpc_ports.append(server.add_insecure_port("127.0.0.1:0"))
+        server.start()
     listener = socket.create_server(("127.0.0.1", 0))
-    ports.put((grpc_port, listener.getsockname()[1]))
+    ports.put((*grpc_ports, listener.getsockname()[1]))
     receive_tcp(listener, num_bytes, None)
 
 
@@ -214,10 +230,11 @@ def run(rounds: int) -> dict:
     own_process = spawn.Process(target=serve_in_own_process, args=(ports, len(payload)),
                                 daemon=True)
     own_process.start()
-    own_grpc_port, own_tcp_port = ports.get(timeout=120)
+    own_grpc_port, own_count_port, own_tcp_port = ports.get(timeout=120)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel, \
-                grpc.insecure_channel(f"127.0.0.1:{own_grpc_port}", options=GRPC_OPTIONS) as own:
+                grpc.insecure_channel(f"127.0.0.1:{own_grpc_port}", options=GRPC_OPTIONS) as own, \
+                grpc.insecure_channel(f"127.0.0.1:{own_count_port}", options=GRPC_OPTIONS) as count:
             framed = push_kv.stub_push_kv(channel)
             generated = decode_pb2_grpc.DecodeStub(channel).PushKV
             to_own = push_kv.stub_push_kv(own)
@@ -228,6 +245,7 @@ def run(rounds: int) -> dict:
                         PATHS[4]: lambda: time_pushes(framed, layers, True, LARGE_CHUNKS),
                         OWN_TCP: lambda: send_tcp(own_tcp_port, payload),
                         OWN_GRPC: lambda: time_pushes(to_own, layers, True),
+                        OWN_COUNT: lambda: time_pushes(push_kv.stub_push_kv(count), layers, True),
                         NIXL_PATH: lambda: time_nixl_pushes(framed, layers, sender)}
             for number in range(rounds):
                 order = paths if number % 2 == 0 else paths[::-1]
@@ -252,7 +270,7 @@ def report(results: dict) -> str:
     pooled = {path: [s for entry in results["rounds"] for s in entry[path]] for path in paths}
     rows = []
     for path in paths:
-        baseline = OWN_TCP if path in (OWN_TCP, OWN_GRPC) else "raw TCP"  # like against like
+        baseline = OWN_TCP if path in (OWN_TCP, OWN_GRPC, OWN_COUNT) else "raw TCP"  # like with like
         per_round = [statistics.median(entry[baseline]) / statistics.median(entry[path])
                      for entry in results["rounds"]]
         median = statistics.median(pooled[path])
@@ -308,8 +326,10 @@ def report(results: dict) -> str:
         ("The chunk-size rows send the same stream cut into smaller or larger chunks, to "
          "the same receiver. The own-process rows move the receiving ends (PushKV's receiver, "
          "and the raw socket's) into a process of their own, as a decode pod is, and are "
-         "compared with each other: there the two ends no longer share one interpreter's "
-         "lock, but each side's copies and the socket still share the two cores."),
+         "compared with that socket: there the two ends no longer share one interpreter's "
+         "lock, but each side's copies and the socket still share the two cores. The "
+         "counting row's receiver only counts the chunks' bytes: gRPC's own cost, without "
+         "the pod's copy into its buffers and its checksum."),
         "",
         markdown_table(["path", "transfers", "median s", "GB/s", "vs raw TCP",
                         "vs raw TCP per round"], rows),
