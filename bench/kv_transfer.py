@@ -193,11 +193,12 @@ def serve_in_own_process(ports: multiprocessing.Queue, num_bytes: int) -> None:
     """The receiving ends as a decode pod runs them, in a process of their own (a tail and a
     pod never share one): PushKV's receiver and a raw TCP receiver, until terminated."""
     keep_freed_memory()
-    grpc_ports = []
-    for servicer in (Receiver(None), CountingReceiver()):
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    servers = [grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+               for _ in range(2)]  # held here: a server nobody holds stops
+    for server, servicer in zip(servers, (Receiver(None), CountingReceiver())):
         push_kv.add_decode_servicer(servicer, server)
-        grpc_ports.append(server.add_insecure_port("127.0.0.1:0"))
+    grpc_ports = [server.add_insecure_port("127.0.0.1:0") for server in servers]
+    for server in servers:
         server.start()
     listener = socket.create_server(("127.0.0.1", 0))
     ports.put((*grpc_ports, listener.getsockname()[1]))
