@@ -44,6 +44,7 @@ import torch
 from baton.api import push_kv
 from baton.api.requests import CompressionParams, KVHandoff, SamplingParams
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
+from baton.decode.receiver import receive_body, receive_header
 from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
 from baton.kv.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
@@ -58,8 +59,10 @@ PUSHES_PER_ROUND = 5
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
                 ("grpc.max_send_message_length", 8 * CHUNK_BYTES)]
 SPEC = KVSpec("bench", "r1", "float32", LAYERS, KV_HEADS, HEAD_DIM, PROMPT)
+PROMPT_IDS = (1,) * PROMPT  # the prompt the cache is of (a pod checks positions against it)
 NIXL_PATH = "NIXL read, PushKV for the rest"
-OWN_TCP, OWN_GRPC = "raw TCP, receiver in its own process", "gRPC PushKV, receiver in its own process"
+OWN_TCP = "raw TCP, receiver in its own process"
+OWN_GRPC = "gRPC PushKV, the decode pod's receiver (asyncio) in its own process"
 OWN_COUNT = "gRPC PushKV, own-process receiver that only counts the bytes"  # gRPC's own share
 SMALL_CHUNKS, LARGE_CHUNKS = CHUNK_BYTES // 4, CHUNK_BYTES * 4  # the chunk size's neighbours
 PATHS = ("raw TCP", "gRPC PushKV", "gRPC PushKV, protobuf messages",
@@ -104,15 +107,27 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
 
 
 class CountingReceiver(decode_pb2_grpc.DecodeServicer):
-    """PushKV taken and its chunk bytes counted, nothing assembled or checked: what gRPC
-    itself costs, apart from the pod's copy into its buffers and its checksum."""
+    """PushKV taken (asyncio, as on a pod) and its chunk bytes counted, nothing assembled or
+    checked: what gRPC itself costs, apart from the pod's copy into its buffers and its
+    checksum."""
 
-    def PushKV(self, request_iterator, context):
+    async def PushKV(self, request_iterator, context):
         num_bytes = 0
-        for message in request_iterator:
+        async for message in request_iterator:
             if isinstance(message, push_kv.Chunk):
                 num_bytes += message.num_bytes
         return decode_pb2.PushKVResponse(request_id="bench", bytes_received=num_bytes)
+
+
+class PodReceiver(decode_pb2_grpc.DecodeServicer):
+    """PushKV as a decode pod takes it: an asyncio servicer running the pod's own
+    ``receive_header`` and ``receive_body`` (the pool's admission aside)."""
+
+    async def PushKV(self, request_iterator, context):
+        handoff = await receive_header(request_iterator)
+        cache = await receive_body(handoff, request_iterator, SPEC)
+        return decode_pb2.PushKVResponse(request_id=handoff.request_id,
+                                         bytes_received=cache.num_bytes)
 
 
 def as_protobuf(messages):
@@ -128,7 +143,7 @@ def time_pushes(send, layers: list[LayerKV], framed: bool,
     for _ in range(PUSHES_PER_ROUND):
         started = time.perf_counter()
         encoded = encode_kv(layers, "bench", "bench", "r1")  # checksummed as it goes
-        handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
+        handoff = KVHandoff(encoded.header, PROMPT_IDS, 0, SamplingParams(), CompressionParams())
         messages = push_kv.messages(handoff, encoded.chunk_pieces(chunk_bytes))
         reply = send(messages if framed else as_protobuf(messages))
         seconds.append(time.perf_counter() - started)
@@ -142,7 +157,7 @@ def time_nixl_pushes(send, layers: list[LayerKV], agent: NixlAgent) -> list[floa
     for _ in range(PUSHES_PER_ROUND):
         started = time.perf_counter()
         encoded = encode_kv(layers, "bench", "bench", "r1")
-        handoff = KVHandoff(encoded.header, (1,), 0, SamplingParams(), CompressionParams())
+        handoff = KVHandoff(encoded.header, PROMPT_IDS, 0, SamplingParams(), CompressionParams())
         source = NixlSource(agent)
         try:
             reply = source.answer(send.future(push_kv.nixl_messages(handoff, encoded.segments, source)))
@@ -190,19 +205,24 @@ def time_tcp(payload: memoryview) -> list[float]:
 
 
 def serve_in_own_process(ports: multiprocessing.Queue, num_bytes: int) -> None:
-    """The receiving ends as a decode pod runs them, in a process of their own (a tail and a
-    pod never share one): PushKV's receiver and a raw TCP receiver, until terminated."""
+    """The receiving ends in a process of their own (a tail and a pod never share one): the
+    decode pod's asyncio PushKV receiver, the counting one and a raw TCP receiver, until
+    terminated."""
     keep_freed_memory()
-    servers = [grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-               for _ in range(2)]  # held here: a server nobody holds stops
-    for server, servicer in zip(servers, (Receiver(None), CountingReceiver())):
-        push_kv.add_decode_servicer(servicer, server)
-    grpc_ports = [server.add_insecure_port("127.0.0.1:0") for server in servers]
-    for server in servers:
-        server.start()
     listener = socket.create_server(("127.0.0.1", 0))
-    ports.put((*grpc_ports, listener.getsockname()[1]))
-    receive_tcp(listener, num_bytes, None)
+    threading.Thread(target=receive_tcp, args=(listener, num_bytes, None), daemon=True).start()
+
+    async def serve() -> None:
+        servers = [grpc.aio.server(options=GRPC_OPTIONS) for _ in range(2)]
+        for server, servicer in zip(servers, (PodReceiver(), CountingReceiver())):
+            push_kv.add_decode_servicer(servicer, server)
+        grpc_ports = [server.add_insecure_port("127.0.0.1:0") for server in servers]
+        for server in servers:
+            await server.start()
+        ports.put((*grpc_ports, listener.getsockname()[1]))
+        await servers[0].wait_for_termination()
+
+    asyncio.run(serve())
 
 
 
@@ -325,12 +345,14 @@ def report(results: dict) -> str:
          f"two pods of one node (between nodes: RDMA or TCP). NIXL: {results.get('nixl', 'not run')}."),
         "",
         ("The chunk-size rows send the same stream cut into smaller or larger chunks, to "
-         "the same receiver. The own-process rows move the receiving ends (PushKV's receiver, "
-         "and the raw socket's) into a process of their own, as a decode pod is, and are "
-         "compared with that socket: there the two ends no longer share one interpreter's "
-         "lock, but each side's copies and the socket still share the two cores. The "
-         "counting row's receiver only counts the chunks' bytes: gRPC's own cost, without "
-         "the pod's copy into its buffers and its checksum."),
+         "the same receiver. The own-process rows move the receiving ends into a process "
+         "of their own, as a decode pod is, and are compared with the raw socket received "
+         "there: the two ends no longer share one interpreter's lock, but each side's copies "
+         "and the socket still share the two cores. There PushKV meets the decode pod's own "
+         "code (an asyncio server, `receive_header` and `receive_body`: assembled, checksum "
+         "and positions checked; the pool's admission aside); the counting row's receiver "
+         "only counts the chunks' bytes: gRPC's own cost, without the pod's copy into its "
+         "buffers and its checksum."),
         "",
         markdown_table(["path", "transfers", "median s", "GB/s", "vs raw TCP",
                         "vs raw TCP per round"], rows),
