@@ -182,6 +182,7 @@ async def receive_cache(messages: AsyncIterator, spec: KVSpec, model_config: Mod
 async def _next(messages: AsyncIterator, stall_s: float):
     """The stream's next message, None at its end; KVDataLoss when none comes in ``stall_s``."""
     try:
-        return await asyncio.wait_for(anext(messages, None), stall_s)
+        async with asyncio.timeout(stall_s):  # no task per message, as wait_for would make
+            return await anext(messages, None)
     except TimeoutError:
         raise KVDataLoss(f"the PushKV stream stalled: no message for {stall_s:g} s") from None
