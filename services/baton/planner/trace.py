@@ -7,7 +7,7 @@
                           "drain": pod}}
 
 One JSON line each, gzipped when the path ends in ``.gz``. Only the series the planner
-reads are kept (``observation.PLANNER_SERIES``): a pod's whole ``/metrics`` is ~50x more.
+reads are kept (``observation.PLANNER_SERIES``), not a pod's whole ``/metrics``.
 ``baton up --autoscale --planner-trace PATH`` writes one; ``read_trace`` reads it back and
 ``replay`` runs a fresh planner over it on the recorded clock.
 """
