@@ -326,8 +326,8 @@ def report(results: dict) -> str:
         rounds = [statistics.median(entry[baseline]) / statistics.median(entry[path])
                   for entry in results["rounds"]]
         met = min(pooled_ratio, statistics.median(rounds)) >= 0.5
-        return (f"{what} = **{pooled_ratio:.2f}** (per round {min(rounds):.2f}-{max(rounds):.2f}, "
-                f"median {statistics.median(rounds):.2f}; goal: at least 0.5): "
+        return (f"{what} = **{pooled_ratio:.3f}** (per round {min(rounds):.2f}-{max(rounds):.2f}, "
+                f"median {statistics.median(rounds):.3f}; goal: at least 0.5): "
                 f"{'met' if met else 'NOT met'}.")
 
     goals = [goal("gRPC PushKV / raw TCP, both ends in one process", "gRPC PushKV", "raw TCP")]
