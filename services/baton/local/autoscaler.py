@@ -76,12 +76,12 @@ class LocalAutoscaler:
         if now < self._next_tick_s:
             return []
         self._next_tick_s = now + self.config.interval_s
-        scrape = self.scraper(self.cluster.metrics_targets(), now)
-        self.planner.observe(scrape)
+        reading = self.scraper(self.cluster.metrics_targets(), now)
+        self.planner.observe(reading)
         current = self._replicas()
         decision = self.planner.decide(current)
         if self.trace is not None:
-            self.trace.write(scrape, current, decision)
+            self.trace.write(reading, current, decision)
         self.last_decision = decision
         events = self._apply(decision)
         self._publish(decision)
