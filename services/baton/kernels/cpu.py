@@ -4,11 +4,12 @@ Where torch's CPU kernels leave much of the hardware idle on the shapes our mode
 have (small heads), a kernel of ours runs instead; see docs/runtime.md for the
 figures. They are compiled with torch's extension builder the first time a process
 needs them (~20-30 s; the build is cached under ``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions`` and shared by later processes) and only run on CPUs
-with AVX-512 and AVX512_BF16. An image builds them once instead
-(``build(DIR)``) and points ``BATON_KERNEL_DIR`` at DIR: its
-pods load them from there, read-only. Without those instructions, without a compiler,
-or with ``BATON_CPU_KERNELS=0``, ``kernels()`` is None and callers use torch's kernels.
+``~/.cache/torch_extensions`` and shared by later processes), one module per instruction
+set: every kernel on CPUs with AVX-512 and AVX512_BF16, the decode kernel on CPUs with
+AVX2 and FMA. An image builds them all once instead (``build(DIR)``) and points
+``BATON_KERNEL_DIR`` at DIR: its pods load the one for their CPU from there, read-only.
+Without those instructions, without a compiler, or with ``BATON_CPU_KERNELS=0``,
+``kernels()`` is None and callers use torch's kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib.util
 import logging
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -27,70 +29,105 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp", "cpu_attention_scores.cpp",
-           "cpu_elementwise.cpp", "cpu_bindings.cpp")
-# The instruction sets the kernels are written for, named rather than -march=native, so a
-# build is valid on every CPU that passes ``_cpu_supports`` (a shared cache, an image).
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-         "-fno-math-errno", "-fopenmp"]
 
 
-def _build_name() -> str:
-    """The module's name, unique to these sources, flags and this checkout: torch keeps one
-    build directory per name, so two checkouts (or two versions) never rebuild each other's."""
-    digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(FLAGS).encode())
-    for source in (*SOURCES, "cpu.h"):
-        digest.update((SOURCE_DIR / source).read_bytes())
-    return f"baton_cpu_{digest.hexdigest()[:16]}"
+@dataclass(frozen=True)
+class Build:
+    """One instruction set's module: its sources, the headers they include, and its flags.
+    The instruction sets are named rather than -march=native, so a build is valid on every
+    CPU that has them (a shared cache, an image)."""
+
+    isa: str
+    sources: tuple[str, ...]
+    headers: tuple[str, ...]
+    flags: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The module's name, unique to these sources, flags and this checkout: torch keeps
+        one build directory per name, so two checkouts (or two versions) never rebuild each
+        other's."""
+        digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(self.flags).encode())
+        for source in (*self.sources, *self.headers):
+            digest.update((SOURCE_DIR / source).read_bytes())
+        return f"baton_cpu_{self.isa}_{digest.hexdigest()[:16]}"
 
 
-NAME = _build_name()
+# Every kernel, on CPUs with AVX-512 and AVX512_BF16 (bf16 products in hardware).
+AVX512 = Build("avx512", ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp",
+                          "cpu_attention_scores.cpp", "cpu_elementwise.cpp", "cpu_bindings.cpp"),
+               ("cpu.h", "paged_checks.h"),
+               ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                "-mfma", "-fno-math-errno", "-fopenmp"))
+# The decode kernel, on CPUs with AVX2 and FMA only.
+AVX2 = Build("avx2", ("avx2_decode_attention.cpp", "avx2_bindings.cpp"), ("avx2.h", "paged_checks.h"),
+             ("-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"))
+BUILDS = (AVX512, AVX2)
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_DECODE_GROUP = 16  # query heads per KV head the decode and scores kernels take
 
 
-def _cpu_supports() -> bool:
-    return bool(torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+def build_for_this_cpu() -> Build | None:
+    """The richest build this CPU runs, or None (not x86, or no AVX2)."""
+    if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
+        return AVX512
+    if torch.cpu._is_avx2_supported():
+        return AVX2
+    return None
 
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """The compiled module, or None where it can't run: ``causal_attention`` (prompts and
-    prefix slices), ``paged_decode_attention`` (decode batches), and a Llama layer's
-    element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``), and PyramidInfer's
-    ``attention_scores``."""
-    if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or not _cpu_supports():
+    """The compiled module, or None where none can run. With AVX-512: ``causal_attention``
+    (prompts and prefix slices), ``paged_decode_attention`` (decode batches), a Llama
+    layer's element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``), and
+    PyramidInfer's ``attention_scores``; with AVX2 only, ``paged_decode_attention``
+    (``has()`` tells)."""
+    chosen = build_for_this_cpu()
+    if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or chosen is None:
         return None
-    prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{NAME}.so"
+    prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{chosen.name}.so"
     try:
         if prebuilt.exists():
-            spec = importlib.util.spec_from_file_location(NAME, prebuilt)
+            spec = importlib.util.spec_from_file_location(chosen.name, prebuilt)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module
-        return build()
+        return _compile(chosen)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
         # no compiler or ninja, or a failed build: torch's kernels serve instead
         log.warning("baton's CPU kernels could not be built or loaded (%s); using torch's", error)
         return None
 
 
-def build(directory: str | None = None) -> ModuleType:
-    """Compile the kernels (into ``directory``, or torch's extension cache) and load them."""
+def has(kernel: str) -> bool:
+    """Does this CPU's module hold ``kernel``?"""
+    module = kernels()
+    return module is not None and hasattr(module, kernel)
+
+
+def build(directory: str | None = None) -> None:
+    """Compile every instruction set's module (into ``directory``, or torch's extension
+    cache), so that an image runs its kernels on any x86 CPU it lands on."""
+    for each in BUILDS:
+        _compile(each, directory)
+
+
+def _compile(chosen: Build, directory: str | None = None) -> ModuleType:
     from torch.utils import cpp_extension
 
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=NAME, sources=[str(SOURCE_DIR / source) for source in SOURCES],
-                              extra_cflags=FLAGS, build_directory=directory, verbose=False)
+    return cpp_extension.load(name=chosen.name, sources=[str(SOURCE_DIR / s) for s in chosen.sources],
+                              extra_cflags=list(chosen.flags), build_directory=directory, verbose=False)
 
 
 def causal_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Can the kernel take these inputs (device, dtype, head size, GQA shape)?"""
     return (q.device.type == "cpu" and q.dtype in DTYPES and k.dtype == q.dtype
             and q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0
-            and not wants_gradient(q, k) and kernels() is not None)
+            and not wants_gradient(q, k) and has("causal_attention"))
 
 
 def token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,12 +143,12 @@ def paged_decode_fits(dtype: torch.dtype, device: torch.device, head_dim: int, n
     """Can the decode kernel read a paged cache of this model shape where it lies?"""
     return (torch.device(device).type == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_DECODE_GROUP
-            and kernels() is not None)
+            and has("paged_decode_attention"))
 
 
 def attention_scores_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Can ``attention_scores`` take recent queries q [R, H, D] over keys k [S, Hkv, D]?"""
-    return (k.dtype == q.dtype and not wants_gradient(q, k)
+    return (k.dtype == q.dtype and not wants_gradient(q, k) and has("attention_scores")
             and paged_decode_fits(q.dtype, q.device, q.shape[-1], q.shape[1], k.shape[1]))
 
 
@@ -120,7 +157,7 @@ def elementwise_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:
     row's width a multiple of 16; rotary_ and silu_and_mul check their own widths), with
     ``others`` (a weight) beside it?"""
     return (x.device.type == "cpu" and x.dtype in DTYPES and x.dim() == 2
-            and x.shape[1] % 16 == 0 and not wants_gradient(x, *others) and kernels() is not None)
+            and x.shape[1] % 16 == 0 and not wants_gradient(x, *others) and has("rms_norm"))
 
 
 def wants_gradient(*tensors: torch.Tensor) -> bool:

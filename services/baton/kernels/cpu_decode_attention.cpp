@@ -9,6 +9,7 @@
 // again), then the softmax, then the value sum in fp32. Probabilities stay fp32.
 
 #include "cpu.h"
+#include "paged_checks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -144,22 +145,7 @@ struct PagedDecode {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& tables, const at::Tensor& lengths) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [batch, heads, dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
-              && k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0
-              && q.size(1) / k_cache.size(2) <= kMaxGroup, "head counts or dims disagree");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && tables.scalar_type() == at::kLong
-              && tables.is_contiguous(), "block tables must be contiguous int64 [batch, width]");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == at::kLong
-              && lengths.is_contiguous(), "lengths must be contiguous int64 [batch]");
-  const int64_t* length = lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    TORCH_CHECK(length[b] >= 1 && length[b] <= tables.size(1) * k_cache.size(1),
-                "length ", length[b], " of sequence ", b, " is not within its table's ",
-                tables.size(1) * k_cache.size(1), " slots");
+  baton_kernels::check_paged_decode_inputs(q, k_cache, v_cache, tables, lengths, kMaxGroup);
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   for_dtype_and_head_dim(q, [&]<typename Type, int D>() {

@@ -1,0 +1,176 @@
+// Decode attention on x86 CPUs with AVX2 and FMA: one new token per sequence over its paged
+// cache, read where it lies (the AVX-512 build's cpu_decode_attention.cpp, for the CPUs
+// without AVX-512).
+//
+// q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, W] (int64);
+// lengths [B] (int64): sequence b's keys are its first lengths[b] slots, in table order,
+// and its new token sees them all (its own included, already written). One work item per
+// sequence, its KV heads in turn: its G query heads' scores for every key (8 keys at a time,
+// each key's products summed across lanes for all 8 at once), then the softmax, then the
+// value sum. Everything is computed in fp32; bf16 keys and values are widened on load.
+
+#include "avx2.h"
+#include "paged_checks.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using namespace baton_avx2;
+
+constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
+constexpr int64_t kPrefetch = 16;  // keys ahead that the kernel asks the memory for
+
+template <typename Scalar, int D>
+struct PagedDecode {
+  static constexpr int kVectors = D / kLanes;  // registers of one row
+  // The value sum keeps kRows x kPassVectors accumulators in registers (at most 12 of 16).
+  static constexpr int kPassVectors = kVectors < 8 ? kVectors : 8;
+  static constexpr int kRows = kPassVectors <= 4 ? 12 / kPassVectors : 1;
+
+  const Scalar* q;
+  const Scalar* k_cache;
+  const Scalar* v_cache;
+  const int64_t* tables;
+  const int64_t* lengths;
+  Scalar* out;
+  int64_t B, H, Hkv, G, W, block_size;
+  float scale;
+
+  static inline void prefetch_row(const Scalar* row) {
+    for (size_t byte = 0; byte < D * sizeof(Scalar); byte += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+  }
+
+  // Where each key's row of this KV head starts (in elements), walking the block table once.
+  void key_offsets(int64_t b, int64_t head, int64_t length, std::vector<int64_t>& offsets) const {
+    offsets.resize(length);
+    const int64_t* table = tables + b * W;
+    for (int64_t key = 0, block = 0; key < length; ++block) {
+      const int64_t base = table[block] * block_size;
+      for (int64_t slot = 0; slot < block_size && key < length; ++slot, ++key)
+        offsets[key] = ((base + slot) * Hkv + head) * D;
+    }
+  }
+
+  // scores[g][key] = scale * q_g . k_key for every key, 8 keys at a time.
+  void scores_of(const float (*query)[D], int64_t length, const std::vector<int64_t>& offsets,
+                 float* scores, int64_t padded) const {
+    alignas(32) float widened[kLanes][D];  // bf16 key rows as fp32
+    for (int64_t start = 0; start < length; start += kLanes) {
+      const float* rows[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        const Scalar* row = k_cache + offsets[std::min<int64_t>(start + j, length - 1)];
+        // The blocks lie anywhere in the pool, so no hardware prefetcher sees the next one
+        // coming: ask for the rows ahead.
+        prefetch_row(k_cache + offsets[std::min<int64_t>(start + kPrefetch + j, length - 1)]);
+        if constexpr (std::is_same_v<Scalar, float>) {
+          rows[j] = row;
+        } else {
+          for (int c = 0; c < kVectors; ++c) _mm256_store_ps(widened[j] + c * kLanes, load_as_float(row + c * kLanes));
+          rows[j] = widened[j];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 acc[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          acc[j] = _mm256_mul_ps(_mm256_load_ps(query[g]), _mm256_loadu_ps(rows[j]));
+          for (int c = 1; c < kVectors; ++c)
+            acc[j] = _mm256_fmadd_ps(_mm256_load_ps(query[g] + c * kLanes), _mm256_loadu_ps(rows[j] + c * kLanes), acc[j]);
+        }
+        _mm256_storeu_ps(scores + g * padded + start, sums_of_eight(acc));
+      }
+    }
+  }
+
+  // out[g] = sum_key p[g][key] v_key / sum[g], kRows query rows and kPassVectors registers
+  // of dims at a time.
+  void values_of(int64_t b, int64_t head, int64_t length, const std::vector<int64_t>& offsets,
+                 const float* scores, int64_t padded, const float* inverse_sum) const {
+    for (int dims = 0; dims < kVectors; dims += kPassVectors) {
+      for (int64_t g0 = 0; g0 < G; g0 += kRows) {
+        __m256 o[kRows][kPassVectors];
+        for (int i = 0; i < kRows; ++i)
+          for (int d = 0; d < kPassVectors; ++d) o[i][d] = _mm256_setzero_ps();
+        for (int64_t key = 0; key < length; ++key) {
+          const Scalar* value = v_cache + offsets[key] + dims * kLanes;
+          if (g0 == 0) prefetch_row(v_cache + offsets[std::min(key + kPrefetch, length - 1)]);
+          __m256 v[kPassVectors];
+          for (int d = 0; d < kPassVectors; ++d) v[d] = load_as_float(value + d * kLanes);
+          for (int i = 0; i < kRows; ++i) {  // rows past G hold zeros
+            const __m256 p = _mm256_broadcast_ss(scores + (g0 + i) * padded + key);
+            for (int d = 0; d < kPassVectors; ++d) o[i][d] = _mm256_fmadd_ps(p, v[d], o[i][d]);
+          }
+        }
+        for (int i = 0; i < kRows && g0 + i < G; ++i) {
+          Scalar* dst = out + (b * H + head * G + g0 + i) * D + dims * kLanes;
+          const __m256 inverse = _mm256_set1_ps(inverse_sum[g0 + i]);
+          for (int d = 0; d < kPassVectors; ++d) store_from_float(dst + d * kLanes, _mm256_mul_ps(o[i][d], inverse));
+        }
+      }
+    }
+  }
+
+  void run_item(int64_t b, int64_t head, std::vector<float>& scores, std::vector<int64_t>& offsets) const {
+    const int64_t length = lengths[b];
+    const int64_t rows = (G + kRows - 1) / kRows * kRows;
+    const int64_t padded = (length + kLanes - 1) / kLanes * kLanes + kLanes;  // softmax pads to here
+    scores.assign(rows * padded, 0.0f);  // rows past G stay zero: the value sum adds nothing
+    key_offsets(b, head, length, offsets);
+    alignas(32) float query[kMaxGroup][D];
+    for (int64_t g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) query[g][d] = static_cast<float>(q[(b * H + head * G + g) * D + d]) * scale;
+    scores_of(query, length, offsets, scores.data(), padded);
+    float inverse_sum[kMaxGroup];
+    for (int64_t g = 0; g < G; ++g) inverse_sum[g] = 1.0f / softmax_numerators(scores.data() + g * padded, length);
+    values_of(b, head, length, offsets, scores.data(), padded, inverse_sum);
+  }
+
+  void run() const {
+    // One item per sequence, longest first, handed out one at a time (lengths differ up to
+    // ~20x in a batch). Its KV heads run back to back: a cache line holds every head of a
+    // token when heads are small, and the next head finds it in L2 instead of memory.
+    std::vector<int64_t> order(B);
+    for (int64_t b = 0; b < B; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+    const int threads = std::max(1, at::get_num_threads());
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scores;
+      std::vector<int64_t> offsets;
+      for (int64_t i; (i = next.fetch_add(1)) < B;)
+        for (int64_t head = 0; head < Hkv; ++head) run_item(order[i], head, scores, offsets);
+    });
+  }
+};
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& tables, const at::Tensor& lengths) {
+  baton_kernels::check_paged_decode_inputs(q, k_cache, v_cache, tables, lengths, kMaxGroup);
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  for_dtype_and_head_dim(q, [&]<typename Scalar, int D>() {
+    PagedDecode<Scalar, D> job;
+    job.q = q.data_ptr<Scalar>();
+    job.k_cache = k_cache.data_ptr<Scalar>();
+    job.v_cache = v_cache.data_ptr<Scalar>();
+    job.tables = tables.data_ptr<int64_t>();
+    job.lengths = lengths.data_ptr<int64_t>();
+    job.out = out.data_ptr<Scalar>();
+    job.B = q.size(0);
+    job.H = q.size(1);
+    job.Hkv = k_cache.size(2);
+    job.G = job.H / job.Hkv;
+    job.W = tables.size(1);
+    job.block_size = k_cache.size(1);
+    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.run();
+  });
+  return out;
+}
