@@ -28,9 +28,17 @@ constexpr int64_t kPrefetch = 16;  // keys ahead that the kernel asks the memory
 template <typename Scalar, int D>
 struct PagedDecode {
   static constexpr int kVectors = D / kLanes;  // registers of one row
-  // The value sum keeps kRows x kPassVectors accumulators in registers (at most 12 of 16).
+  // The value sum keeps Rows x kPassVectors accumulators in registers (at most 12 of 16):
+  // up to 3 query rows of 32 dims, or one row of 64.
   static constexpr int kPassVectors = kVectors < 8 ? kVectors : 8;
-  static constexpr int kRows = kPassVectors <= 4 ? 12 / kPassVectors : 1;
+  static constexpr int kMaxRows = kPassVectors <= 4 ? 12 / kPassVectors : 1;
+  // Rows a pass: the most that divide G (no pass computes a row of zeros), else the most.
+  int rows_per_pass() const {
+    const int most = static_cast<int>(std::min<int64_t>(kMaxRows, G));
+    for (int rows = most; rows > 1; --rows)
+      if (G % rows == 0) return rows;
+    return most;
+  }
 
   const Scalar* q;
   const Scalar* k_cache;
@@ -89,6 +97,7 @@ struct PagedDecode {
 
   // out[g] = sum_key p[g][key] v_key / sum[g], kRows query rows and kPassVectors registers
   // of dims at a time.
+  template <int kRows>
   void values_of(int64_t b, int64_t head, int64_t length, const std::vector<int64_t>& offsets,
                  const float* scores, int64_t padded, const float* inverse_sum) const {
     for (int dims = 0; dims < kVectors; dims += kPassVectors) {
@@ -117,7 +126,8 @@ struct PagedDecode {
 
   void run_item(int64_t b, int64_t head, std::vector<float>& scores, std::vector<int64_t>& offsets) const {
     const int64_t length = lengths[b];
-    const int64_t rows = (G + kRows - 1) / kRows * kRows;
+    const int rows_a_pass = rows_per_pass();
+    const int64_t rows = (G + rows_a_pass - 1) / rows_a_pass * rows_a_pass;
     const int64_t padded = (length + kLanes - 1) / kLanes * kLanes + kLanes;  // softmax pads to here
     scores.assign(rows * padded, 0.0f);  // rows past G stay zero: the value sum adds nothing
     key_offsets(b, head, length, offsets);
@@ -127,7 +137,14 @@ struct PagedDecode {
     scores_of(query, length, offsets, scores.data(), padded);
     float inverse_sum[kMaxGroup];
     for (int64_t g = 0; g < G; ++g) inverse_sum[g] = 1.0f / softmax_numerators(scores.data() + g * padded, length);
-    values_of(b, head, length, offsets, scores.data(), padded, inverse_sum);
+    auto values = [&]<int kRows>() {
+      if constexpr (kRows <= kMaxRows) values_of<kRows>(b, head, length, offsets, scores.data(), padded, inverse_sum);
+    };
+    switch (rows_a_pass) {
+      case 3: values.template operator()<3>(); break;
+      case 2: values.template operator()<2>(); break;
+      default: values.template operator()<1>(); break;
+    }
   }
 
   void run() const {
