@@ -79,7 +79,9 @@ class SchedulerConfig:
     target_iteration_ms: float = setting(200.0, "time-between-tokens target that sizes an auto "
                                          "token budget (SARATHI's rule)")
     tile_size: int = setting(0, "round budget = chunk + decodes down to a multiple of this; 0 = off")
-    max_running: int = setting(64, "most sequences decoding at once")
+    # vLLM's default too: a burst of requests all start at once (its TTFT), at no cost in
+    # throughput where decode attention reads the paged cache in place (baton's CPU kernels).
+    max_running: int = setting(256, "most sequences decoding at once")
     step_stall_s: float = setting(120.0, "a decode pod whose engine step has run this long is stuck: it "
                                   "fails its streams UNAVAILABLE (the gateway moves them), leaves "
                                   "routing and exits for its supervisor to restart it; 0 = never")
