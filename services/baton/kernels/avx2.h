@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace baton_avx2 {
 
@@ -91,6 +92,49 @@ inline void store_from_float(at::BFloat16* x, __m256 v) {
   alignas(32) float values[kLanes];
   _mm256_store_ps(values, v);
   for (int i = 0; i < kLanes; ++i) x[i] = static_cast<at::BFloat16>(values[i]);
+}
+
+// Eight key rows as fp32: fp32 rows where they lie, bf16 rows widened into `widened`.
+template <typename Scalar, int D>
+inline void rows_as_float(const Scalar* const rows[kLanes], float (*widened)[D], const float* out[kLanes]) {
+  for (int j = 0; j < kLanes; ++j) {
+    if constexpr (std::is_same_v<Scalar, float>) {
+      out[j] = rows[j];
+    } else {
+      for (int c = 0; c < D / kLanes; ++c) _mm256_storeu_ps(widened[j] + c * kLanes, load_as_float(rows[j] + c * kLanes));
+      out[j] = widened[j];
+    }
+  }
+}
+
+// The dot products of one query row (D floats) with eight key rows: each key's products
+// summed across lanes, all eight at once.
+template <int D>
+inline __m256 dot_eight(const float* query, const float* const keys[kLanes]) {
+  __m256 acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    acc[j] = _mm256_mul_ps(_mm256_loadu_ps(query), _mm256_loadu_ps(keys[j]));
+    for (int c = 1; c < D / kLanes; ++c)
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(query + c * kLanes), _mm256_loadu_ps(keys[j] + c * kLanes), acc[j]);
+  }
+  return sums_of_eight(acc);
+}
+
+// o[i] += sum over keys [0, num_keys) of p[i][key] * value(key), for kRows rows of
+// probabilities (row i at p + i * p_stride) and kVectors registers of a value row
+// (value(key) points at them); the accumulators stay in registers.
+template <int kRows, int kVectors, typename ValueRow>
+inline void add_weighted_values(__m256 (&o)[kRows][kVectors], const float* p, int64_t p_stride,
+                                int64_t num_keys, ValueRow value) {
+  for (int64_t key = 0; key < num_keys; ++key) {
+    const auto* row = value(key);
+    __m256 v[kVectors];
+    for (int d = 0; d < kVectors; ++d) v[d] = load_as_float(row + d * kLanes);
+    for (int i = 0; i < kRows; ++i) {
+      const __m256 weight = _mm256_broadcast_ss(p + i * p_stride + key);
+      for (int d = 0; d < kVectors; ++d) o[i][d] = _mm256_fmadd_ps(weight, v[d], o[i][d]);
+    }
+  }
 }
 
 // Runs job.template operator()<Scalar, D>() for q's dtype and head dim, the kernels' only

@@ -10,7 +10,7 @@
 // value sum. Everything is computed in fp32; bf16 keys and values are widened on load.
 
 #include "avx2.h"
-#include "paged_checks.h"
+#include "checks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -68,30 +68,18 @@ struct PagedDecode {
   // scores[g][key] = scale * q_g . k_key for every key, 8 keys at a time.
   void scores_of(const float (*query)[D], int64_t length, const std::vector<int64_t>& offsets,
                  float* scores, int64_t padded) const {
-    alignas(32) float widened[kLanes][D];  // bf16 key rows as fp32
+    float widened[kLanes][D];  // bf16 key rows as fp32
     for (int64_t start = 0; start < length; start += kLanes) {
-      const float* rows[kLanes];
+      const Scalar* rows[kLanes];
       for (int j = 0; j < kLanes; ++j) {
-        const Scalar* row = k_cache + offsets[std::min<int64_t>(start + j, length - 1)];
+        rows[j] = k_cache + offsets[std::min<int64_t>(start + j, length - 1)];
         // The blocks lie anywhere in the pool, so no hardware prefetcher sees the next one
         // coming: ask for the rows ahead.
         prefetch_row(k_cache + offsets[std::min<int64_t>(start + kPrefetch + j, length - 1)]);
-        if constexpr (std::is_same_v<Scalar, float>) {
-          rows[j] = row;
-        } else {
-          for (int c = 0; c < kVectors; ++c) _mm256_store_ps(widened[j] + c * kLanes, load_as_float(row + c * kLanes));
-          rows[j] = widened[j];
-        }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        __m256 acc[kLanes];
-        for (int j = 0; j < kLanes; ++j) {
-          acc[j] = _mm256_mul_ps(_mm256_load_ps(query[g]), _mm256_loadu_ps(rows[j]));
-          for (int c = 1; c < kVectors; ++c)
-            acc[j] = _mm256_fmadd_ps(_mm256_load_ps(query[g] + c * kLanes), _mm256_loadu_ps(rows[j] + c * kLanes), acc[j]);
-        }
-        _mm256_storeu_ps(scores + g * padded + start, sums_of_eight(acc));
-      }
+      const float* keys[kLanes];
+      rows_as_float<Scalar, D>(rows, widened, keys);
+      for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(scores + g * padded + start, dot_eight<D>(query[g], keys));
     }
   }
 
@@ -105,16 +93,10 @@ struct PagedDecode {
         __m256 o[kRows][kPassVectors];
         for (int i = 0; i < kRows; ++i)
           for (int d = 0; d < kPassVectors; ++d) o[i][d] = _mm256_setzero_ps();
-        for (int64_t key = 0; key < length; ++key) {
-          const Scalar* value = v_cache + offsets[key] + dims * kLanes;
+        add_weighted_values(o, scores + g0 * padded, padded, length, [&](int64_t key) {
           if (g0 == 0) prefetch_row(v_cache + offsets[std::min(key + kPrefetch, length - 1)]);
-          __m256 v[kPassVectors];
-          for (int d = 0; d < kPassVectors; ++d) v[d] = load_as_float(value + d * kLanes);
-          for (int i = 0; i < kRows; ++i) {  // rows past G hold zeros
-            const __m256 p = _mm256_broadcast_ss(scores + (g0 + i) * padded + key);
-            for (int d = 0; d < kPassVectors; ++d) o[i][d] = _mm256_fmadd_ps(p, v[d], o[i][d]);
-          }
-        }
+          return v_cache + offsets[key] + dims * kLanes;
+        });  // rows past G hold zeros
         for (int i = 0; i < kRows && g0 + i < G; ++i) {
           Scalar* dst = out + (b * H + head * G + g0 + i) * D + dims * kLanes;
           const __m256 inverse = _mm256_set1_ps(inverse_sum[g0 + i]);

@@ -5,8 +5,8 @@ have (small heads), a kernel of ours runs instead; see docs/runtime.md for the
 figures. They are compiled with torch's extension builder the first time a process
 needs them (~20-30 s; the build is cached under ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions`` and shared by later processes), one module per instruction
-set: every kernel on CPUs with AVX-512 and AVX512_BF16, the decode kernel on CPUs with
-AVX2 and FMA. An image builds them all once instead (``build(DIR)``) and points
+set: every kernel on CPUs with AVX-512 and AVX512_BF16, the attention kernels on CPUs
+with AVX2 and FMA. An image builds them all once instead (``build(DIR)``) and points
 ``BATON_KERNEL_DIR`` at DIR: its pods load the one for their CPU from there, read-only.
 Without those instructions, without a compiler, or with ``BATON_CPU_KERNELS=0``,
 ``kernels()`` is None and callers use torch's kernels.
@@ -56,11 +56,12 @@ class Build:
 # Every kernel, on CPUs with AVX-512 and AVX512_BF16 (bf16 products in hardware).
 AVX512 = Build("avx512", ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp",
                           "cpu_attention_scores.cpp", "cpu_elementwise.cpp", "cpu_bindings.cpp"),
-               ("cpu.h", "paged_checks.h"),
+               ("cpu.h", "checks.h"),
                ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                 "-mfma", "-fno-math-errno", "-fopenmp"))
-# The decode kernel, on CPUs with AVX2 and FMA only.
-AVX2 = Build("avx2", ("avx2_decode_attention.cpp", "avx2_bindings.cpp"), ("avx2.h", "paged_checks.h"),
+# The attention kernels, on CPUs with AVX2 and FMA only.
+AVX2 = Build("avx2", ("avx2_causal_attention.cpp", "avx2_decode_attention.cpp", "avx2_bindings.cpp"),
+             ("avx2.h", "checks.h"),
              ("-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"))
 BUILDS = (AVX512, AVX2)
 HEAD_DIMS = (32, 64, 128)
@@ -82,7 +83,7 @@ def kernels() -> ModuleType | None:
     """The compiled module, or None where none can run. With AVX-512: ``causal_attention``
     (prompts and prefix slices), ``paged_decode_attention`` (decode batches), a Llama
     layer's element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``), and
-    PyramidInfer's ``attention_scores``; with AVX2 only, ``paged_decode_attention``
+    PyramidInfer's ``attention_scores``; with AVX2 only, the two attention kernels
     (``has()`` tells)."""
     chosen = build_for_this_cpu()
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or chosen is None:

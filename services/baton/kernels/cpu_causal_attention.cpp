@@ -18,6 +18,7 @@
 // [T, H, D] in q's dtype.
 
 #include "cpu.h"
+#include "checks.h"
 
 #include <algorithm>
 #include <atomic>
@@ -232,18 +233,7 @@ struct Causal {
 }  // namespace
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [len, heads, dim]");
-  // Rows may be strided (q, k and v as views of one fused projection): each token's heads
-  // must lie side by side.
-  for (const at::Tensor* x : {&q, &k, &v})
-    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) && x->stride(0) >= x->size(1) * x->size(2),
-                "q, k, v must hold each token's heads side by side ([len, heads, dim] with dim and "
-                "heads contiguous; rows may be strided)");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "q, k, v must share a dtype");
-  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
-  TORCH_CHECK(k.size(0) >= q.size(0), "fewer keys (", k.size(0), ") than queries (", q.size(0), ")");
-  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "head counts or dims disagree");
+  baton_kernels::check_causal_inputs(q, k, v);
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   for_dtype_and_head_dim(q, [&]<typename Type, int D>() {

@@ -9,7 +9,7 @@
 // again), then the softmax, then the value sum in fp32. Probabilities stay fp32.
 
 #include "cpu.h"
-#include "paged_checks.h"
+#include "checks.h"
 
 #include <algorithm>
 #include <atomic>

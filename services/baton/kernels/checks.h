@@ -1,4 +1,4 @@
-// The paged decode kernels' input checks, one rule for every instruction set's build.
+// The kernels' input checks, one rule for every instruction set's build.
 #pragma once
 
 #include <torch/extension.h>
@@ -27,6 +27,21 @@ inline void check_paged_decode_inputs(const at::Tensor& q, const at::Tensor& k_c
     TORCH_CHECK(length[b] >= 1 && length[b] <= tables.size(1) * k_cache.size(1),
                 "length ", length[b], " of sequence ", b, " is not within its table's ",
                 tables.size(1) * k_cache.size(1), " slots");
+}
+
+// q [T, H, D], k and v [S, Hkv, D], S >= T, one dtype; each token's heads side by side (rows
+// may be strided: q, k and v as views of one fused projection).
+inline void check_causal_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [len, heads, dim]");
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2) && x->stride(0) >= x->size(1) * x->size(2),
+                "q, k, v must hold each token's heads side by side ([len, heads, dim] with dim and "
+                "heads contiguous; rows may be strided)");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k, v must share a dtype");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
+  TORCH_CHECK(k.size(0) >= q.size(0), "fewer keys (", k.size(0), ") than queries (", q.size(0), ")");
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "head counts or dims disagree");
 }
 
 }  // namespace baton_kernels
