@@ -69,7 +69,8 @@ RUN pip install -e . \
 # baton's CPU kernels, compiled once here: the pods' root filesystem is read-only, and a
 # build at start would cost each pod ~30 s (services/baton/kernels/cpu.py).
 ENV BATON_KERNEL_DIR=/opt/baton/kernels
-# (x86 only: elsewhere the pods run torch's kernels, as on any CPU without AVX512-BF16.)
+# Both instruction sets' modules (AVX512-BF16 and AVX2), for whichever x86 CPU a pod lands on
+# (elsewhere the pods run torch's kernels, as on an x86 CPU without AVX2).
 RUN if [ "$(uname -m)" = x86_64 ]; then \
         python -c "from baton.kernels.cpu import build; build('${BATON_KERNEL_DIR}')"; \
     fi

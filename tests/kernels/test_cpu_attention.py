@@ -131,6 +131,16 @@ def test_bad_inputs_are_refused_with_the_value():
         kernel.causal_attention(q, k.double(), v)
 
 
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no AVX2 CPU or no compiler here")
+def test_each_cpu_gets_the_kernels_of_its_instruction_set():
+    chosen = cpu_kernels.build_for_this_cpu()
+    assert cpu_kernels.kernels().__name__ == chosen.name
+    assert cpu_kernels.has("causal_attention") and cpu_kernels.has("paged_decode_attention")
+    # the element-wise steps and PyramidInfer's scores have no AVX2 build
+    for name in ("rms_norm", "silu_and_mul", "rotary_", "attention_scores"):
+        assert cpu_kernels.has(name) == (chosen is cpu_kernels.AVX512), name
+
+
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("BATON_CPU_KERNELS", "0")
     assert cpu_kernels.kernels.__wrapped__() is None
