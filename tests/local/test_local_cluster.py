@@ -122,8 +122,12 @@ def test_a_killed_redis_server_is_restarted_after_each_back_off(cluster, tmp_pat
         cluster.redis.wait_ready(WAIT_S)
 
 
+@pytest.mark.parametrize("message", [  # as gRPC's server says it, and as asyncio's (the HTTP door)
+    "OSError: [Errno 98] Address already in use",
+    "OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 55313): "
+    "address already in use"])
 def test_a_child_that_lost_its_port_at_start_starts_again_and_other_deaths_are_reported(
-        cluster, monkeypatch):
+        cluster, monkeypatch, message):
     spawned = []
 
     def spawn(name, role, args):  # a stand-in for a real start
@@ -133,7 +137,7 @@ def test_a_child_that_lost_its_port_at_start_starts_again_and_other_deaths_are_r
     monkeypatch.setattr(cluster, "_spawn", spawn)
     lost, crashed = add_child(cluster, "decode-0"), add_child(cluster, "decode-1")
     lost.args = ["--flag"]
-    lost.log_path.write_text("earlier start: OSError: [Errno 98] Address already in use\n")
+    lost.log_path.write_text(f"earlier start: {message}\n")
     crashed.log_path.write_text("earlier start: OSError: [Errno 98] Address already in use\n")
     crashed.log_start = crashed.log_path.stat().st_size  # that was an earlier start's death
     with crashed.log_path.open("a") as log:

@@ -80,7 +80,7 @@ RESTART_BACKOFF_MAX_S = 30.0
 RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_BACKOFF_S again
 MAX_DECODE_WORKERS = 8
 START_PORT_RETRIES = 3  # starts of a child that lost a port picked for it to another process
-PORT_TAKEN = "Address already in use"
+PORT_TAKEN = "address already in use"  # matched in any case: grpc and asyncio differ
 
 
 
@@ -164,7 +164,7 @@ class Child:
         """This start died binding a port another process took since it was picked."""
         with self.log_path.open("rb") as log:
             log.seek(self.log_start)
-            return PORT_TAKEN in log.read().decode(errors="replace")
+            return PORT_TAKEN in log.read().decode(errors="replace").lower()
 
 
 class LocalCluster:
