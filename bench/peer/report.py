@@ -48,18 +48,19 @@ def render(results: dict, notes: str = "") -> str:
         lines += served_section(results)
         lines += kept_section(results)
     lines += goals_section(results)
-    lines += notes_section(results, notes)
+    lines += notes_section(results["commit"], notes, "peer-notes.md")
     return "\n".join(lines) + "\n"
 
 
-def notes_section(results: dict, notes: str) -> list[str]:
-    """The notes, if they were written for this run (first line ``<!-- results: COMMIT -->``);
-    notes of another run would explain figures that are not these."""
+def notes_section(commit: str, notes: str, name: str) -> list[str]:
+    """The notes (file ``name``), if they were written for the run of ``commit`` (first line
+    ``<!-- results: COMMIT -->``); notes of another run would explain figures that are not
+    these."""
     if not notes:
         return []
     first, _, body = notes.partition("\n")
-    if first.strip() != f"<!-- results: {results['commit']} -->":
-        return ["(The notes in peer-notes.md were written for another run and are left out.)", ""]
+    if first.strip() != f"<!-- results: {commit} -->":
+        return [f"(The notes in {name} were written for another run and are left out.)", ""]
     return [body.strip(), ""]
 
 
