@@ -56,12 +56,12 @@ class Build:
 # Every kernel, on CPUs with AVX-512 and AVX512_BF16 (bf16 products in hardware).
 AVX512 = Build("avx512", ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp",
                           "cpu_attention_scores.cpp", "cpu_elementwise.cpp", "cpu_bindings.cpp"),
-               ("cpu.h", "checks.h"),
+               ("cpu.h", "common.h"),
                ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                 "-mfma", "-fno-math-errno", "-fopenmp"))
 # The attention kernels, on CPUs with AVX2 and FMA only.
 AVX2 = Build("avx2", ("avx2_causal_attention.cpp", "avx2_decode_attention.cpp", "avx2_bindings.cpp"),
-             ("avx2.h", "checks.h"),
+             ("avx2.h", "common.h"),
              ("-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"))
 BUILDS = (AVX512, AVX2)
 HEAD_DIMS = (32, 64, 128)

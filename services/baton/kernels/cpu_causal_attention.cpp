@@ -18,7 +18,7 @@
 // [T, H, D] in q's dtype.
 
 #include "cpu.h"
-#include "checks.h"
+#include "common.h"
 
 #include <algorithm>
 #include <atomic>
@@ -209,15 +209,7 @@ struct Causal {
     keys.assign(Hkv * key_tiles * kSteps * kTile, 0);
     values.assign(Hkv * (key_pad / kDepth) * D, 0);
     const int64_t per_item = std::max<int64_t>(1, kTargetRows / G);
-    const int64_t q_blocks = (T + per_item - 1) / per_item;
-    // Work items, the longest first (a later query block sees more keys), handed out one at
-    // a time: items differ in cost up to S / per_item times, and a static split would leave
-    // one core waiting for the other.
-    struct Item { int64_t head, t0, count; };
-    std::vector<Item> items;
-    for (int64_t b = q_blocks - 1; b >= 0; --b)
-      for (int64_t head = 0; head < Hkv; ++head)
-        items.push_back({head, b * per_item, std::min(per_item, T - b * per_item)});
+    const std::vector<baton_kernels::CausalItem> items = baton_kernels::causal_items(T, Hkv, per_item);
     const int threads = std::max(1, at::get_num_threads());
     std::atomic<int64_t> next_head{0}, next_item{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {

@@ -9,7 +9,7 @@
 // again), then the softmax, then the value sum in fp32. Probabilities stay fp32.
 
 #include "cpu.h"
-#include "checks.h"
+#include "common.h"
 
 #include <algorithm>
 #include <atomic>
@@ -48,16 +48,8 @@ struct PagedDecode {
       _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
   }
 
-  // Where each key's row of this KV head starts (in elements), walking the block table once:
-  // no division per key.
   void key_offsets(int64_t b, int64_t head, int64_t length, std::vector<int64_t>& offsets) const {
-    offsets.resize(length);
-    const int64_t* table = tables + b * W;
-    for (int64_t key = 0, block = 0; key < length; ++block) {
-      const int64_t base = table[block] * block_size;
-      for (int64_t slot = 0; slot < block_size && key < length; ++slot, ++key)
-        offsets[key] = ((base + slot) * Hkv + head) * D;
-    }
+    baton_kernels::paged_key_offsets(tables + b * W, block_size, Hkv, D, head, length, offsets);
   }
 
   void run_item(int64_t b, int64_t head, std::vector<float>& scores, std::vector<int64_t>& offsets) {
@@ -127,9 +119,7 @@ struct PagedDecode {
     // One item per sequence, longest first, handed out one at a time (lengths differ up to
     // ~20x in a batch). Its KV heads run back to back: a cache line holds every head of a
     // token when heads are small, and the next head finds it in L2 instead of memory.
-    std::vector<int64_t> order(B);
-    for (int64_t b = 0; b < B; ++b) order[b] = b;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+    const std::vector<int64_t> order = baton_kernels::longest_first(lengths, B);
     const int threads = std::max(1, at::get_num_threads());
     std::atomic<int64_t> next{0};
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {

@@ -1,9 +1,12 @@
-// The kernels' input checks, one rule for every instruction set's build.
+// What every instruction set's kernels share that is not vector code: their input checks, the
+// paged cache's layout and how work items are ordered. One rule for every build.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace baton_kernels {
 
@@ -42,6 +45,40 @@ inline void check_causal_inputs(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
   TORCH_CHECK(k.size(0) >= q.size(0), "fewer keys (", k.size(0), ") than queries (", q.size(0), ")");
   TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "head counts or dims disagree");
+}
+
+// Where each of a sequence's first `length` keys' rows of one KV head starts (in elements) in
+// a paged cache [blocks, block_size, Hkv, D], in table order: the table walked once, no
+// division per key.
+inline void paged_key_offsets(const int64_t* table, int64_t block_size, int64_t Hkv, int64_t D,
+                              int64_t head, int64_t length, std::vector<int64_t>& offsets) {
+  offsets.resize(length);
+  for (int64_t key = 0, block = 0; key < length; ++block) {
+    const int64_t base = table[block] * block_size;
+    for (int64_t slot = 0; slot < block_size && key < length; ++slot, ++key)
+      offsets[key] = ((base + slot) * Hkv + head) * D;
+  }
+}
+
+// A decode batch's sequences, the longest first: handed out one at a time, the costliest
+// start first (lengths differ up to ~20x in a batch).
+inline std::vector<int64_t> longest_first(const int64_t* lengths, int64_t B) {
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+  return order;
+}
+
+// The prompt kernels' work items: one KV head and `count` query tokens from t0, the last
+// query blocks first (a later block sees more keys), so items handed out one at a time
+// end together: they differ in cost up to S / per_item times.
+struct CausalItem { int64_t head, t0, count; };
+inline std::vector<CausalItem> causal_items(int64_t T, int64_t Hkv, int64_t per_item) {
+  std::vector<CausalItem> items;
+  for (int64_t b = (T + per_item - 1) / per_item - 1; b >= 0; --b)
+    for (int64_t head = 0; head < Hkv; ++head)
+      items.push_back({head, b * per_item, std::min(per_item, T - b * per_item)});
+  return items;
 }
 
 }  // namespace baton_kernels
