@@ -31,19 +31,15 @@ using namespace baton_avx2;
 constexpr int64_t kTargetRows = 32;  // query rows (query tokens x grouped heads) per work item
 
 template <typename Scalar, int D>
-struct Causal {
+struct Causal : baton_kernels::CausalArgs<Scalar> {
   static constexpr int kVectors = D / kLanes;  // registers of one row
   // The value sum keeps kRows x kPassVectors accumulators in registers (at most 12 of 16).
   static constexpr int kPassVectors = kVectors < 8 ? kVectors : 8;
   static constexpr int kRows = kPassVectors <= 4 ? 12 / kPassVectors : 1;
 
-  const Scalar* q;
-  const Scalar* k;
-  const Scalar* v;
-  Scalar* out;
-  int64_t T, S, H, Hkv, G;
-  int64_t q_row, k_row, v_row;  // elements from one token's row to the next
-  float scale;
+  using Args = baton_kernels::CausalArgs<Scalar>;
+  using Args::q, Args::k, Args::v, Args::out, Args::T, Args::S, Args::H, Args::Hkv, Args::G;
+  using Args::q_row, Args::k_row, Args::v_row, Args::scale;
 
   struct Scratch {
     std::vector<float> query, scores, inverse_sum;
@@ -109,12 +105,8 @@ struct Causal {
   void run() const {
     const int64_t per_item = std::max<int64_t>(1, kTargetRows / G);
     const std::vector<baton_kernels::CausalItem> items = baton_kernels::causal_items(T, Hkv, per_item);
-    const int threads = std::max(1, at::get_num_threads());
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      Scratch scratch;
-      for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());)
-        run_item(items[i].head, items[i].t0, items[i].count, scratch);
+    baton_kernels::for_each_item<Scratch>(static_cast<int64_t>(items.size()), [&](int64_t i, Scratch& scratch) {
+      run_item(items[i].head, items[i].t0, items[i].count, scratch);
     });
   }
 };
@@ -127,19 +119,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (q.size(0) == 0) return out;
   for_dtype_and_head_dim(q, [&]<typename Scalar, int D>() {
     Causal<Scalar, D> job;
-    job.q = q.data_ptr<Scalar>();
-    job.k = k.data_ptr<Scalar>();
-    job.v = v.data_ptr<Scalar>();
-    job.out = out.data_ptr<Scalar>();
-    job.q_row = q.stride(0);
-    job.k_row = k.stride(0);
-    job.v_row = v.stride(0);
-    job.T = q.size(0);
-    job.H = q.size(1);
-    job.S = k.size(0);
-    job.Hkv = k.size(1);
-    job.G = job.H / job.Hkv;
-    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.bind(q, k, v, out);
     job.run();
   });
   return out;

@@ -26,7 +26,7 @@ constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel take
 constexpr int64_t kPrefetch = 16;  // keys ahead that the kernel asks the memory for
 
 template <typename Scalar, int D>
-struct PagedDecode {
+struct PagedDecode : baton_kernels::PagedDecodeArgs<Scalar> {
   static constexpr int kVectors = D / kLanes;  // registers of one row
   // The value sum keeps Rows x kPassVectors accumulators in registers (at most 12 of 16):
   // up to 3 query rows of 32 dims, or one row of 64.
@@ -40,14 +40,9 @@ struct PagedDecode {
     return most;
   }
 
-  const Scalar* q;
-  const Scalar* k_cache;
-  const Scalar* v_cache;
-  const int64_t* tables;
-  const int64_t* lengths;
-  Scalar* out;
-  int64_t B, H, Hkv, G, W, block_size;
-  float scale;
+  using Args = baton_kernels::PagedDecodeArgs<Scalar>;
+  using Args::q, Args::k_cache, Args::v_cache, Args::tables, Args::lengths, Args::out;
+  using Args::B, Args::H, Args::Hkv, Args::G, Args::W, Args::block_size, Args::scale;
 
   static inline void prefetch_row(const Scalar* row) {
     for (size_t byte = 0; byte < D * sizeof(Scalar); byte += 64)
@@ -123,17 +118,8 @@ struct PagedDecode {
   }
 
   void run() const {
-    // One item per sequence, longest first, handed out one at a time (lengths differ up to
-    // ~20x in a batch). Its KV heads run back to back: a cache line holds every head of a
-    // token when heads are small, and the next head finds it in L2 instead of memory.
-    const std::vector<int64_t> order = baton_kernels::longest_first(lengths, B);
-    const int threads = std::max(1, at::get_num_threads());
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scores;
-      std::vector<int64_t> offsets;
-      for (int64_t i; (i = next.fetch_add(1)) < B;)
-        for (int64_t head = 0; head < Hkv; ++head) run_item(order[i], head, scores, offsets);
+    this->for_each_sequence([&](int64_t b, int64_t head, baton_kernels::DecodeScratch& scratch) {
+      run_item(b, head, scratch.scores, scratch.offsets);
     });
   }
 };
@@ -147,19 +133,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   if (q.size(0) == 0) return out;
   for_dtype_and_head_dim(q, [&]<typename Scalar, int D>() {
     PagedDecode<Scalar, D> job;
-    job.q = q.data_ptr<Scalar>();
-    job.k_cache = k_cache.data_ptr<Scalar>();
-    job.v_cache = v_cache.data_ptr<Scalar>();
-    job.tables = tables.data_ptr<int64_t>();
-    job.lengths = lengths.data_ptr<int64_t>();
-    job.out = out.data_ptr<Scalar>();
-    job.B = q.size(0);
-    job.H = q.size(1);
-    job.Hkv = k_cache.size(2);
-    job.G = job.H / job.Hkv;
-    job.W = tables.size(1);
-    job.block_size = k_cache.size(1);
-    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.bind(q, k_cache, v_cache, tables, lengths, out);
     job.run();
   });
   return out;

@@ -4,7 +4,11 @@
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -60,14 +64,95 @@ inline void paged_key_offsets(const int64_t* table, int64_t block_size, int64_t 
   }
 }
 
-// A decode batch's sequences, the longest first: handed out one at a time, the costliest
-// start first (lengths differ up to ~20x in a batch).
-inline std::vector<int64_t> longest_first(const int64_t* lengths, int64_t B) {
-  std::vector<int64_t> order(B);
-  for (int64_t b = 0; b < B; ++b) order[b] = b;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
-  return order;
+// Runs run(i, scratch) for i in [0, count), items handed out one at a time to torch's threads
+// (each thread's Scratch made once): items that differ in cost end together.
+template <typename Scratch, typename Run>
+void for_each_item(int64_t count, Run&& run) {
+  const int threads = std::max(1, at::get_num_threads());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i; (i = next.fetch_add(1)) < count;) run(i, scratch);
+  });
 }
+
+struct NoScratch {};
+struct DecodeScratch {  // a thread's buffers for one sequence and KV head at a time
+  std::vector<float> scores;
+  std::vector<int64_t> offsets;
+};
+
+// What a paged decode kernel reads and writes, taken from its (checked) tensors.
+template <typename Scalar>
+struct PagedDecodeArgs {
+  const Scalar* q;
+  const Scalar* k_cache;
+  const Scalar* v_cache;
+  const int64_t* tables;
+  const int64_t* lengths;
+  Scalar* out;
+  int64_t B, H, Hkv, G, W, block_size;
+  float scale;
+
+  void bind(const at::Tensor& q_, const at::Tensor& k_cache_, const at::Tensor& v_cache_,
+            const at::Tensor& tables_, const at::Tensor& lengths_, at::Tensor& out_) {
+    q = q_.data_ptr<Scalar>();
+    k_cache = k_cache_.data_ptr<Scalar>();
+    v_cache = v_cache_.data_ptr<Scalar>();
+    tables = tables_.data_ptr<int64_t>();
+    lengths = lengths_.data_ptr<int64_t>();
+    out = out_.data_ptr<Scalar>();
+    B = q_.size(0);
+    H = q_.size(1);
+    Hkv = k_cache_.size(2);
+    G = H / Hkv;
+    W = tables_.size(1);
+    block_size = k_cache_.size(1);
+    scale = 1.0f / std::sqrt(static_cast<float>(q_.size(2)));
+  }
+
+  // Runs item(b, head, scratch) (a DecodeScratch) for every sequence and KV head: one item per sequence,
+  // longest first, handed out one at a time (lengths differ up to ~20x in a batch). Its KV
+  // heads run back to back: a cache line holds every head of a token when heads are small,
+  // and the next head finds it in L2 instead of memory.
+  template <typename Item>
+  void for_each_sequence(Item&& item) const {
+    std::vector<int64_t> order(B);
+    for (int64_t b = 0; b < B; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lengths[x] > lengths[y]; });
+    for_each_item<DecodeScratch>(B, [&](int64_t i, DecodeScratch& scratch) {
+      for (int64_t head = 0; head < Hkv; ++head) item(order[i], head, scratch);
+    });
+  }
+};
+
+// What a prompt kernel reads and writes, taken from its (checked) tensors.
+template <typename Scalar>
+struct CausalArgs {
+  const Scalar* q;
+  const Scalar* k;
+  const Scalar* v;
+  Scalar* out;
+  int64_t T, S, H, Hkv, G;
+  int64_t q_row, k_row, v_row;  // elements from one token's row to the next
+  float scale;
+
+  void bind(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, at::Tensor& out_) {
+    q = q_.data_ptr<Scalar>();
+    k = k_.data_ptr<Scalar>();
+    v = v_.data_ptr<Scalar>();
+    out = out_.data_ptr<Scalar>();
+    q_row = q_.stride(0);
+    k_row = k_.stride(0);
+    v_row = v_.stride(0);
+    T = q_.size(0);
+    H = q_.size(1);
+    S = k_.size(0);
+    Hkv = k_.size(1);
+    G = H / Hkv;
+    scale = 1.0f / std::sqrt(static_cast<float>(q_.size(2)));
+  }
+};
 
 // The prompt kernels' work items: one KV head and `count` query tokens from t0, the last
 // query blocks first (a later block sees more keys), so items handed out one at a time

@@ -39,7 +39,7 @@ constexpr int kTargetRows = 64;   // query rows (query tokens x grouped heads) p
 // --- One sequence's attention -----------------------------------------------------------
 
 template <typename Type, int D>
-struct Causal {
+struct Causal : baton_kernels::CausalArgs<typename Type::Scalar> {
   using Scalar = typename Type::Scalar;
   static constexpr int kDepth = Type::kDepth;
   static constexpr int kSteps = D / kDepth;      // depth steps of a score product
@@ -51,13 +51,9 @@ struct Causal {
   static_assert(kRowBlock % kScoreRows == 0 && kRowBlock % kValueRows == 0,
                 "padded rows must fill whole score and value tiles");
 
-  const Scalar* q;
-  const Scalar* k;
-  const Scalar* v;
-  Scalar* out;
-  int64_t T, S, H, Hkv, G;
-  int64_t q_row, k_row, v_row;  // elements from one token's row to the next
-  float scale;
+  using Args = baton_kernels::CausalArgs<Scalar>;
+  using Args::q, Args::k, Args::v, Args::out, Args::T, Args::S, Args::H, Args::Hkv, Args::G;
+  using Args::q_row, Args::k_row, Args::v_row, Args::scale;
   int64_t key_tiles, key_pad;
   std::vector<uint32_t> keys, values;  // re-laid out, per KV head (see the types above)
 
@@ -210,14 +206,10 @@ struct Causal {
     values.assign(Hkv * (key_pad / kDepth) * D, 0);
     const int64_t per_item = std::max<int64_t>(1, kTargetRows / G);
     const std::vector<baton_kernels::CausalItem> items = baton_kernels::causal_items(T, Hkv, per_item);
-    const int threads = std::max(1, at::get_num_threads());
-    std::atomic<int64_t> next_head{0}, next_item{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t head; (head = next_head.fetch_add(1)) < Hkv;) pack(head);
-    });
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t i; (i = next_item.fetch_add(1)) < static_cast<int64_t>(items.size());)
-        run_item(items[i].head, items[i].t0, items[i].count);
+    using baton_kernels::NoScratch;
+    baton_kernels::for_each_item<NoScratch>(Hkv, [&](int64_t head, NoScratch&) { pack(head); });
+    baton_kernels::for_each_item<NoScratch>(static_cast<int64_t>(items.size()), [&](int64_t i, NoScratch&) {
+      run_item(items[i].head, items[i].t0, items[i].count);
     });
   }
 };
@@ -231,19 +223,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   for_dtype_and_head_dim(q, [&]<typename Type, int D>() {
     using Scalar = typename Type::Scalar;
     Causal<Type, D> job;
-    job.q = q.data_ptr<Scalar>();
-    job.k = k.data_ptr<Scalar>();
-    job.v = v.data_ptr<Scalar>();
-    job.out = out.data_ptr<Scalar>();
-    job.q_row = q.stride(0);
-    job.k_row = k.stride(0);
-    job.v_row = v.stride(0);
-    job.T = q.size(0);
-    job.H = q.size(1);
-    job.S = k.size(0);
-    job.Hkv = k.size(1);
-    job.G = job.H / job.Hkv;
-    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.bind(q, k, v, out);
     job.run();
   });
   return out;

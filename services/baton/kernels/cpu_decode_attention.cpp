@@ -27,21 +27,16 @@ constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel take
 constexpr int64_t kPrefetch = 32;  // keys ahead that the decode kernel asks the memory for
 
 template <typename Type, int D>
-struct PagedDecode {
+struct PagedDecode : baton_kernels::PagedDecodeArgs<typename Type::Scalar> {
   using Scalar = typename Type::Scalar;
   static constexpr int kDepth = Type::kDepth;
   static constexpr int kWords = D / kDepth;   // 32-bit words of a key row
   static constexpr int kDimTiles = D / kTile;
   static constexpr int kRows = D <= 64 ? 4 : 2;  // query rows per register tile of the value sum
 
-  const Scalar* q;
-  const Scalar* k_cache;
-  const Scalar* v_cache;
-  const int64_t* tables;
-  const int64_t* lengths;
-  Scalar* out;
-  int64_t B, H, Hkv, G, W, block_size;
-  float scale;
+  using Args = baton_kernels::PagedDecodeArgs<Scalar>;
+  using Args::q, Args::k_cache, Args::v_cache, Args::tables, Args::lengths, Args::out;
+  using Args::B, Args::H, Args::Hkv, Args::G, Args::W, Args::block_size, Args::scale;
 
   static inline void prefetch_row(const Scalar* row) {
     for (size_t byte = 0; byte < D * sizeof(Scalar); byte += 64)
@@ -52,7 +47,7 @@ struct PagedDecode {
     baton_kernels::paged_key_offsets(tables + b * W, block_size, Hkv, D, head, length, offsets);
   }
 
-  void run_item(int64_t b, int64_t head, std::vector<float>& scores, std::vector<int64_t>& offsets) {
+  void run_item(int64_t b, int64_t head, std::vector<float>& scores, std::vector<int64_t>& offsets) const {
     const int64_t length = lengths[b];
     const int64_t rows = (G + kRows - 1) / kRows * kRows;
     const int64_t padded = (length + kTile - 1) / kTile * kTile;
@@ -115,18 +110,9 @@ struct PagedDecode {
     }
   }
 
-  void run() {
-    // One item per sequence, longest first, handed out one at a time (lengths differ up to
-    // ~20x in a batch). Its KV heads run back to back: a cache line holds every head of a
-    // token when heads are small, and the next head finds it in L2 instead of memory.
-    const std::vector<int64_t> order = baton_kernels::longest_first(lengths, B);
-    const int threads = std::max(1, at::get_num_threads());
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scores;
-      std::vector<int64_t> offsets;
-      for (int64_t i; (i = next.fetch_add(1)) < B;)
-        for (int64_t head = 0; head < Hkv; ++head) run_item(order[i], head, scores, offsets);
+  void run() const {
+    this->for_each_sequence([&](int64_t b, int64_t head, baton_kernels::DecodeScratch& scratch) {
+      run_item(b, head, scratch.scores, scratch.offsets);
     });
   }
 };
@@ -141,19 +127,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   for_dtype_and_head_dim(q, [&]<typename Type, int D>() {
     using Scalar = typename Type::Scalar;
     PagedDecode<Type, D> job;
-    job.q = q.data_ptr<Scalar>();
-    job.k_cache = k_cache.data_ptr<Scalar>();
-    job.v_cache = v_cache.data_ptr<Scalar>();
-    job.tables = tables.data_ptr<int64_t>();
-    job.lengths = lengths.data_ptr<int64_t>();
-    job.out = out.data_ptr<Scalar>();
-    job.B = q.size(0);
-    job.H = q.size(1);
-    job.Hkv = k_cache.size(2);
-    job.G = job.H / job.Hkv;
-    job.W = tables.size(1);
-    job.block_size = k_cache.size(1);
-    job.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    job.bind(q, k_cache, v_cache, tables, lengths, out);
     job.run();
   });
   return out;
