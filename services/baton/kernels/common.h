@@ -166,4 +166,98 @@ inline std::vector<CausalItem> causal_items(int64_t T, int64_t Hkv, int64_t per_
   return items;
 }
 
+// The element-wise kernels' rows: x [rows, width], unit column stride, bf16 or fp32, width a
+// multiple of 16 (one AVX-512 register; two AVX2 ones).
+inline void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, width] with unit column stride");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              name, " has dtype ", x.scalar_type(), ", not bfloat16 or float32");
+  TORCH_CHECK(x.size(1) % 16 == 0, name, " width ", x.size(1), " is not a multiple of 16");
+}
+
+// silu_and_mul's x [rows, 2n]: gate then up, n a multiple of 16.
+inline void check_silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 32 == 0, "x width ", x.size(1), " is not twice a multiple of 16");
+}
+
+// rms_norm's x [rows, width] (contiguous) and its weight [width].
+inline void check_norm(const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous()
+              && weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [", x.size(1),
+              "] of x's dtype");
+}
+
+// rotary_'s x [rows, >= heads * head_dim] and cos, sin [rows, head_dim], head_dim a multiple of 32.
+inline void check_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                         int64_t head_dim) {
+  check_rows(x, "x");
+  TORCH_CHECK(head_dim % 32 == 0, "head_dim ", head_dim, " is not a multiple of 32");
+  TORCH_CHECK(heads >= 0 && heads * head_dim <= x.size(1), heads, " heads of ", head_dim,
+              " do not fit a row of ", x.size(1));
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == head_dim && t->is_contiguous()
+                && t->scalar_type() == x.scalar_type(), "cos and sin must be contiguous [", x.size(0), ", ",
+                head_dim, "] of x's dtype");
+}
+
+// Runs body(Scalar{}) with x's dtype (bf16 or fp32, checked before) as Scalar.
+template <typename Body>
+void for_row_dtype(const at::Tensor& x, Body&& body) {
+  if (x.scalar_type() == at::kBFloat16) body(at::BFloat16{});
+  else body(float{});
+}
+
+// The element-wise kernels' rows in parallel tasks of 16 (small batches run inline).
+template <typename F>
+void over_rows(int64_t rows, const F& body) {
+  at::parallel_for(0, rows, 16, body);
+}
+
+// The element-wise kernels' entry points, for either instruction set's row loops (generic
+// lambdas over the row's scalar type):
+//   silu_rows(x, x_stride, out, width, begin, end)
+//   norm_row(x_row, weight, out_row, width, eps)
+//   rotary_rows(x, stride, cos, sin, heads, head_dim, begin, end)
+template <typename SiluRows>
+at::Tensor silu_and_mul_with(const at::Tensor& x, SiluRows silu_rows) {
+  check_silu_and_mul(x);
+  const int64_t width = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), width}, x.options());
+  for_row_dtype(x, [&](auto scalar) {
+    using T = decltype(scalar);
+    over_rows(x.size(0), [&](int64_t b, int64_t e) {
+      silu_rows(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), width, b, e); });
+  });
+  return out;
+}
+
+template <typename NormRow>
+at::Tensor rms_norm_with(const at::Tensor& x, const at::Tensor& weight, double eps, NormRow norm_row) {
+  check_norm(x, weight);
+  at::Tensor out = at::empty_like(x);
+  const int64_t width = x.size(1);
+  for_row_dtype(x, [&](auto scalar) {
+    using T = decltype(scalar);
+    const T *in = x.data_ptr<T>(), *w = weight.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    over_rows(x.size(0), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) norm_row(in + r * width, w, o + r * width, width, static_cast<float>(eps)); });
+  });
+  return out;
+}
+
+template <typename RotaryRows>
+void rotary_with(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim,
+                 RotaryRows rotary_rows) {
+  check_rotary(x, cos, sin, heads, head_dim);
+  for_row_dtype(x, [&](auto scalar) {
+    using T = decltype(scalar);
+    over_rows(x.size(0), [&](int64_t b, int64_t e) {
+      rotary_rows(x.data_ptr<T>(), x.stride(0), cos.data_ptr<T>(), sin.data_ptr<T>(), heads, head_dim, b, e); });
+  });
+}
+
 }  // namespace baton_kernels

@@ -5,8 +5,8 @@ have (small heads), a kernel of ours runs instead; see docs/runtime.md for the
 figures. They are compiled with torch's extension builder the first time a process
 needs them (~20-30 s; the build is cached under ``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions`` and shared by later processes), one module per instruction
-set: every kernel on CPUs with AVX-512 and AVX512_BF16, the attention kernels on CPUs
-with AVX2 and FMA. An image builds them all once instead (``build(DIR)``) and points
+set: on CPUs with AVX-512 and AVX512_BF16, and on CPUs with AVX2 and FMA (``has()`` tells
+which kernels each holds). An image builds them all once instead (``build(DIR)``) and points
 ``BATON_KERNEL_DIR`` at DIR: its pods load the one for their CPU from there, read-only.
 Without those instructions, without a compiler, or with ``BATON_CPU_KERNELS=0``,
 ``kernels()`` is None and callers use torch's kernels.
@@ -59,8 +59,10 @@ AVX512 = Build("avx512", ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp"
                ("cpu.h", "common.h"),
                ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                 "-mfma", "-fno-math-errno", "-fopenmp"))
-# The attention kernels, on CPUs with AVX2 and FMA only.
-AVX2 = Build("avx2", ("avx2_causal_attention.cpp", "avx2_decode_attention.cpp", "avx2_bindings.cpp"),
+# On CPUs with AVX2 and FMA only: the attention and element-wise kernels, and the linear
+# layer over a few rows (where oneDNN's and MKL's kernels read the weights slowly).
+AVX2 = Build("avx2", ("avx2_causal_attention.cpp", "avx2_decode_attention.cpp", "avx2_elementwise.cpp",
+                      "avx2_linear.cpp", "avx2_bindings.cpp"),
              ("avx2.h", "common.h"),
              ("-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"))
 BUILDS = (AVX512, AVX2)
@@ -83,8 +85,8 @@ def kernels() -> ModuleType | None:
     """The compiled module, or None where none can run. With AVX-512: ``causal_attention``
     (prompts and prefix slices), ``paged_decode_attention`` (decode batches), a Llama
     layer's element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``), and
-    PyramidInfer's ``attention_scores``; with AVX2 only, the two attention kernels
-    (``has()`` tells)."""
+    PyramidInfer's ``attention_scores``; with AVX2 only, the same but for
+    ``attention_scores``, and ``few_rows_linear`` (``has()`` tells)."""
     chosen = build_for_this_cpu()
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or chosen is None:
         return None
@@ -102,8 +104,9 @@ def kernels() -> ModuleType | None:
         return None
 
 
+@functools.cache
 def has(kernel: str) -> bool:
-    """Does this CPU's module hold ``kernel``?"""
+    """Does this CPU's module hold ``kernel``? (Asked on every layer of every step: cached.)"""
     module = kernels()
     return module is not None and hasattr(module, kernel)
 
@@ -159,6 +162,20 @@ def elementwise_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:
     ``others`` (a weight) beside it?"""
     return (x.device.type == "cpu" and x.dtype in DTYPES and x.dim() == 2
             and x.shape[1] % 16 == 0 and not wants_gradient(x, *others) and has("rms_norm"))
+
+
+# Up to this many rows the few-rows kernel beats oneDNN's packed one (the shipped model's
+# projections, AVX2 EPYC: 3.5-4x at 1 row, 2x at 8, 1.3x at 16, even from 24).
+MAX_FEW_ROWS = 16
+
+
+def few_rows_linear_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Can ``few_rows_linear`` take x [R, in] (R up to MAX_FEW_ROWS) @ weight.T (+ bias)?"""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_FEW_ROWS
+            and x.dtype in DTYPES and weight.dtype == x.dtype and x.shape[1] % 8 == 0
+            and x.stride(1) == 1 and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
+            and not wants_gradient(x, weight, *([] if bias is None else [bias]))
+            and has("few_rows_linear"))
 
 
 def wants_gradient(*tensors: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@
 //   rotary_:     x * cos + rotate_half(x) * sin, rounded once
 // so fp32 results equal torch's to rounding and bf16 ones differ by at most one rounding.
 
+#include "common.h"
 #include "cpu.h"
 
 #include <cmath>
@@ -18,14 +19,6 @@ namespace {
 using namespace baton_cpu;
 
 constexpr int kLanes = 16;
-constexpr int64_t kRowsPerTask = 16;  // rows of one parallel task (small batches run inline)
-
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, width] with unit column stride");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              name, " has dtype ", x.scalar_type(), ", not bfloat16 or float32");
-  TORCH_CHECK(x.size(1) % kLanes == 0, name, " width ", x.size(1), " is not a multiple of 16");
-}
 
 // silu(g) = g / (1 + e^-g); with t = e^-|g| (never overflows): g / (1 + t) for g >= 0,
 // g * t / (1 + t) below.
@@ -88,78 +81,21 @@ void rotary_rows(T* x, int64_t stride, const T* cos, const T* sin, int64_t heads
   }
 }
 
-template <typename F>
-void over_rows(int64_t rows, const F& body) {
-  at::parallel_for(0, rows, kRowsPerTask, body);
-}
-
 }  // namespace
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.size(1) % (2 * kLanes) == 0, "x width ", x.size(1), " is not twice a multiple of 16");
-  const int64_t width = x.size(1) / 2;
-  at::Tensor out = at::empty({x.size(0), width}, x.options());
-  AT_DISPATCH_SWITCH(x.scalar_type(), "silu_and_mul",
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      over_rows(x.size(0), [&](int64_t b, int64_t e) {
-        silu_and_mul_rows(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), width, b, e); });
-    })
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      over_rows(x.size(0), [&](int64_t b, int64_t e) {
-        silu_and_mul_rows(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), width, b, e); });
-    }));
-  return out;
+  return baton_kernels::silu_and_mul_with(x, [](const auto* in, int64_t stride, auto* out, int64_t width,
+                                                int64_t b, int64_t e) { silu_and_mul_rows(in, stride, out, width, b, e); });
 }
-
-namespace {
-void check_norm(const at::Tensor& x, const at::Tensor& weight) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous()
-              && weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [", x.size(1),
-              "] of x's dtype");
-}
-}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm(x, weight);
-  at::Tensor out = at::empty_like(x);
-  const int64_t width = x.size(1);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      const scalar_t *in = x.data_ptr<scalar_t>(), *w = weight.data_ptr<scalar_t>();
-      scalar_t* o = out.data_ptr<scalar_t>();
-      over_rows(x.size(0), [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) rms_norm_row(in + r * width, w, o + r * width, width, static_cast<float>(eps)); });
-    })
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      const scalar_t *in = x.data_ptr<scalar_t>(), *w = weight.data_ptr<scalar_t>();
-      scalar_t* o = out.data_ptr<scalar_t>();
-      over_rows(x.size(0), [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) rms_norm_row(in + r * width, w, o + r * width, width, static_cast<float>(eps)); });
-    }));
-  return out;
+  return baton_kernels::rms_norm_with(x, weight, eps, [](const auto* in, const auto* w, auto* out, int64_t width,
+                                                         float e) { rms_norm_row(in, w, out, width, e); });
 }
 
 void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
-  check_rows(x, "x");
-  TORCH_CHECK(head_dim % (2 * kLanes) == 0, "head_dim ", head_dim, " is not a multiple of 32");
-  TORCH_CHECK(heads >= 0 && heads * head_dim <= x.size(1), heads, " heads of ", head_dim,
-              " do not fit a row of ", x.size(1));
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == head_dim && t->is_contiguous()
-                && t->scalar_type() == x.scalar_type(), "cos and sin must be contiguous [", x.size(0), ", ",
-                head_dim, "] of x's dtype");
-  AT_DISPATCH_SWITCH(x.scalar_type(), "rotary_",
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      over_rows(x.size(0), [&](int64_t b, int64_t e) {
-        rotary_rows(x.data_ptr<scalar_t>(), x.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                    heads, head_dim, b, e); });
-    })
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      over_rows(x.size(0), [&](int64_t b, int64_t e) {
-        rotary_rows(x.data_ptr<scalar_t>(), x.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                    heads, head_dim, b, e); });
-    }));
+  baton_kernels::rotary_with(x, cos, sin, heads, head_dim, [](auto* v, int64_t stride, const auto* c, const auto* s,
+                                                               int64_t h, int64_t d, int64_t b, int64_t e) {
+    rotary_rows(v, stride, c, s, h, d, b, e);
+  });
 }
