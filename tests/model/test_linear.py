@@ -1,11 +1,11 @@
-"""linear() and the weight-major orientation give F.linear's result, for every row count it takes; a packed bf16 weight gives it exactly too."""
+"""linear() and the weight-major orientation give F.linear's result, for every row count it takes; a packed bf16 weight gives it exactly where oneDNN packs bf16, to rounding where it is widened."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from baton.model.linear import Linear, linear, packs, weight_major, weight_major_linear
+from baton.model.linear import Linear, linear, pack_dtype, packs, weight_major, weight_major_linear
 
 
 @pytest.mark.parametrize("num_outputs", [96, 8192])
@@ -36,13 +36,24 @@ def test_linear_module_keeps_nn_linear_parameters_and_takes_any_shape():
     assert torch.allclose(layer(row), F.linear(row, layer.weight, layer.bias), atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 @torch.no_grad()
-def test_bf16_packs_only_where_onednn_can_reorder_it():
-    layer = Linear(8, 8).to(torch.bfloat16)
-    can = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert packs(layer.weight) == can
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))  # either way
+def test_bf16_packs_itself_where_onednn_can_and_widened_to_fp32_elsewhere():
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16)
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert pack_dtype(torch.bfloat16) == (torch.bfloat16 if native else torch.float32)
+    assert packs(layer.weight)
+    for rows in (1, 3, 64, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        ours, theirs = layer(x), F.linear(x, layer.weight, layer.bias)
+        assert ours.dtype == torch.bfloat16
+        # widened, the products are exact and the sums fp32, as in torch's bf16 kernel: the two
+        # differ by the order of the sums, so at most one bf16 rounding apart
+        truth = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        our_error = (ours.double() - truth).abs().max()
+        their_error = (theirs.double() - truth).abs().max()
+        assert our_error <= their_error + truth.abs().max() * 2 ** -8
 
 
 @pytest.mark.skipif(not (torch.backends.mkldnn.is_available()

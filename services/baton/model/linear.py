@@ -26,7 +26,8 @@ step against 8.6 ms). So whether it pays is measured once per process
 CUDA tensors always take ``F.linear``: cuBLAS picks its own kernels.
 
 bf16, fp16 and fp32 weights on a CPU are packed once into oneDNN's blocked layout
-(``WeightPack``), as vLLM's CPU backend and inductor's freezing do: ``F.linear``
+(``WeightPack``; a bf16 or fp16 weight as fp32 where oneDNN packs only fp32, see
+``pack_dtype``), as vLLM's CPU backend and inductor's freezing do: ``F.linear``
 reorders a bf16 weight for the AMX/AVX512 kernels on every call (the packed copy
 gives bit-identical results there), and in fp32 oneDNN's packed kernels beat MKL's,
 the weight-major form included (fp32 results then agree with ``F.linear`` to
@@ -115,29 +116,52 @@ def _packable_dtypes() -> frozenset[torch.dtype]:
     return frozenset(supported & set(PACKED_DTYPES))
 
 
+def pack_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of a weight's packed copy on this CPU: its own where oneDNN packs it; fp32
+    for a bf16 or fp16 weight where oneDNN packs only fp32 (an AVX2 CPU); None where nothing
+    packs. Widening loses nothing: a product of two bf16 (or fp16) values is exact in fp32 and
+    the sums accumulate in fp32, as in bf16 hardware, so the widened product rounded back
+    equals F.linear's in that dtype to the order of the sums. On an AVX2 CPU, where torch
+    multiplies bf16 at a quarter of fp32's speed, this makes a bf16 model's matmuls as fast as
+    an fp32 one's, for one fp32 copy of the weights."""
+    packable = _packable_dtypes()
+    if dtype in packable:
+        return dtype
+    if dtype in PACKED_DTYPES and torch.float32 in packable:
+        return torch.float32
+    return None
+
+
 def packs(weight: torch.Tensor) -> bool:
-    """Does this weight run through a oneDNN-packed copy (CPU, a dtype this CPU packs, and
-    no gradient wanted: the packed op has no backward)?"""
-    return (weight.device.type == "cpu" and weight.dtype in _packable_dtypes()
+    """Does this weight run through a oneDNN-packed copy (CPU, a dtype this CPU packs itself or
+    widened, and no gradient wanted: the packed op has no backward)?"""
+    return (weight.device.type == "cpu" and pack_dtype(weight.dtype) is not None
             and not (weight.requires_grad and torch.is_grad_enabled()))
 
 
 class WeightPack:
-    """A weight's oneDNN-packed copy, made on first use and remade whenever the weight
-    changes (moved to another device or dtype, reloaded, or edited in place: the key holds
-    its storage and its version counter)."""
+    """A weight's oneDNN-packed copy (in ``pack_dtype``), made on first use and remade whenever
+    the weight changes (moved to another device or dtype, reloaded, or edited in place: the key
+    holds its storage and its version counter)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
+        self._dtype: torch.dtype | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
         if key != self._key:
+            self._dtype = pack_dtype(weight.dtype)
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self._dtype),
+                                                                       PACK_ROWS_HINT)
             self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        if self._dtype == x.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        wide_bias = None if bias is None else bias.to(self._dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self._dtype), self._packed, wide_bias, "none", [], "")
+        return out.to(x.dtype)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
