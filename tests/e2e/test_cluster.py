@@ -142,8 +142,10 @@ def test_the_store_holds_a_request_the_gateway_named_by_its_first_step(cluster, 
               if path == "chain" else tuple(reference.tokenizer.encode(SHORT_PROMPT)))
     store = RedisStore(cluster.redis_url)
     try:
+        # 64 tokens: a 4-token request could end, and its record go, before the first step
+        # is read here (a decode step takes a few ms)
         stream = iter(client.stream(GenerateRequest(token_ids=prompt, prefill_route=path,
-                                                    sampling=greedy(4))))
+                                                    sampling=greedy(64))))
         first = next(stream)
         record = store.get_request(first.request_id)
         assert record is not None and record.decode_address in decode_addresses(cluster)
