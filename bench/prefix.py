@@ -7,11 +7,12 @@ routing come to an oracle that knows every pod's cache?
 Two workloads, greedy, compression off (every hit usable), fp32, 2 decode pods and a
 2-rank chain (``--no-chain-break-even``: prompts of 512 tokens and more may take it):
 
-* **multi-turn chat**: 16 conversations of 4-8 turns, all open at once; a conversation's
-  first prompt is a 200-300-token context and a question of 20-50 tokens, each later turn
+* **multi-turn chat**: 16 users, each holding 6 conversations of 4-8 turns one after
+  another (96 conversations, ~580 requests); all 16 start at once. A conversation's first
+  prompt is a 200-300-token context and a question of 20-50 tokens, each later turn
   resends the history (every prompt and answer so far) plus a new question of 20-50
   tokens; 32 new tokens a turn (the last turn stays within the shipped model's 1,024
-  tokens); a conversation's turns one after another.
+  tokens); a user sends a turn when the previous one has ended.
 * **shared system prompt**: one 700-token system prompt, 64 questions of 40-140 tokens
   after it, 8 requests in flight at a time; 32 new tokens each.
 
@@ -90,7 +91,11 @@ class Texts:
                 return ids[start:start + length]
 
 
-def chat_conversations(texts: Texts, count: int = 16) -> list[dict]:
+CHAT_USERS = 16
+CHAT_CONVERSATIONS = 96
+
+
+def chat_conversations(texts: Texts, count: int = CHAT_CONVERSATIONS) -> list[dict]:
     """Each: its opening context and the questions of its later turns (token ids)."""
     return [{"opening": texts.cut(200, 300) + texts.cut(20, 50),
              "questions": [texts.cut(20, 50) for _ in range(texts.rng.randint(3, 7))]}
@@ -158,6 +163,23 @@ def in_threads(target, args_list: list[tuple]) -> None:
         raise RuntimeError(f"{len(failures)} of {len(threads)} clients failed") from failures[0]
 
 
+def in_workers(work: list, do, workers: int) -> None:
+    """``do(item)`` for every item of ``work``, in its order, by ``workers`` threads that each
+    take the next item when their last one has ended."""
+    queue = list(work)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                item = queue.pop(0)
+            do(item)
+
+    in_threads(worker, [()] * workers)
+
+
 def run_chat(client: BatonClient, log: Log, conversations: list[dict]) -> None:
     def converse(conversation: dict) -> None:
         history = list(conversation["opening"])
@@ -166,22 +188,11 @@ def run_chat(client: BatonClient, log: Log, conversations: list[dict]) -> None:
             history += question
             history += log.send(client, "chat", history)
 
-    in_threads(converse, [(c,) for c in conversations])
+    in_workers(conversations, converse, CHAT_USERS)
 
 
 def run_system_prompt(client: BatonClient, log: Log, prompts: list[list[int]], in_flight: int = 8) -> None:
-    queue = list(enumerate(prompts))
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                _, prompt = queue.pop(0)
-            log.send(client, "system", prompt)
-
-    in_threads(worker, [()] * in_flight)
+    in_workers(prompts, lambda prompt: log.send(client, "system", prompt), in_flight)
 
 
 def run_config(name: str, conversations: list[dict], system_prompts: list[list[int]]) -> dict:
@@ -317,7 +328,8 @@ def render(results: dict) -> str:
              "and more, break-even off), fp32, compression off, greedy, 32 new tokens a request. "
              "Each configuration a fresh cluster, the order flipping every round. See the "
              "script's docstring for the workloads and the oracle."), ""]
-    for workload, title in (("chat", "Multi-turn chat (16 conversations, 4-8 turns)"),
+    for workload, title in (("chat", f"Multi-turn chat ({CHAT_USERS} users, {CHAT_CONVERSATIONS} "
+                                      "conversations of 4-8 turns)"),
                             ("system", "Shared system prompt (64 questions, 8 in flight)")):
         lines += [f"## {title}", "",
                   ("| configuration | round | TTFT P50 | TTFT P90 | tok/s | hit rate | oracle | "
@@ -330,6 +342,7 @@ def render(results: dict) -> str:
                          f"{s['chain']} / {s['cached_local']} / {s['count']} |")
         lines.append("")
     lines += goals(runs)
+    lines += chat_tail(runs)
     lines += decisions(runs)
     return "\n".join(lines) + "\n"
 
@@ -355,6 +368,29 @@ def goals(runs: list[dict]) -> list[str]:
             f"{', '.join(f'{s:.0%}' for s in shares)} (goal >= {GOAL_ORACLE:.0%}: "
             f"{'met' if min(shares) >= GOAL_ORACLE else 'missed'})."),
             f"* Every configuration gave the same answers: {'yes' if same else 'NO'}.", ""]
+
+
+def chat_tail(runs: list[dict]) -> list[str]:
+    """The chat's TTFT split by what a request could reuse: first turns (nothing computed before
+    shares a block with them, the oracle's 0) are the same work in every configuration."""
+    lines = ["## Where the chat's TTFT comes from", "",
+             ("| configuration | round | first turns (nothing to reuse) | their TTFT P50 / P90 | "
+              "requests with a hit | their TTFT P50 / P90 | the rest: TTFT P50 / P90 |"),
+             "|---|---|---|---|---|---|---|"]
+
+    def p50_p90(requests: list[dict]) -> str:
+        ttfts = [r["ttft_ms"] for r in requests]
+        return f"{percentile(ttfts, 0.5):,.0f} / {percentile(ttfts, 0.9):,.0f} ms" if ttfts else "-"
+
+    for run in runs:
+        requests = run["chat"]["requests"]
+        first = [r for r in requests if r["oracle"] == 0]
+        hit = [r for r in requests if r["oracle"] > 0 and r["cached"] > 0]
+        rest = [r for r in requests if r["oracle"] > 0 and r["cached"] == 0]
+        lines.append(f"| {run['config']} | {run['round']} | {len(first) / len(requests):.0%} | "
+                     f"{p50_p90(first)} | {len(hit) / len(requests):.0%} | {p50_p90(hit)} | "
+                     f"{p50_p90(rest)} |")
+    return lines + [""]
 
 
 def decisions(runs: list[dict]) -> list[str]:
