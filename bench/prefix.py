@@ -274,6 +274,8 @@ def git_commit() -> str:
 
 
 def measure(rounds: int) -> dict:
+    # the machine (its load average included) and the time as the run starts
+    machine, started = machine_description(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     tokenizer = Tokenizer.from_dir(SHIPPED_MODEL_DIR)
     texts = Texts(tokenizer, SEED)
     conversations, system_prompts = chat_conversations(texts), system_prompt_requests(texts)
@@ -283,8 +285,8 @@ def measure(rounds: int) -> dict:
         for name in order:
             print(f"round {index + 1}/{rounds}: {name}", flush=True)
             runs.append({"config": name, "round": index + 1, **run_config(name, conversations, system_prompts)})
-    return {"commit": git_commit(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": machine_description(), "load_average": os.getloadavg()[0], "runs": compact(runs)}
+    return {"commit": git_commit(), "started": started, "machine": machine,
+            "load_average_end": round(os.getloadavg()[0], 1), "runs": compact(runs)}
 
 
 def save(results: dict) -> None:
@@ -322,8 +324,9 @@ def render(results: dict) -> str:
     runs = results["runs"]
     lines = ["# Prefix cache and cache-aware routing", "",
              (f"Written by `bench/prefix.py` from `prefix-results.json.gz` (one run: commit "
-             f"`{results['commit'][:12]}`, started {results['started']}, load average "
-             f"{results['load_average']:.1f} at start). Machine: {results['machine']}."), "",
+             f"`{results['commit'][:12]}`, started {results['started']}). Machine: "
+             f"{results['machine']}; load average {results['load_average_end']:.1f} at the end "
+             f"(the run's own processes). Nothing else ran."), "",
              ("`baton up` with 2 decode pods and a 2-rank chain (chain for prompts of 512 tokens "
              "and more, break-even off), fp32, compression off, greedy, 32 new tokens a request. "
              "Each configuration a fresh cluster, the order flipping every round. See the "
