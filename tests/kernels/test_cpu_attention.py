@@ -4,6 +4,10 @@ attend() takes it wherever it applies."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -145,3 +149,18 @@ def test_each_cpu_gets_the_kernels_of_its_instruction_set():
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("BATON_CPU_KERNELS", "0")
     assert cpu_kernels.kernels.__wrapped__() is None
+
+
+def test_kernels_build_with_the_pinned_ninja_whatever_path_finds_first(tmp_path, monkeypatch):
+    # Two ninja versions record a build's commands differently: callers with different PATHs
+    # (make run, an activated virtualenv) took each other's build for stale and rebuilt it.
+    ninja = pytest.importorskip("ninja")
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\nexit 1\n")
+    other.chmod(0o755)
+    path = f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"
+    monkeypatch.setenv("PATH", path)
+    assert shutil.which("ninja") == str(other)
+    with cpu_kernels.pinned_ninja():
+        assert Path(shutil.which("ninja")).parent == Path(ninja.BIN_DIR)
+    assert os.environ["PATH"] == path

@@ -14,12 +14,14 @@ Without those instructions, without a compiler, or with ``BATON_CPU_KERNELS=0``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -123,8 +125,30 @@ def _compile(chosen: Build, directory: str | None = None) -> ModuleType:
 
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=chosen.name, sources=[str(SOURCE_DIR / s) for s in chosen.sources],
-                              extra_cflags=list(chosen.flags), build_directory=directory, verbose=False)
+    with pinned_ninja():
+        return cpp_extension.load(name=chosen.name, sources=[str(SOURCE_DIR / s) for s in chosen.sources],
+                                  extra_cflags=list(chosen.flags), build_directory=directory, verbose=False)
+
+
+@contextlib.contextmanager
+def pinned_ninja() -> Iterator[None]:
+    """Put the ninja baton pins (the ``ninja`` package's) first on PATH while a build runs.
+
+    torch runs whichever ``ninja`` PATH finds, and ninja versions record a build's commands
+    differently: with a system ninja first on one caller's PATH (``make run``) and the pinned
+    one on another's (an activated virtualenv), each took the other's build for stale and
+    compiled every kernel again (a minute of every core, at a pod's start)."""
+    try:
+        import ninja
+    except ImportError:  # not installed with baton: whatever ninja PATH has
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def causal_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
