@@ -55,6 +55,7 @@ def test_the_pod_holding_the_prefix_wins_and_the_reason_names_the_hit(policy):
     decision = policy.route(len(PROMPT), view(store, index, a, b), {}, prompt=RoutedPrompt(PROMPT))
     assert decision.decode.worker_id == "b" and decision.chain is None
     assert "160 of 300 prompt tokens cached on b:1" in decision.reason
+    assert decision.cached_tokens == 160  # the gateway counts only the rest as b's new work
 
 
 def test_a_hot_prefix_on_a_swamped_pod_loses_to_an_idle_one(policy):

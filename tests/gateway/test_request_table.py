@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from baton.gateway.request_table import DuplicateRequest, RequestTable
+from baton.gateway.routing_policy import InFlight
 from baton.routing import InMemoryStore, RequestRecord
 
 
@@ -39,3 +40,24 @@ def test_an_id_the_gateway_made_is_recorded_later_and_removed_only_after_that():
     assert not finishing.is_alive()
     assert store.get_request("made-1") is None, "the late write did not outlive the request"
     assert table.get("made-1") is None
+
+
+def test_a_prompt_counts_as_queued_work_only_until_its_first_token():
+    table = RequestTable(InMemoryStore(), ttl_s=60)
+    # prefilled on its decode pod, 300 of its 400 tokens expected from the pod's prefix cache
+    local = table.admit(RequestRecord("local", "pod-a:1"), 400, cached_tokens=300)
+    # prefilled by a chain, which pushes the KV to its decode pod
+    chained = table.admit(RequestRecord("chained", "pod-a:1", chain_id="c0",
+                                        prefill_address="chain:1"), 900)
+    in_flight = table.in_flight()
+    assert in_flight["pod-a:1"] == InFlight(requests=2, prompt_tokens=100)
+    assert in_flight["chain:1"] == InFlight(requests=1, prompt_tokens=900)
+
+    chained.chain_done = True  # its KV has been pushed: the chain is free of it
+    local.prefilled = True  # its first token came: it only decodes now
+    in_flight = table.in_flight()
+    assert in_flight["pod-a:1"] == InFlight(requests=2, prompt_tokens=0)
+    assert "chain:1" not in in_flight
+    table.finish("local")
+    table.finish("chained")
+    assert table.in_flight() == {}

@@ -113,6 +113,8 @@ class Generations:
                 async for step in self.relay.stream(live, request, prompt_ids, decision,
                                                     self._reroute, self._reroute_chain):
                     step = clock.stamp(step)
+                    if step.token_ids:
+                        live.prefilled = True
                     if step.finish_reason is not None:
                         live.completed = True
                         outcome = step.finish_reason.value
@@ -242,7 +244,8 @@ class Generations:
                                chain_id=decision.chain.chain_id if decision.chain else "",
                                prefill_address=decision.chain.address if decision.chain else "",
                                owner=owner)
-        live = self.table.admit(record, len(prompt_ids), new_id=made_id or not request.request_id)
+        live = self.table.admit(record, len(prompt_ids), new_id=made_id or not request.request_id,
+                                cached_tokens=decision.cached_tokens)
         return live, prompt_ids, decision
 
     async def _reroute(self, num_prompt_tokens: int, exclude: frozenset[str]) -> WorkerInfo:

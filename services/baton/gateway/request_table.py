@@ -41,12 +41,15 @@ class LiveRequest:
 
     record: RequestRecord
     num_prompt_tokens: int
+    # of them, those the route expected its decode pod's prefix cache to hold
+    cached_tokens: int = 0
     # Writes a moved request's record to the store (RequestTable.admit sets it); blocking.
     rewrite: Callable[[RequestRecord], None] = lambda record: None
     calls: list = field(default_factory=list)  # grpc.Call objects, cancelled on client cancel
     aborted: threading.Event = field(default_factory=threading.Event)
     completed: bool = False  # the last step was produced: nothing is left to abort
     chain_done: bool = False  # the chain's part is over (KV shipped, or it failed)
+    prefilled: bool = False  # its first token has come: its prompt costs no more prefill
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Set once the store holds the record (or cannot): a rewrite or a removal waits for it.
     recorded: threading.Event = field(default_factory=threading.Event)
@@ -68,11 +71,18 @@ class LiveRequest:
         for call in calls:
             call.cancel()
 
-    def busy_at(self) -> list[str]:
-        """The pods this request still costs work: the decode pod, and its chain until the
-        chain's part is over (what the routing policy counts as in flight)."""
-        chain = "" if self.chain_done else self.record.prefill_address
-        return [address for address in (self.record.decode_address, chain) if address]
+    def busy_at(self) -> list[tuple[str, int]]:
+        """The pods this request still costs work, each with the prompt tokens it has yet to
+        prefill there (what the routing policy counts as in flight): its chain the whole
+        prompt until the chain's part is over; its decode pod, when no chain prefills for it,
+        what its prefix cache was expected to lack, until the first token."""
+        chain = self.record.prefill_address
+        busy = [(chain, self.num_prompt_tokens)] if chain and not self.chain_done else []
+        decode = self.record.decode_address
+        if decode:
+            local = not chain and not self.prefilled
+            busy.append((decode, self.num_prompt_tokens - self.cached_tokens if local else 0))
+        return busy
 
 
 class RequestTable:
@@ -84,14 +94,14 @@ class RequestTable:
         self._store_reachable = True
 
     def admit(self, record: RequestRecord, num_prompt_tokens: int,
-              new_id: bool = False) -> LiveRequest:
+              new_id: bool = False, cached_tokens: int = 0) -> LiveRequest:
         """Register a new request; raises DuplicateRequest when its id is live anywhere.
 
         An id this gateway has just made (``new_id``) is live nowhere else, and nobody can
         name it before the request's first step does: its record is left for ``record`` to
         write while the request runs, off its first token's path."""
         record = dataclasses.replace(record, created_at=time.time())
-        live = LiveRequest(record, num_prompt_tokens, self._rewrite)
+        live = LiveRequest(record, num_prompt_tokens, cached_tokens, self._rewrite)
         with self._lock:
             if record.request_id in self._live:
                 raise DuplicateRequest(f"request id {record.request_id!r} is already live")
@@ -145,14 +155,18 @@ class RequestTable:
             live.recorded.wait(RECORD_WAIT_S)
 
     def in_flight(self) -> dict[str, InFlight]:
+        """Per address, the live requests there and the prompt tokens they have yet to prefill
+        there (``LiveRequest.busy_at``): a floor under what a pod last reported, for the
+        requests sent since. A prompt counts until its first token, not while it decodes: a
+        pod streaming long conversations is not a pod with a long queue. (A request a failed
+        chain or pod sends to be prefilled elsewhere is not counted again: the pod reports it.)"""
         totals: dict[str, InFlight] = {}
         with self._lock:
             live = list(self._live.values())
         for request in live:
-            for address in request.busy_at():
+            for address, prompt_tokens in request.busy_at():
                 known = totals.get(address, InFlight())
-                totals[address] = InFlight(known.requests + 1,
-                                           known.prompt_tokens + request.num_prompt_tokens)
+                totals[address] = InFlight(known.requests + 1, known.prompt_tokens + prompt_tokens)
         return totals
 
     def __len__(self) -> int:

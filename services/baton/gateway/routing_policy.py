@@ -31,7 +31,8 @@ class WorkersFull(ResourceExhausted, RuntimeError):
 
 @dataclass(frozen=True)
 class InFlight:
-    """What this gateway has sent to one address and not yet seen finish."""
+    """What this gateway has sent to one address and not yet seen finish: its requests, and
+    the prompt tokens among them still to be prefilled there (``RequestTable.in_flight``)."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -54,6 +55,9 @@ class RouteDecision:
     decode: WorkerInfo
     chain: WorkerInfo | None = None  # rank 0 of the chain; None = prefill on the decode pod
     reason: str = ""  # why the prompt is prefilled where it is, for the client and the logs
+    # Prompt tokens the route expects the decode pod's prefix cache to hold (cache-aware): the
+    # pod prefills only the rest, which is what the request adds to its queue.
+    cached_tokens: int = 0
 
 
 class RoutingPolicy(abc.ABC):

@@ -76,7 +76,7 @@ class CacheAwarePolicy(LeastLoadedPolicy):
             reason = f"{length} >= prefill_threshold_tokens {threshold}: {why}"
         if chain is None or prompt.whole_kv:  # the pod will hold the prompt's blocks
             snapshot.prefixes.expect(decode, hashes)
-        return RouteDecision(decode, chain, reason)
+        return RouteDecision(decode, chain, reason, cached_tokens=cached)
 
     def _pick_cached(self, prompt: RoutedPrompt, snapshot: RoutingSnapshot,
                      in_flight: Mapping[str, InFlight]) -> tuple[WorkerInfo, int]:
