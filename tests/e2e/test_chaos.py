@@ -57,15 +57,34 @@ def sampling_of(index: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    """16 short prompts (prefilled on a decode pod) and 16 long ones (through the chain)."""
+def reference():
     reference = MonolithicReference()
-    source = reference.tokenizer.encode(Path(os.__file__).read_text())
+    return reference, reference.tokenizer.encode(Path(os.__file__).read_text())
+
+
+def long_prompts(source: list[int], start: int) -> list[list[int]]:
+    """16 prompts at least the routing threshold long (a chain's, when no pod has them cached)."""
+    return [source[start + i * 53: start + i * 53 + CHAIN_THRESHOLD_TOKENS + 10 * i] for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def prompts(reference):
+    """16 short prompts (prefilled on a decode pod) and 16 long ones (through the chain)."""
+    reference, source = reference
     short = [source[i * 37: i * 37 + 20 + i] for i in range(16)]
-    long = [source[2000 + i * 53: 2000 + i * 53 + CHAIN_THRESHOLD_TOKENS + 10 * i] for i in range(16)]
-    everything = short + long
+    everything = short + long_prompts(source, 2000)
     results = reference.engine.generate(everything, [sampling_of(i) for i in range(len(everything))])
     return everything, [result.token_ids for result in results]
+
+
+@pytest.fixture(scope="module")
+def unseen_long_prompts(reference):
+    """16 more long prompts, which no test sends before it kills a chain rank: a prompt a decode
+    pod has cached would be prefilled there, not by the chain."""
+    reference, source = reference
+    unseen = long_prompts(source, 6000)
+    results = reference.engine.generate(unseen, [greedy(MAX_TOKENS)] * len(unseen))
+    return unseen, [result.token_ids for result in results]
 
 
 class Streams:
@@ -130,7 +149,8 @@ def kill(process) -> None:
     os.kill(process.pid, signal.SIGKILL)
 
 
-def test_streams_survive_a_decode_pod_a_chain_rank_and_redis_dying(chaos_cluster, prompts):
+def test_streams_survive_a_decode_pod_a_chain_rank_and_redis_dying(chaos_cluster, prompts,
+                                                                   unseen_long_prompts):
     cluster, restarts = chaos_cluster
     everything, expected = prompts
 
@@ -152,8 +172,8 @@ def test_streams_survive_a_decode_pod_a_chain_rank_and_redis_dying(chaos_cluster
     serves_a_new_request(cluster.gateway_address)
 
     # 2. A chain rank dies while long prompts are in the chain: they are prefilled on a
-    #    decode pod instead.
-    long_prompts, long_expected = everything[16:], expected[16:]
+    #    decode pod instead. (Prompts no pod has cached: step 1's went to the pods' caches.)
+    long_prompts, long_expected = unseen_long_prompts
     streams = Streams(cluster.gateway_address, long_prompts, first_index=16)
     streams.wait_for_tokens(1, streams=1)  # the chain is working through the other 15
     kill(cluster.child("prefill-1").process)
