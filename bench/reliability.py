@@ -232,8 +232,12 @@ def measure_faults(tokenizer: Tokenizer) -> tuple[list[dict], list[str]]:
     prompts = (prompts_from_source(tokenizer, FAULT_STREAMS_SHORT, (10, 60), seed=2)
                + prompts_from_source(tokenizer, FAULT_STREAMS_LONG,
                                      (CHAIN_THRESHOLD_TOKENS, CHAIN_THRESHOLD_TOKENS + 200), seed=3))
+    # Every round replays the same prompts (its tokens are compared with the baseline's):
+    # with the decode pods' prefix caches on, later rounds would find the long prompts cached
+    # and leave the chain idle, and killing a chain rank would test nothing.
     spec = ClusterSpec(decode_workers=2, chain_ranks=2, prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
-                       chain_break_even=False, heartbeat_s=0.5, worker_ttl_s=2.0)
+                       chain_break_even=False, heartbeat_s=0.5, worker_ttl_s=2.0,
+                       extra_args={"decode": ["--kv-prefix-cache", "false"]})
     # fp32: a moved stream is recomputed (prompt + tokens sent, prefilled at once), and only
     # in fp32 does that give exactly the tokens of the uninterrupted stream (in bf16 a
     # different batching rounds differently, as a preemption would).
