@@ -118,20 +118,3 @@ def test_a_chain_routed_prompt_is_expected_on_its_pod_only_when_its_kv_stays_who
     assert whole.chain is not None
     follower = policy.route(len(other), workers, {}, prompt=RoutedPrompt(other, whole_kv=True))
     assert follower.chain is None and follower.decode.worker_id == whole.decode.worker_id
-
-
-def test_a_shared_prefix_spreads_once_its_pod_runs_many_sequences_but_a_long_history_stays(policy):
-    question = PROMPT[:240] + tuple(range(1000, 1060))  # 240 shared tokens (15 blocks), 60 its own
-    # a: 60 tokens to prefill, delaying its running sequences; b: all 300, delaying none
-    for running, expected in ((3, "a"), (4, "b"), (5, "b")):  # 60 * (1 + 4) = 300: a tie, to fewer sequences
-        store, index = InMemoryStore(), PrefixIndex()  # (a route makes the index expect its blocks)
-        a, b = decode("a", running=running), decode("b")
-        cached(store, index, a, PROMPT[:240])
-        decision = policy.route(len(question), view(store, index, a, b), {}, prompt=RoutedPrompt(question))
-        assert decision.decode.worker_id == expected, running
-    # a chat's next turn: its 288-token history is on a, both pods run 8 sequences
-    store, index = InMemoryStore(), PrefixIndex()
-    turn = PROMPT[:288] + (7, 8, 9)
-    a, b = decode("a", running=8), decode("b", running=8)
-    cached(store, index, a, PROMPT[:288])
-    assert policy.route(len(turn), view(store, index, a, b), {}, prompt=RoutedPrompt(turn)).decode.worker_id == "a"

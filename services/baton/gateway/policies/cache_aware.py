@@ -1,18 +1,13 @@
-"""``cache-aware``: the decode pod where the prompt costs the least waiting, counting what its
-prefix cache already holds; a chain only for what no pod has cached.
+"""``cache-aware``: the decode pod that gives the prompt its first token soonest, counting what
+its prefix cache already holds; a chain only for what no pod has cached.
 
-Decode pod: each pod's cost is the waiting the prompt adds, in seconds of its prefill: its own
-wait for its first token — the prompt tokens queued there (reported, or in flight from here,
-whichever is larger) plus this prompt's tokens its cache does not hold (``PrefixIndex``, fed
-by the pods' published cache events) — and the wait of every sequence running there, whose
-next token comes after the steps that prefill those tokens. Tokens are turned into seconds by
-the prefill rate the pod advertises (prompt tokens a second over its recent steps, decodes
-riding along, so a busy pod is a slower one). A pod that has not measured a rate yet is
-given the best rate measured by any pod. A prefix held on one pod therefore draws every
-prompt that shares it until that pod runs so many sequences that computing the prefix once
-more on another pod delays fewer of them (a shared system prompt ends on both pods, a chat's
-turn stays with its history). Pods out of KV blocks are skipped, as with ``least-loaded``;
-ties go to the least-loaded order.
+Decode pod: each pod's cost is the prompt tokens it would have to compute before this
+prompt's first token — those queued there (reported, or in flight from here, whichever is
+larger) plus this prompt's tokens its cache does not hold (``PrefixIndex``, fed by the pods'
+published cache events) — divided by the prefill rate it advertises (prompt tokens a second
+over its recent steps, decodes riding along, so a busy pod is a slower one). A pod that has
+not measured a rate yet is given the best rate measured by any pod. Pods out of KV blocks
+are skipped, as with ``least-loaded``; ties go to the least-loaded order.
 
 Chain or cache: a prompt at least ``prefill_threshold_tokens`` long goes to a chain (chosen
 as ``least-loaded`` chooses) only when what the best pod lacks is itself that long (and, with
@@ -97,9 +92,8 @@ class CacheAwarePolicy(LeastLoadedPolicy):
             queued = max(worker.load.queued_prompt_tokens, here.prompt_tokens)
             rate = worker.load.prefill_tokens_per_s or default_rate
             sequences = max(worker.load.running_sequences + worker.load.queued_requests, here.requests)
-            uncached = num_tokens - cached
-            waiting = queued + uncached + sequences * uncached  # its own wait, then theirs
-            return (waiting / rate, sequences, -worker.load.free_kv_blocks, worker.worker_id), cached
+            return ((queued + num_tokens - cached) / rate, sequences, -worker.load.free_kv_blocks,
+                    worker.worker_id), cached
 
         best = min(with_room, key=lambda worker: cost(worker)[0])
         return best, cost(best)[1]
