@@ -11,6 +11,7 @@ import torch
 import xxhash
 from baton.kv import KVPool
 from baton.kv.dense import LayerKV
+from baton.kv.received import ReceivedLayer
 from baton.kv.wire import (
     CHUNK_BYTES,
     KVAssembler,
@@ -73,13 +74,41 @@ def test_pyramid_cache_round_trips_bit_exact(dtype, chunk_bytes):
     assert_same(layers, receive(header, chunks, spec))
 
 
-def test_received_cache_fits_the_pool():
+@pytest.mark.parametrize("chunk_bytes", [CHUNK_BYTES, 1000, 7])
+def test_received_cache_fits_the_pool(chunk_bytes):
     layers = pyramid_cache()
     encoded = encode_kv(layers, "req-1", "tiny", "rev-1")
     pool = KVPool(LAYERS, HEADS, DIM, block_size=16, num_blocks=64)
-    pool.store("req-1", receive(encoded.header, encoded.chunks()))
+    # Leave a hole below another sequence's blocks: the cache's blocks are then two runs.
+    pool.reserve("before", [40, 0, 0, 0])
+    pool.reserve("after", [20, 20, 20, 20])
+    pool.free("before")
+    pool.store("req-1", receive(encoded.header, encoded.chunks(chunk_bytes)))
+    assert pool._tables["req-1"][0].blocks[:4] == [0, 1, 2, 11]
     assert pool.lengths("req-1") == [300, 225, 150, 75]
     assert_same(layers, [pool.gather("req-1", layer) for layer in range(LAYERS)])
+
+
+def test_received_keys_and_values_are_the_chunks_bytes_not_copies():
+    layers = pyramid_cache()
+    encoded = encode_kv(layers, "req-1", "tiny", "rev-1")
+    chunks = list(encoded.chunks(1000))
+    received = receive(encoded.header, chunks)
+    for layer in received:
+        assert isinstance(layer, ReceivedLayer)
+        assert all(any(piece.obj is chunk for chunk in chunks)
+                   for piece in (*layer.k_pieces, *layer.v_pieces))
+    assert_same(layers, received)
+
+
+def test_a_received_cache_enters_a_pool_of_another_dtype_converted():
+    layers = pyramid_cache()
+    encoded = encode_kv(layers, "req-1", "tiny", "rev-1")
+    pool = KVPool(LAYERS, HEADS, DIM, block_size=16, num_blocks=64, dtype=torch.bfloat16)
+    pool.store("req-1", receive(encoded.header, encoded.chunks(1000)))
+    for layer, stored in zip(layers, (pool.gather("req-1", index) for index in range(LAYERS))):
+        assert torch.equal(stored.k, layer.k.to(torch.bfloat16))
+        assert torch.equal(stored.positions, layer.positions)
 
 
 def test_other_byte_order_is_swapped():

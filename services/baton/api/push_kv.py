@@ -10,9 +10,10 @@ parsed or read: four copies of every byte of the cache, slower together than the
 itself. A chunk message is one length-delimited field, so its encoding is trivial: the
 sender writes the tag, the length and the payload's pieces into the one buffer gRPC takes
 (``serialize``); the receiver finds the payload as a view of the buffer gRPC gave it
-(``parse``) and copies it once, into the cache's receive buffer. The bytes on the wire are
-``PushKVRequest``'s own encoding, so either side may be a plain generated stub or servicer:
-``parse`` falls back to protobuf for anything but a lone chunk field.
+(``parse``) and keeps it until the pool copies it into its blocks (``baton.kv.received``).
+The bytes on the wire are ``PushKVRequest``'s own encoding, so either side may be a plain
+generated stub or servicer: ``parse`` falls back to protobuf for anything but a lone chunk
+field.
 
 ``stub_push_kv`` and ``add_decode_servicer`` are the hand-framed ends of Decode.PushKV.
 """

@@ -9,9 +9,10 @@ of its own once the chain's logits exist, when the tail ships each layer as it i
 and the sampling parameters fit the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
 sender can pick another pod). Then the bytes, in chunks or, from a sender that leaves them
 in its memory for this pod to read over NIXL (``baton.kv.nixl``; a pod without it refuses
-that with FAILED_PRECONDITION), read straight into the receive buffer: ``KVAssembler``
-counts them and checks the checksum and the positions; a stream that ends early or fails
-half way frees its buffer. A sender that stalls (no message for ``STALL_S``) is cut off with
+that with FAILED_PRECONDITION), read straight into a buffer of their own: ``KVAssembler``
+keeps them where they arrived, counts them and checks the checksum and the positions (the
+pool copies them into its blocks once the engine admits the request, each byte once:
+``baton.kv.received``); a stream that ends early or fails half way lets go of them. A sender that stalls (no message for ``STALL_S``) is cut off with
 DATA_LOSS: a push holds pool room and memory, so it cannot wait on a silent peer.
 """
 
@@ -27,6 +28,7 @@ from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
 from baton.kv.nixl import GRPC, NIXL, NixlReader, Regions
 from baton.kv.pool import KVPool, KVPoolExhausted
+from baton.kv.received import ReceivedLayer
 from baton.kv.wire import KVAssembler, KVDataLoss, KVIncompatible, KVMalformed, KVSpec, check_header
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
@@ -54,7 +56,7 @@ class Incarnation:
 @dataclass
 class PushedCache:
     handoff: KVHandoff
-    layers: list[LayerKV]
+    layers: list[LayerKV | ReceivedLayer]
     num_bytes: int
     transport: str = GRPC  # the data plane that carried the bytes
 
@@ -120,8 +122,8 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
                        stall_s: float | None = None, model_config: ModelConfig | None = None,
                        on_first_token: Callable[[KVHandoff], Awaitable[None]] | None = None,
                        nixl: NixlPlane | None = None) -> PushedCache:
-    """The rest of a PushKV stream whose header checked out, as a checked cache (views into
-    one receive buffer). When the header said the first token follows, it must come once,
+    """The rest of a PushKV stream whose header checked out, as a checked cache (the pieces
+    its bytes arrived in). When the header said the first token follows, it must come once,
     before the trailer: the handoff it completes goes to ``on_first_token`` at once, and
     with the cache. Bytes the sender left for a NIXL read are read with ``nixl``."""
     stall_s = STALL_S if stall_s is None else stall_s

@@ -43,6 +43,7 @@ from baton.kv.decode_step import (
 )
 from baton.kv.dense import LayerKV
 from baton.kv.prefix_cache import CachedBlock, PrefixCache
+from baton.kv.received import ReceivedLayer, copy_pieces
 
 
 class KVPoolExhausted(ResourceExhausted, RuntimeError):
@@ -82,6 +83,10 @@ class KVPool:
         self.k_cache = self._zeros(shape, dtype, device)
         self.v_cache = self._zeros(shape, dtype, device)
         self.positions = torch.zeros((num_blocks, block_size), dtype=torch.int64, device=device)
+        # A host cache's storage as bytes: received KV is copied into its blocks as it lies.
+        self._k_bytes, self._v_bytes = (
+            (memoryview(cache.view(-1).view(torch.uint8).numpy()) for cache in (self.k_cache, self.v_cache))
+            if self.k_cache.device.type == "cpu" else (None, None))
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._tables: dict[str, list[_LayerTable]] = {}
         self.prefix_cache = PrefixCache(num_layers) if cache_prefixes else None
@@ -269,15 +274,53 @@ class KVPool:
         tensor, in order (a copy)."""
         return cache.index_select(0, blocks).view((-1,) + cache.shape[2:])[:length]
 
-    def store(self, seq_id: str, layers: list[LayerKV]) -> None:
-        """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none."""
+    def store(self, seq_id: str, layers: list[LayerKV | ReceivedLayer]) -> None:
+        """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none. A
+        cache as it arrived over the wire is copied from its pieces straight into the blocks."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds KV in this pool")
         if len(layers) != self.num_layers:
             raise ValueError(f"cache has {len(layers)} layers, the pool {self.num_layers}")
         self.reserve(seq_id, [layer.num_tokens for layer in layers])
         for index, layer in enumerate(layers):
-            self.append(seq_id, index, layer.k, layer.v, layer.positions)
+            if isinstance(layer, ReceivedLayer) and self._takes_pieces(layer):
+                self._store_pieces(self._tables[seq_id][index], layer)
+            else:
+                self.append(seq_id, index, layer.k, layer.v, layer.positions)
+
+    def _takes_pieces(self, layer: ReceivedLayer) -> bool:
+        """Whether the layer's bytes are the blocks' bytes as they are: a host pool of the
+        same dtype and shape."""
+        return (self.k_cache.device.type == "cpu" and layer.dtype == self.k_cache.dtype
+                and (layer.num_kv_heads, layer.head_dim) == tuple(self.k_cache.shape[2:]))
+
+    def _store_pieces(self, table: _LayerTable, layer: ReceivedLayer) -> None:
+        """Copy a received layer's keys and values from their pieces into the table's (fresh)
+        blocks, each byte once: consecutive blocks are one range."""
+        count = layer.num_tokens
+        for cache_bytes, pieces in ((self._k_bytes, layer.k_pieces), (self._v_bytes, layer.v_pieces)):
+            copy_pieces(pieces, self._block_bytes(cache_bytes, table.blocks, count))
+        index = to_device(self._slots(table, count), self.positions.device)
+        self.positions.view(-1).index_copy_(0, index, layer.positions.to(torch.int64))
+        table.length = count
+
+    def _block_bytes(self, cache_bytes: memoryview, blocks: list[int], num_tokens: int
+                     ) -> list[memoryview]:
+        """Writable byte ranges of the first ``num_tokens`` token rows of ``blocks`` of a host
+        cache (``cache_bytes``: its storage), in order; a run of consecutive blocks is one range."""
+        if not blocks:
+            return []
+        block_bytes = len(cache_bytes) // self.num_blocks
+        token_bytes = block_bytes // self.block_size
+        ranges: list[list[int]] = []  # [first byte, end]
+        for block in blocks:
+            if ranges and ranges[-1][1] == block * block_bytes:
+                ranges[-1][1] += block_bytes
+            else:
+                ranges.append([block * block_bytes, (block + 1) * block_bytes])
+        surplus = (len(blocks) * self.block_size - num_tokens) * token_bytes
+        ranges[-1][1] -= surplus  # the last block's rows past the tokens stay as they are
+        return [cache_bytes[start:end] for start, end in ranges]
 
     def retain(self, seq_id: str, layer: int, keep: torch.Tensor) -> None:
         """Keep only the tokens at sorted indices ``keep`` of one layer; frees emptied blocks.

@@ -9,11 +9,10 @@ a layer can leave as soon as it is computed:
     for each layer l   positions int64 [S_l] | K_l [S_l, Hkv, D] (dtype) | V_l [S_l, Hkv, D]
 
 A sender of an earlier release sends every layer's positions first, then each layer's K
-and V (``POSITIONS_FIRST``); a receiver takes either. The receiver copies each byte once,
-from the network into a buffer per tensor; the received layers are *views* of those
-buffers. The header keeps
-per-layer token counts, so it stays small at any context length (its size is independent
-of S).
+and V (``POSITIONS_FIRST``); a receiver takes either. The receiver copies no byte of the
+keys and values: the received layers keep the pieces of the chunks they arrived in, and the
+pool copies those into its blocks (``baton.kv.received``). The header keeps per-layer token
+counts, so it stays small at any context length (its size is independent of S).
 
 The checksum (XXH3-64; CRC-32 from senders of an earlier release) follows the payload: the
 sender computes it as the bytes go out, so its header, which carries the request's first
@@ -48,6 +47,7 @@ import xxhash
 from baton.dtypes import DTYPES, dtype_name
 from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
 from baton.kv.dense import LayerKV
+from baton.kv.received import ReceivedLayer, copy_pieces
 
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
 # per-message cost vanishes (bench/kv_transfer.py measures it).
@@ -285,27 +285,28 @@ def check_header(header: KVHeader, spec: KVSpec) -> None:
 class KVAssembler:
     """Receives one pushed cache chunk by chunk; ``finish()`` returns it once it checks out.
 
-    Use as a context manager so that a stream that fails half way frees its buffer::
+    Use as a context manager so that a stream that fails half way lets go of what arrived::
 
         with KVAssembler(header, spec) as assembler:
             for chunk in chunks:
                 assembler.add(chunk)
             layers = assembler.finish()
+
+    Nothing is copied as chunks arrive: each tensor of the payload collects the views of the
+    chunks' bytes that fall in it (``baton.kv.received``), and the pool copies them into its
+    blocks. Bytes read over NIXL land in a buffer of their own (``next_views``), viewed the
+    same way.
     """
 
     def __init__(self, header: KVHeader, spec: KVSpec) -> None:
         check_header(header, spec)
         self.header = header
         self.spec = spec
-        self._init_buffer()
+        self._init_segments()
 
-    def _init_buffer(self) -> None:
-        # One buffer per tensor, in the payload's order (each layer's positions, K and V;
-        # or every layer's positions together, then each layer's K and V). A tensor's buffer
-        # is as large as one layer's keys (a few MiB), which malloc serves from memory the
-        # process already has and reuses once the cache has moved into the pool
-        # (``baton.host_memory.keep_freed_memory``); one buffer for the whole cache would be
-        # fresh pages each time, whose first touch costs more than the copy into them.
+    def _init_segments(self) -> None:
+        # One segment per tensor, in the payload's order (each layer's positions, K and V;
+        # or every layer's positions together, then each layer's K and V).
         header = self.header
         tensor_bytes = header.num_kv_heads * header.head_dim * header.element_bytes
         if header.layout == LAYER_MAJOR:
@@ -315,11 +316,11 @@ class KVAssembler:
             sizes = [sum(header.layer_num_tokens) * POSITION_BYTES]
             for num_tokens in header.layer_num_tokens:
                 sizes += [num_tokens * tensor_bytes] * 2
-        self._buffers: list[torch.Tensor] | None = [torch.empty(size, dtype=torch.uint8)
-                                                    for size in sizes]
-        self._writable = [memoryview(buffer.numpy()) for buffer in self._buffers]
-        self._segment = 0  # the buffer the next byte goes to, and where in it
+        self._sizes = sizes
+        self._pieces: list[list[memoryview]] | None = [[] for _ in sizes]
+        self._segment = 0  # the segment the next byte belongs to, and where in it
         self._offset = 0
+        self._bytes_placed = 0
         self.bytes_received = 0
         self._checksum = Checksum(header.checksum_algorithm)
 
@@ -330,42 +331,25 @@ class KVAssembler:
         self.discard()
 
     def add(self, chunk: bytes | memoryview) -> None:
-        if self._buffers is None:
-            raise RuntimeError("this KV assembler is finished or discarded")
-        size = len(chunk)
-        if self.bytes_received + size > self.header.total_bytes:
-            raise KVDataLoss(f"KV stream for {self.header.request_id!r} sent more than the "
-                             f"{self.header.total_bytes} bytes its header announced")
-        self._checksum.update(chunk)
-        source, taken = memoryview(chunk), 0
-        while taken < size:
-            target = self._writable[self._segment]
-            count = min(len(target) - self._offset, size - taken)
-            target[self._offset:self._offset + count] = source[taken:taken + count]
-            taken += count
-            self._offset += count
-            if self._offset == len(target):
-                self._segment, self._offset = self._segment + 1, 0
-        self.bytes_received += size
+        """The next chunk of the payload (kept, not copied: it must not change afterwards)."""
+        view = memoryview(chunk)
+        self._claim(len(view))
+        self._checksum.update(view)
+        self._place(view)
+        self.bytes_received += len(view)
 
     def next_views(self, num_bytes: int) -> list[memoryview]:
-        """Writable views of the buffer's next ``num_bytes`` (for a read straight into them:
-        ``baton.kv.nixl``); they count as received once ``filled``."""
-        if self._buffers is None:
-            raise RuntimeError("this KV assembler is finished or discarded")
-        if self.bytes_received + num_bytes > self.header.total_bytes:
-            raise KVDataLoss(f"KV stream for {self.header.request_id!r} sent more than the "
-                             f"{self.header.total_bytes} bytes its header announced")
-        views, left = [], num_bytes
-        while left:
-            target = self._writable[self._segment]
-            count = min(len(target) - self._offset, left)
-            if count:
-                views.append(target[self._offset:self._offset + count])
-            left -= count
-            self._offset += count
-            if self._offset == len(target):
-                self._segment, self._offset = self._segment + 1, 0
+        """Writable views of the payload's next ``num_bytes``, in buffers of their own, one per
+        tensor they fall in (for a read straight into them: ``baton.kv.nixl``); they count as
+        received once ``filled``. A buffer is at most a layer's keys (a few MiB), which malloc
+        serves from memory the process has: fresh pages cost more to fault in than the read."""
+        self._claim(num_bytes)
+        views = []
+        while num_bytes:
+            count = min(self._sizes[self._segment] - self._offset, num_bytes)
+            views.append(memoryview(torch.empty(count, dtype=torch.uint8).numpy()))
+            self._place(views[-1])
+            num_bytes -= count
         return views
 
     def filled(self, views: list[memoryview]) -> None:
@@ -374,10 +358,10 @@ class KVAssembler:
             self._checksum.update(view)
             self.bytes_received += len(view)
 
-    def finish(self, checksum: int | None) -> list[LayerKV]:
-        """The received cache (views of its receive buffers), after checking size, the
-        sender's ``checksum`` (None: none arrived) and the positions."""
-        if self._buffers is None:
+    def finish(self, checksum: int | None) -> list[LayerKV | ReceivedLayer]:
+        """The received cache, after checking size, the sender's ``checksum`` (None: none
+        arrived) and the positions."""
+        if self._pieces is None:
             raise RuntimeError("this KV assembler is finished or discarded")
         if self.bytes_received != self.header.total_bytes:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} ended after "
@@ -387,41 +371,61 @@ class KVAssembler:
         if self._checksum.value != checksum:
             raise KVDataLoss(f"KV stream for {self.header.request_id!r} has checksum "
                              f"{self._checksum.value:#x}, its sender says {checksum:#x}")
-        layers = self._unpack(self._buffers)
+        layers = self._unpack(self._pieces)
         self._check_positions(layers)
-        self.discard()  # the layers keep their buffers alive; the assembler lets go of them
+        self.discard()  # the layers keep their pieces alive; the assembler lets go of them
         return layers
 
     def discard(self) -> None:
         """Forget whatever arrived (idempotent)."""
-        self._buffers = None
-        self._writable = []
+        self._pieces = None
 
-    def _unpack(self, buffers: list[torch.Tensor]) -> list[LayerKV]:
+    def _claim(self, num_bytes: int) -> None:
+        if self._pieces is None:
+            raise RuntimeError("this KV assembler is finished or discarded")
+        if self._bytes_placed + num_bytes > self.header.total_bytes:
+            raise KVDataLoss(f"KV stream for {self.header.request_id!r} sent more than the "
+                             f"{self.header.total_bytes} bytes its header announced")
+        self._bytes_placed += num_bytes
+
+    def _place(self, view: memoryview) -> None:
+        """File ``view``'s bytes under the tensors they belong to, as views."""
+        taken, size = 0, len(view)
+        while taken < size:
+            count = min(self._sizes[self._segment] - self._offset, size - taken)
+            self._pieces[self._segment].append(view[taken:taken + count])
+            taken += count
+            self._offset += count
+            if self._offset == self._sizes[self._segment]:
+                self._segment, self._offset = self._segment + 1, 0
+
+    def _unpack(self, pieces: list[list[memoryview]]) -> list[LayerKV | ReceivedLayer]:
         header = self.header
         dtype = DTYPES[header.dtype]
         swap = header.byte_order != sys.byteorder
 
-        def typed(raw: torch.Tensor, element_dtype: torch.dtype, element_bytes: int) -> torch.Tensor:
-            if swap:  # reverse the bytes of every element (a copy; only across byte orders)
-                raw = raw.view(-1, element_bytes).flip(1).reshape(-1)
+        def whole(segment: list[memoryview], element_dtype: torch.dtype) -> torch.Tensor:
+            raw = torch.empty(sum(len(piece) for piece in segment), dtype=torch.uint8)
+            copy_pieces(segment, [memoryview(raw.numpy())])
+            if swap:  # reverse the bytes of every element (only across byte orders)
+                raw = raw.view(-1, element_dtype.itemsize).flip(1).reshape(-1)
             return raw.view(element_dtype)
 
-        shape = (header.num_kv_heads, header.head_dim)
-        layers = []
+        def layer(positions: torch.Tensor, k: list[memoryview], v: list[memoryview]
+                  ) -> LayerKV | ReceivedLayer:
+            if swap:
+                shape = (positions.shape[0], header.num_kv_heads, header.head_dim)
+                return LayerKV(whole(k, dtype).view(shape), whole(v, dtype).view(shape), positions)
+            return ReceivedLayer(positions, tuple(k), tuple(v), dtype, header.num_kv_heads,
+                                 header.head_dim)
+
         if header.layout == LAYER_MAJOR:
-            for layer, count in enumerate(header.layer_num_tokens):
-                positions, k, v = buffers[3 * layer:3 * layer + 3]
-                layers.append(LayerKV(typed(k, dtype, header.element_bytes).view(count, *shape),
-                                      typed(v, dtype, header.element_bytes).view(count, *shape),
-                                      typed(positions, POSITION_DTYPE, POSITION_BYTES)))
-            return layers
-        all_positions = typed(buffers[0], POSITION_DTYPE, POSITION_BYTES)
-        start = 0
-        for layer, count in enumerate(header.layer_num_tokens):
-            k = typed(buffers[1 + 2 * layer], dtype, header.element_bytes).view(count, *shape)
-            v = typed(buffers[2 + 2 * layer], dtype, header.element_bytes).view(count, *shape)
-            layers.append(LayerKV(k, v, all_positions[start:start + count]))
+            return [layer(whole(pieces[3 * index], POSITION_DTYPE), *pieces[3 * index + 1:3 * index + 3])
+                    for index in range(header.num_layers)]
+        all_positions = whole(pieces[0], POSITION_DTYPE)
+        layers, start = [], 0
+        for index, count in enumerate(header.layer_num_tokens):
+            layers.append(layer(all_positions[start:start + count], *pieces[1 + 2 * index:3 + 2 * index]))
             start += count
         return layers
 

@@ -1,0 +1,82 @@
+"""A pushed cache as it arrived: each layer's keys and values still the byte pieces of the
+messages that carried them, until the pool copies them into its blocks.
+
+Why: gRPC hands the receiver every chunk of a push as a ``bytes`` object of its own (one copy
+of its 64 KiB read slices, then a join: copies a receiver cannot avoid). Copying those bytes
+again into a buffer per tensor, and then from the buffer into the pool's blocks, moved every
+byte twice more on the decode pod; keeping the received pieces and copying them once, straight
+into the blocks they belong in (``KVPool.store``), moves it once. The pieces keep their
+messages alive until then, as the buffers did.
+
+Pieces may split a token anywhere (a sender cuts its chunks by bytes, not by tokens): a
+layer's keys are one byte stream, and the pool reads it as one (``copy_pieces``). The
+positions are small (8 bytes a token against kilobytes of keys and values) and are made
+whole at once, so that the receiver can check them before the cache exists.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from baton.kv.dense import LayerKV
+
+
+@dataclass(frozen=True)
+class ReceivedLayer:
+    """One layer of a received cache (the same reading interface as ``LayerKV``): positions
+    [S] as a tensor, keys and values [S, Hkv, D] as the pieces of their bytes in order, in the
+    receiver's byte order. ``k`` and ``v`` make whole tensors of them (a copy) for a reader
+    that needs tensors; the pool copies the pieces straight into its blocks instead."""
+
+    positions: torch.Tensor
+    k_pieces: tuple[memoryview, ...]
+    v_pieces: tuple[memoryview, ...]
+    dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def token_bytes(self) -> int:
+        """The bytes of one token's keys (or values)."""
+        return self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        return self._tensor(self.k_pieces)
+
+    @functools.cached_property
+    def v(self) -> torch.Tensor:
+        return self._tensor(self.v_pieces)
+
+    def as_layer_kv(self) -> LayerKV:
+        return LayerKV(self.k, self.v, self.positions)
+
+    def _tensor(self, pieces: Sequence[memoryview]) -> torch.Tensor:
+        raw = torch.empty(self.num_tokens * self.token_bytes, dtype=torch.uint8)
+        copy_pieces(pieces, [memoryview(raw.numpy())])
+        return raw.view(self.dtype).view(self.num_tokens, self.num_kv_heads, self.head_dim)
+
+
+def copy_pieces(sources: Sequence[memoryview], targets: Sequence[memoryview]) -> None:
+    """Copy the byte stream ``sources`` into the byte ranges ``targets``, in order; both
+    hold the same number of bytes, cut anywhere."""
+    target_index, offset = 0, 0
+    for source in sources:
+        taken, size = 0, len(source)
+        while taken < size:
+            target = targets[target_index]
+            count = min(len(target) - offset, size - taken)
+            target[offset:offset + count] = source[taken:taken + count]
+            taken += count
+            offset += count
+            if offset == len(target):
+                target_index, offset = target_index + 1, 0
+    assert target_index == len(targets) and offset == 0, "sources and targets differ in length"
