@@ -5,17 +5,19 @@ pyramid-shaped fp32 cache goes, in interleaved rounds, through
 
 * raw TCP: the payload's bytes through a plain socket in 1 MiB sends, into one buffer;
 * gRPC PushKV as the tail sends it (``baton.api.push_kv``: chunks framed by hand) to a
-  receiver that assembles and checks it as a decode pod does (``KVAssembler``: one copy
-  into a buffer per tensor, the checksum, the positions);
+  receiver that checks it and stores it in a KV pool as a decode pod does (``KVAssembler``:
+  the checksum, the positions; then ``KVPool.store``: the one copy into the pool's blocks);
 * gRPC PushKV as plain protobuf messages (a generated stub; the pod takes these too): what
   the hand framing saves;
 * NIXL (when installed: ``make nixl``): the same PushKV stream carries the header, where the
   bytes lie in the sender's memory (``PushKVNixl``) and the checksum; the receiver reads the
   bytes with NIXL (UCX picks its transport: on one host, shared memory or a cross-memory
-  copy) straight into its buffers and checks them as for chunks.
+  copy) straight into its buffers and checks them as for chunks;
+* gRPC alone: the same messages framed beforehand, no checksum on either side, into a
+  receiver that only counts them: what gRPC's Python runtime itself allows.
 
-Each push is end to end: encode, send, receive, verify. Goal (issue: KV shipping at wire
-speed): gRPC at least half of raw TCP.
+Each push is end to end: encode, send, receive, verify, store in the pool. Goal (issue: KV
+shipping at wire speed): gRPC at least half of raw TCP.
 
     .venv/bin/python bench/kv_transfer.py --rounds 8
     .venv/bin/python bench/kv_transfer.py --report-only
@@ -47,6 +49,7 @@ from baton.api.v1 import decode_pb2, decode_pb2_grpc
 from baton.decode.receiver import receive_body, receive_header
 from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
+from baton.kv.pool import KVPool
 from baton.kv.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
 from baton.kv.wire import CHUNK_BYTES, KVAssembler, KVSpec, encode_kv
 
@@ -63,30 +66,55 @@ PROMPT_IDS = (1,) * PROMPT  # the prompt the cache is of (a pod checks positions
 NIXL_PATH = "NIXL read, PushKV for the rest"
 OWN_TCP = "raw TCP, receiver in its own process"
 OWN_GRPC = "gRPC PushKV, the decode pod's receiver (asyncio) in its own process"
+OWN_ASIDE = "gRPC PushKV, the pod's receiver in its own process, the pool aside"
 OWN_COUNT = "gRPC PushKV, own-process receiver that only counts the bytes"  # gRPC's own share
+OWN_FLOOR = "gRPC alone: chunks framed beforehand, no checksum, into the counting receiver"
 OWN_PAIRED = "gRPC PushKV, two streams at once to the pod's receiver (per cache)"
 SMALL_CHUNKS, LARGE_CHUNKS = CHUNK_BYTES // 4, CHUNK_BYTES * 4  # the chunk size's neighbours
 PATHS = ("raw TCP", "gRPC PushKV", "gRPC PushKV, protobuf messages",
          f"gRPC PushKV, {SMALL_CHUNKS // 2**10} KiB chunks",
-         f"gRPC PushKV, {LARGE_CHUNKS // 2**20} MiB chunks", OWN_TCP, OWN_GRPC, OWN_COUNT,
-         OWN_PAIRED, NIXL_PATH)
+         f"gRPC PushKV, {LARGE_CHUNKS // 2**20} MiB chunks", OWN_TCP, OWN_GRPC, OWN_ASIDE,
+         OWN_COUNT, OWN_FLOOR, OWN_PAIRED, NIXL_PATH)
+OWN_PATHS = (OWN_TCP, OWN_GRPC, OWN_ASIDE, OWN_COUNT, OWN_FLOOR, OWN_PAIRED)
+BLOCK_SIZE = 16
+
+
+class BenchPool:
+    """A decode pod's KV pool with room for ``num_caches`` of the bench's caches, admitting
+    one cache at a time as the pod's engine does."""
+
+    def __init__(self, num_caches: int) -> None:
+        blocks = sum(-(-num_tokens // BLOCK_SIZE) for num_tokens in layer_num_tokens())
+        self.pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, num_caches * blocks)
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def admit(self, layers: list) -> None:
+        """Store a received cache, then free it for the next."""
+        with self._lock:
+            self._count += 1
+            self.pool.store(f"push-{self._count}", layers)
+            self.pool.free(f"push-{self._count}")
+
+
+def layer_num_tokens() -> list[int]:
+    """Tokens per layer: 100% at layer 0 -> 50% at the last."""
+    return [PROMPT - (PROMPT // 2) * layer // (LAYERS - 1) for layer in range(LAYERS)]
 
 
 def pyramid_cache() -> list[LayerKV]:
-    layers = []
-    for layer in range(LAYERS):
-        keep = PROMPT - (PROMPT // 2) * layer // (LAYERS - 1)  # 100% at layer 0 -> 50% at the last
-        layers.append(LayerKV(torch.randn(keep, KV_HEADS, HEAD_DIM),
-                              torch.randn(keep, KV_HEADS, HEAD_DIM), torch.arange(keep)))
-    return layers
+    return [LayerKV(torch.randn(keep, KV_HEADS, HEAD_DIM), torch.randn(keep, KV_HEADS, HEAD_DIM),
+                    torch.arange(keep)) for keep in layer_num_tokens()]
 
 
 class Receiver(decode_pb2_grpc.DecodeServicer):
-    """Only PushKV: assemble and verify, as a decode pod does before the KV becomes visible
-    (bytes left for a NIXL read are read with ``reader``, as a decode pod reads them)."""
+    """Only PushKV: assemble and verify, as a decode pod does before the KV becomes visible,
+    then store it in the pool (bytes left for a NIXL read are read with ``reader``, as a
+    decode pod reads them)."""
 
     def __init__(self, reader: NixlReader | None) -> None:
         self.reader = reader
+        self.pool = BenchPool(1)
 
     def PushKV(self, request_iterator, context):
         handoff, parts = push_kv.read(request_iterator)
@@ -102,15 +130,15 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
                 else:
                     for piece in part:
                         assembler.add(piece)
-            assembler.finish(checksum)
+            self.pool.admit(assembler.finish(checksum))
             return decode_pb2.PushKVResponse(request_id=handoff.request_id,
                                              bytes_received=assembler.bytes_received)
 
 
 class CountingReceiver(decode_pb2_grpc.DecodeServicer):
     """PushKV taken (asyncio, as on a pod) and its chunk bytes counted, nothing assembled or
-    checked: what gRPC itself costs, apart from the pod's copy into its buffers and its
-    checksum."""
+    checked: what gRPC itself costs, apart from the pod's checksum and its copy into the
+    pool."""
 
     async def PushKV(self, request_iterator, context):
         num_bytes = 0
@@ -122,11 +150,17 @@ class CountingReceiver(decode_pb2_grpc.DecodeServicer):
 
 class PodReceiver(decode_pb2_grpc.DecodeServicer):
     """PushKV as a decode pod takes it: an asyncio servicer running the pod's own
-    ``receive_header`` and ``receive_body`` (the pool's admission aside)."""
+    ``receive_header`` and ``receive_body``, then storing the cache in ``pool`` on a thread
+    of its own, as the pod's engine admits it (None: the pool aside)."""
+
+    def __init__(self, pool: BenchPool | None) -> None:
+        self.pool = pool
 
     async def PushKV(self, request_iterator, context):
         handoff = await receive_header(request_iterator)
         cache = await receive_body(handoff, request_iterator, SPEC)
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.admit, cache.layers)
         return decode_pb2.PushKVResponse(request_id=handoff.request_id,
                                          bytes_received=cache.num_bytes)
 
@@ -154,6 +188,25 @@ def time_pushes(send, layers: list[LayerKV], framed: bool,
         started = time.perf_counter()
         push_once(send, layers, framed, chunk_bytes)
         seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def framed_stream(layers: list[LayerKV]) -> list[bytes]:
+    """A push's messages as the bytes gRPC sends, made before any clock starts."""
+    encoded = encode_kv(layers, "bench", "bench", "r1")
+    handoff = KVHandoff(encoded.header, PROMPT_IDS, 0, SamplingParams(), CompressionParams())
+    return [push_kv.serialize(message)
+            for message in push_kv.messages(handoff, encoded.chunk_pieces())]
+
+
+def time_framed(send, stream: list[bytes], num_bytes: int) -> list[float]:
+    """Pushes of messages framed beforehand: gRPC's part alone."""
+    seconds = []
+    for _ in range(PUSHES_PER_ROUND):
+        started = time.perf_counter()
+        reply = send(iter(stream))
+        seconds.append(time.perf_counter() - started)
+        assert reply.bytes_received == num_bytes
     return seconds
 
 
@@ -225,15 +278,16 @@ def time_tcp(payload: memoryview) -> list[float]:
 
 def serve_in_own_process(ports: multiprocessing.Queue, num_bytes: int) -> None:
     """The receiving ends in a process of their own (a tail and a pod never share one): the
-    decode pod's asyncio PushKV receiver, the counting one and a raw TCP receiver, until
-    terminated."""
+    decode pod's asyncio PushKV receiver (with a pool for two caches at once, and without),
+    the counting one and a raw TCP receiver, until terminated."""
     keep_freed_memory()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=receive_tcp, args=(listener, num_bytes, None), daemon=True).start()
 
     async def serve() -> None:
-        servers = [grpc.aio.server(options=GRPC_OPTIONS) for _ in range(2)]
-        for server, servicer in zip(servers, (PodReceiver(), CountingReceiver())):
+        servicers = (PodReceiver(BenchPool(2)), PodReceiver(None), CountingReceiver())
+        servers = [grpc.aio.server(options=GRPC_OPTIONS) for _ in servicers]
+        for server, servicer in zip(servers, servicers):
             push_kv.add_decode_servicer(servicer, server)
         grpc_ports = [server.add_insecure_port("127.0.0.1:0") for server in servers]
         for server in servers:
@@ -270,14 +324,18 @@ def run(rounds: int) -> dict:
     own_process = spawn.Process(target=serve_in_own_process, args=(ports, len(payload)),
                                 daemon=True)
     own_process.start()
-    own_grpc_port, own_count_port, own_tcp_port = ports.get(timeout=120)
+    own_grpc_port, own_aside_port, own_count_port, own_tcp_port = ports.get(timeout=120)
+    stream = framed_stream(layers)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel, \
                 grpc.insecure_channel(f"127.0.0.1:{own_grpc_port}", options=GRPC_OPTIONS) as own, \
+                grpc.insecure_channel(f"127.0.0.1:{own_aside_port}", options=GRPC_OPTIONS) as aside, \
                 grpc.insecure_channel(f"127.0.0.1:{own_count_port}", options=GRPC_OPTIONS) as count:
             framed = push_kv.stub_push_kv(channel)
             generated = decode_pb2_grpc.DecodeStub(channel).PushKV
             to_own = push_kv.stub_push_kv(own)
+            as_bytes = count.stream_unary(push_kv.METHOD, request_serializer=None,
+                                          response_deserializer=decode_pb2.PushKVResponse.FromString)
             measures = {"raw TCP": lambda: time_tcp(payload),
                         "gRPC PushKV": lambda: time_pushes(framed, layers, True),
                         "gRPC PushKV, protobuf messages": lambda: time_pushes(generated, layers, False),
@@ -285,7 +343,9 @@ def run(rounds: int) -> dict:
                         PATHS[4]: lambda: time_pushes(framed, layers, True, LARGE_CHUNKS),
                         OWN_TCP: lambda: send_tcp(own_tcp_port, payload),
                         OWN_GRPC: lambda: time_pushes(to_own, layers, True),
+                        OWN_ASIDE: lambda: time_pushes(push_kv.stub_push_kv(aside), layers, True),
                         OWN_COUNT: lambda: time_pushes(push_kv.stub_push_kv(count), layers, True),
+                        OWN_FLOOR: lambda: time_framed(as_bytes, stream, len(payload)),
                         OWN_PAIRED: lambda: time_paired_pushes(to_own, layers),
                         NIXL_PATH: lambda: time_nixl_pushes(framed, layers, sender)}
             for number in range(rounds):
@@ -311,7 +371,7 @@ def report(results: dict) -> str:
     pooled = {path: [s for entry in results["rounds"] for s in entry[path]] for path in paths}
     rows = []
     for path in paths:
-        baseline = OWN_TCP if path in (OWN_TCP, OWN_GRPC, OWN_COUNT, OWN_PAIRED) else "raw TCP"
+        baseline = OWN_TCP if path in OWN_PATHS else "raw TCP"
         per_round = [statistics.median(entry[baseline]) / statistics.median(entry[path])
                      for entry in results["rounds"]]
         median = statistics.median(pooled[path])
@@ -354,13 +414,16 @@ def report(results: dict) -> str:
         "",
         ("A gRPC push is end to end as a chain's tail and a decode pod see it: encode (the "
          "checksum taken as the chunks go out), the PushKV stream through a real server on "
-         "127.0.0.1, and the receiver copying the bytes into a buffer per tensor and checking "
-         "size, checksum and positions. Raw TCP only moves the same bytes through a socket in "
+         "127.0.0.1, the receiver checking size, checksum and positions, and the cache stored "
+         "in a KV pool of 16-token blocks as a decode pod's engine admits it (`KVPool.store`: "
+         "the one copy of the keys and values, from the pieces gRPC delivered into the pool's "
+         "blocks), then freed. Raw TCP only moves the same bytes through a socket in "
          "1 MiB sends into one buffer. The protobuf row sends the same stream as a generated "
          "stub does (a `PushKVRequest` per chunk), to the same receiver. The NIXL row sends "
          "the header, where the bytes lie (the sender registers them) and the checksum on the "
-         "same stream; the receiver reads the bytes with NIXL into its buffers and checks them "
-         "the same way, and the sender deregisters them once answered. Both agents are on this "
+         "same stream; the receiver reads the bytes with NIXL into buffers of its own, checks "
+         "and stores them the same way, and the sender deregisters them once answered. Both "
+         "agents are on this "
          f"host, so UCX moves the bytes by shared memory or a cross-memory copy, as between "
          f"two pods of one node (between nodes: RDMA or TCP). NIXL: {results.get('nixl', 'not run')}."),
         "",
@@ -369,11 +432,16 @@ def report(results: dict) -> str:
          "of their own, as a decode pod is, and are compared with the raw socket received "
          "there: the two ends no longer share one interpreter's lock, but each side's copies "
          "and the socket still share the two cores. There PushKV meets the decode pod's own "
-         "code (an asyncio server, `receive_header` and `receive_body`: assembled, checksum "
-         "and positions checked; the pool's admission aside); the counting row's receiver "
-         "only counts the chunks' bytes: gRPC's own cost, without the pod's copy into its "
-         "buffers and its checksum. The two-stream row pushes two caches at once on two "
-         "streams of one channel and counts half the pair's time per cache."),
+         "code (an asyncio server, `receive_header` and `receive_body`: checksum and positions "
+         "checked), and the cache is stored on a thread of its own, as the pod's engine "
+         "thread admits it; the pool-aside row leaves the store out (what the pod's event "
+         "loop pays). The counting row's receiver only counts the chunks' bytes: gRPC's own "
+         "cost, without the checksum and the copy into the pool. The gRPC-alone row also "
+         "frames the messages before the clock starts and takes no checksum: what gRPC's "
+         "Python runtime allows at all (its own copies: one on the sender into its slice, "
+         "two on the receiver out of its 64 KiB read slices into one `bytes`). The "
+         "two-stream row pushes two caches at once on two streams of one channel and counts "
+         "half the pair's time per cache."),
         "",
         markdown_table(["path", "transfers", "median s", "GB/s", "vs raw TCP",
                         "vs raw TCP per round"], rows),
