@@ -5,14 +5,15 @@ pyramid-shaped fp32 cache goes, in interleaved rounds, through
 
 * raw TCP: the payload's bytes through a plain socket in 1 MiB sends, into one buffer;
 * gRPC PushKV as the tail sends it (``baton.api.push_kv``: chunks framed by hand) to a
-  receiver that checks it and stores it in a KV pool as a decode pod does (``KVAssembler``:
-  the checksum, the positions; then ``KVPool.store``: the one copy into the pool's blocks);
+  receiver that takes it into a KV pool as a decode pod does (``KVAssembler``: keys and
+  values copied into the pool's blocks as they arrive, the checksum, the positions; then
+  ``KVPool.store``);
 * gRPC PushKV as plain protobuf messages (a generated stub; the pod takes these too): what
   the hand framing saves;
 * NIXL (when installed: ``make nixl``): the same PushKV stream carries the header, where the
   bytes lie in the sender's memory (``PushKVNixl``) and the checksum; the receiver reads the
   bytes with NIXL (UCX picks its transport: on one host, shared memory or a cross-memory
-  copy) straight into its buffers and checks them as for chunks;
+  copy) straight into the pool's blocks and checks them as for chunks;
 * gRPC alone: the same messages framed beforehand, no checksum on either side, into a
   receiver that only counts them: what gRPC's Python runtime itself allows.
 
@@ -46,7 +47,7 @@ import torch
 from baton.api import push_kv
 from baton.api.requests import CompressionParams, KVHandoff, SamplingParams
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
-from baton.decode.receiver import receive_body, receive_header
+from baton.decode.receiver import PoolLanding, receive_body, receive_header
 from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool
@@ -80,21 +81,27 @@ BLOCK_SIZE = 16
 
 
 class BenchPool:
-    """A decode pod's KV pool with room for ``num_caches`` of the bench's caches, admitting
-    one cache at a time as the pod's engine does."""
+    """A decode pod's KV pool with room for ``num_caches`` of the bench's caches, on a
+    thread of its own as the pod's engine holds it: it claims a landing for each cache
+    (``KVPool.land``) and admits it."""
 
     def __init__(self, num_caches: int) -> None:
         blocks = sum(-(-num_tokens // BLOCK_SIZE) for num_tokens in layer_num_tokens())
         self.pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, num_caches * blocks)
-        self._lock = threading.Lock()
+        self.engine = futures.ThreadPoolExecutor(1)
         self._count = 0
 
+    def land(self) -> futures.Future:
+        return self.engine.submit(self.pool.land, layer_num_tokens())
+
     def admit(self, layers: list) -> None:
-        """Store a received cache, then free it for the next."""
-        with self._lock:
-            self._count += 1
-            self.pool.store(f"push-{self._count}", layers)
-            self.pool.free(f"push-{self._count}")
+        """Store a received cache, then free it for the next (on the engine's thread)."""
+        self.engine.submit(self._store_and_free, layers).result()
+
+    def _store_and_free(self, layers: list) -> None:
+        self._count += 1
+        self.pool.store(f"push-{self._count}", layers)
+        self.pool.free(f"push-{self._count}")
 
 
 def layer_num_tokens() -> list[int]:
@@ -120,6 +127,7 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
         handoff, parts = push_kv.read(request_iterator)
         checksum = None
         with KVAssembler(handoff.kv, SPEC) as assembler:
+            assembler.land(self.pool.land().result())  # an idle engine's answer
             for part in parts:
                 if isinstance(part, int):
                     checksum = part
@@ -150,16 +158,19 @@ class CountingReceiver(decode_pb2_grpc.DecodeServicer):
 
 class PodReceiver(decode_pb2_grpc.DecodeServicer):
     """PushKV as a decode pod takes it: an asyncio servicer running the pod's own
-    ``receive_header`` and ``receive_body``, then storing the cache in ``pool`` on a thread
-    of its own, as the pod's engine admits it (None: the pool aside)."""
+    ``receive_header`` and ``receive_body``, the cache landing in ``pool`` as it arrives,
+    then admitted there (None: the pool aside)."""
 
     def __init__(self, pool: BenchPool | None) -> None:
         self.pool = pool
 
     async def PushKV(self, request_iterator, context):
         handoff = await receive_header(request_iterator)
-        cache = await receive_body(handoff, request_iterator, SPEC)
-        if self.pool is not None:
+        if self.pool is None:
+            cache = await receive_body(handoff, request_iterator, SPEC)
+        else:
+            landing = PoolLanding(handoff.request_id, self.pool.land, lambda _: None)
+            cache = await receive_body(handoff, request_iterator, SPEC, landing=landing)
             await asyncio.to_thread(self.pool.admit, cache.layers)
         return decode_pb2.PushKVResponse(request_id=handoff.request_id,
                                          bytes_received=cache.num_bytes)
@@ -414,16 +425,16 @@ def report(results: dict) -> str:
         "",
         ("A gRPC push is end to end as a chain's tail and a decode pod see it: encode (the "
          "checksum taken as the chunks go out), the PushKV stream through a real server on "
-         "127.0.0.1, the receiver checking size, checksum and positions, and the cache stored "
-         "in a KV pool of 16-token blocks as a decode pod's engine admits it (`KVPool.store`: "
-         "the one copy of the keys and values, from the pieces gRPC delivered into the pool's "
-         "blocks), then freed. Raw TCP only moves the same bytes through a socket in "
-         "1 MiB sends into one buffer. The protobuf row sends the same stream as a generated "
+         "127.0.0.1, and the receiver copying keys and values into the blocks of a KV pool "
+         "(16-token blocks, claimed as a decode pod's engine claims them once the first bytes "
+         "arrive: `KVPool.land`), checking size, checksum and positions, and the cache "
+         "admitted to the pool (`KVPool.store`), then freed. Raw TCP only moves the same "
+         "bytes through a socket in 1 MiB sends into one buffer. The protobuf row sends the same stream as a generated "
          "stub does (a `PushKVRequest` per chunk), to the same receiver. The NIXL row sends "
          "the header, where the bytes lie (the sender registers them) and the checksum on the "
-         "same stream; the receiver reads the bytes with NIXL into buffers of its own, checks "
-         "and stores them the same way, and the sender deregisters them once answered. Both "
-         "agents are on this "
+         "same stream; the receiver reads the bytes with NIXL straight into the pool's "
+         "blocks, checks and admits them the same way, and the sender deregisters them once "
+         "answered. Both agents are on this "
          f"host, so UCX moves the bytes by shared memory or a cross-memory copy, as between "
          f"two pods of one node (between nodes: RDMA or TCP). NIXL: {results.get('nixl', 'not run')}."),
         "",
@@ -433,9 +444,9 @@ def report(results: dict) -> str:
          "there: the two ends no longer share one interpreter's lock, but each side's copies "
          "and the socket still share the two cores. There PushKV meets the decode pod's own "
          "code (an asyncio server, `receive_header` and `receive_body`: checksum and positions "
-         "checked), and the cache is stored on a thread of its own, as the pod's engine "
-         "thread admits it; the pool-aside row leaves the store out (what the pod's event "
-         "loop pays). The counting row's receiver only counts the chunks' bytes: gRPC's own "
+         "checked), with the pool on a thread of its own, as the pod's engine holds it; the "
+         "pool-aside row leaves the pool out (its receiver keeps the bytes where gRPC put "
+         "them, as a pod does when no landing comes). The counting row's receiver only counts the chunks' bytes: gRPC's own "
          "cost, without the checksum and the copy into the pool. The gRPC-alone row also "
          "frames the messages before the clock starts and takes no checksum: what gRPC's "
          "Python runtime allows at all (its own copies: one on the sender into its slice, "

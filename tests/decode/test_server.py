@@ -4,6 +4,7 @@ bad input's status code, abort and cancellation freeing the KV, health and routi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 import urllib.error
@@ -201,7 +202,8 @@ def test_a_push_whose_bytes_do_not_match_its_checksum_is_data_loss(stub, server,
     trailer.trailer.checksum ^= 1
     code, details = status_of(lambda: stub.PushKV(iter([*messages, trailer]), timeout=30))
     assert code == grpc.StatusCode.DATA_LOSS and "checksum" in details
-    assert server.worker.engine.pool.num_free_blocks == free
+    # blocks the cache landed in go back through the engine's inbox
+    wait_until(lambda: server.worker.engine.pool.num_free_blocks == free)
 
 
 def _header_then_break(handoff, chunks, header_seen):
@@ -230,7 +232,61 @@ def test_an_attached_stream_has_the_first_token_at_the_header_and_data_loss_if_t
     pushing.join(30)
     assert error.value.code() == grpc.StatusCode.DATA_LOSS  # the gateway moves it on, any pod
     assert "broken-push" in error.value.details()
-    assert server.worker.engine.pool.num_free_blocks == free
+    wait_until(lambda: server.worker.engine.pool.num_free_blocks == free)
+
+
+class LandingSpy:
+    """Counts the pool's landings and what it stores, passing every call on."""
+
+    def __init__(self, pool, monkeypatch) -> None:
+        self.landings, self.stored = [], []
+        land, store = pool.land, pool.store
+
+        def spy_land(*args):
+            self.landings.append(land(*args))
+            return self.landings[-1]
+
+        def spy_store(seq_id, layers):
+            self.stored.append((seq_id, {type(layer).__name__ for layer in layers}))
+            return store(seq_id, layers)
+
+        monkeypatch.setattr(pool, "land", spy_land)
+        monkeypatch.setattr(pool, "store", spy_store)
+
+
+def _after_landing(messages, spy):
+    """The header and the first chunk, then the rest once the pool has landed the cache."""
+    yield next(messages)
+    yield next(messages)
+    wait_until(lambda: spy.landings)
+    time.sleep(0.05)  # the engine hands the landing over right after claiming it
+    yield from messages
+
+
+def test_a_pushed_cache_lands_in_the_pools_blocks_as_it_arrives(stub, server, checkpoint,
+                                                                reference, monkeypatch):
+    spy = LandingSpy(server.worker.engine.pool, monkeypatch)
+    handoff, chunks = prefilled_handoff(checkpoint, "landed", PROMPT, MAX_TOKENS)
+    stub.PushKV(_after_landing(proto_messages(handoff, chunks), spy), timeout=30)
+    tokens, _ = collect(stub.Attach(decode_pb2.AttachRequest(request_id="landed"), timeout=30))
+    assert tokens == reference
+    assert len(spy.landings) == 1 and spy.stored == [("landed", {"LandedLayer"})]
+
+
+def test_a_push_that_breaks_after_landing_gives_its_blocks_back(stub, server, checkpoint,
+                                                                monkeypatch):
+    spy = LandingSpy(server.worker.engine.pool, monkeypatch)
+    handoff, chunks = prefilled_handoff(checkpoint, "landed-broken", PROMPT, MAX_TOKENS)
+    free = server.worker.engine.pool.num_free_blocks
+
+    def breaking():
+        yield from itertools.islice(_after_landing(proto_messages(handoff, chunks), spy), 4)
+        raise RuntimeError("the chain's tail died")
+
+    code, _ = status_of(lambda: stub.PushKV(breaking(), timeout=30))
+    assert code != grpc.StatusCode.OK and len(spy.landings) == 1
+    wait_until(lambda: server.worker.engine.pool.num_free_blocks == free)
+    assert spy.stored == []
 
 
 def test_push_with_a_bad_first_token_or_no_header(stub, checkpoint):
@@ -556,5 +612,5 @@ def test_a_first_token_out_of_turn_or_of_range_is_invalid(stub, server, checkpoi
         messages = list(layer_by_layer(handoff, chunks, first))
     code, details = status_of(lambda: stub.PushKV(iter(messages), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and named in details
-    assert server.worker.engine.pool.num_free_blocks == free
+    wait_until(lambda: server.worker.engine.pool.num_free_blocks == free)
 

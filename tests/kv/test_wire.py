@@ -11,7 +11,7 @@ import torch
 import xxhash
 from baton.kv import KVPool
 from baton.kv.dense import LayerKV
-from baton.kv.received import ReceivedLayer
+from baton.kv.received import LandedLayer, Landing, ReceivedLayer
 from baton.kv.wire import (
     CHUNK_BYTES,
     KVAssembler,
@@ -101,6 +101,53 @@ def test_received_keys_and_values_are_the_chunks_bytes_not_copies():
     assert_same(layers, received)
 
 
+def positions_first(layers: list[LayerKV]) -> bytes:
+    """The payload as a sender of an earlier release lays it out."""
+    payload = b"".join(layer.positions.numpy().tobytes() for layer in layers)
+    return payload + b"".join(tensor.contiguous().numpy().tobytes()
+                              for layer in layers for tensor in (layer.k, layer.v))
+
+
+@pytest.mark.parametrize("layout", ["layer-major", "positions-first"])
+@pytest.mark.parametrize("landed_after", [0, 5, 40])  # chunks that came before the landing
+def test_a_cache_that_lands_in_the_pool_as_it_arrives_is_stored_exact(layout, landed_after):
+    layers = pyramid_cache()
+    encoded = encode_kv(layers, "req-1", "tiny", "rev-1")
+    header = dataclasses.replace(encoded.header, layout=layout)
+    payload = b"".join(encoded.chunks()) if layout == "layer-major" else positions_first(layers)
+    chunks = [payload[offset:offset + 1000] for offset in range(0, len(payload), 1000)]
+    assert landed_after < len(chunks)
+    pool = KVPool(LAYERS, HEADS, DIM, block_size=16, num_blocks=64)
+    pool.reserve("before", [40, 0, 0, 0])  # a hole below the landing's blocks, as in a busy pool
+    pool.reserve("after", [20, 20, 20, 20])
+    pool.free("before")
+    free = pool.num_free_blocks
+    landing = pool.land(list(header.layer_num_tokens))
+    assert pool.num_free_blocks == free - sum(pool.blocks_for(n) for n in header.layer_num_tokens)
+    with KVAssembler(header, SPEC) as assembler:
+        for index, chunk in enumerate(chunks):
+            if index == landed_after:
+                assembler.land(landing)
+            assembler.add(chunk)
+        received = assembler.finish(xxhash.xxh3_64_intdigest(payload))
+    assert all(isinstance(layer, LandedLayer) and layer.landing is landing for layer in received)
+    pool.store("req-1", received)
+    assert pool.lengths("req-1") == [300, 225, 150, 75]
+    assert_same(layers, [pool.gather("req-1", layer) for layer in range(LAYERS)])
+    pool.free("req-1")
+    assert pool.num_free_blocks == free
+
+
+def test_a_landing_that_is_given_back_returns_its_blocks():
+    pool = KVPool(LAYERS, HEADS, DIM, block_size=16, num_blocks=64)
+    landing = pool.land([300, 225, 150, 75])
+    assert pool.num_free_blocks == 64 - 19 - 15 - 10 - 5
+    with pytest.raises(ValueError, match="did not land"):
+        pool.store("req-1", [LandedLayer(torch.arange(n), Landing([])) for n in (300, 225, 150, 75)])
+    pool.free(landing)
+    assert pool.num_free_blocks == 64
+
+
 def test_a_received_cache_enters_a_pool_of_another_dtype_converted():
     layers = pyramid_cache()
     encoded = encode_kv(layers, "req-1", "tiny", "rev-1")
@@ -129,11 +176,8 @@ def test_other_byte_order_is_swapped():
 @pytest.mark.parametrize("layout", ["positions-first", ""])
 def test_a_payload_of_an_earlier_release_positions_first_is_received(layout):
     layers = pyramid_cache()
-    payload = b"".join(layer.positions.numpy().tobytes() for layer in layers)
-    payload += b"".join(tensor.contiguous().numpy().tobytes()
-                        for layer in layers for tensor in (layer.k, layer.v))
     header = dataclasses.replace(encode_kv(layers, "r", "tiny", "rev-1").header, layout=layout)
-    assert_same(layers, receive(header, [payload]))
+    assert_same(layers, receive(header, [positions_first(layers)]))
 
 
 def test_an_unknown_layout_is_malformed():

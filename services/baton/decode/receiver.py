@@ -4,21 +4,29 @@ of it has.
 
 Order of checks, cheapest first and all before the payload buffer is allocated: the stream
 opens with a header; the header matches this pod's model, dtype and shape
-(``baton.kv.wire.check_header``); the prompt, the first token (on the header, or in a message
-of its own once the chain's logits exist, when the tail ships each layer as it is computed)
-and the sampling parameters fit the model; the pool has room for the cache right now (else RESOURCE_EXHAUSTED at once, so the
-sender can pick another pod). Then the bytes, in chunks or, from a sender that leaves them
-in its memory for this pod to read over NIXL (``baton.kv.nixl``; a pod without it refuses
-that with FAILED_PRECONDITION), read straight into a buffer of their own: ``KVAssembler``
-keeps them where they arrived, counts them and checks the checksum and the positions (the
-pool copies them into its blocks once the engine admits the request, each byte once:
-``baton.kv.received``); a stream that ends early or fails half way lets go of them. A sender that stalls (no message for ``STALL_S``) is cut off with
+(``baton.kv.wire.check_header``); the prompt, the first token (on the header, or in a
+message of its own once the chain's logits exist, when the tail ships each layer as it is
+computed) and the sampling parameters fit the model; the pool has room for the cache right
+now (else RESOURCE_EXHAUSTED at once, so the sender can pick another pod).
+
+Then the bytes, in chunks or, from a sender that leaves them in its memory for this pod to
+read over NIXL (``baton.kv.nixl``; a pod without it refuses that with FAILED_PRECONDITION),
+read into buffers of their own. ``KVAssembler`` keeps them where they arrived, counts them
+and checks the checksum and the positions (``baton.kv.received``). Meanwhile the engine
+claims the cache's blocks in the pool (``Engine.land``): from then on keys and values are
+copied straight into them as they arrive, while still in the CPU's cache, and the ones
+kept so far follow; without that (a device pool, a landing that came too late) the pool
+copies the kept bytes when the engine admits the request. Either way each byte is copied
+once. A stream that ends early or fails half way lets go of what arrived, and the push
+gives its landing back. A sender that stalls (no message for ``STALL_S``) is cut off with
 DATA_LOSS: a push holds pool room and memory, so it cannot wait on a silent peer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -28,10 +36,12 @@ from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
 from baton.kv.nixl import GRPC, NIXL, NixlReader, Regions
 from baton.kv.pool import KVPool, KVPoolExhausted
-from baton.kv.received import ReceivedLayer
+from baton.kv.received import LandedLayer, Landing, ReceivedLayer
 from baton.kv.wire import KVAssembler, KVDataLoss, KVIncompatible, KVMalformed, KVSpec, check_header
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
+
+log = logging.getLogger(__name__)
 
 STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
 NIXL_READ_TIMEOUT_S = 60.0  # a NIXL read of pushed bytes (the pod's configuration sets its own)
@@ -53,16 +63,60 @@ class Incarnation:
     id: str
 
 
+class PoolLanding:
+    """The pool's blocks for one push's cache (``Engine.land``): asked for when its first
+    payload bytes arrive (a push that stalls after its header claims nothing), and given
+    back (``give_back``) unless the cache is handed over in them."""
+
+    def __init__(self, request_id: str,
+                 ask: Callable[[], concurrent.futures.Future | None],
+                 give_back: Callable[[concurrent.futures.Future], None]) -> None:
+        self.request_id = request_id
+        self._ask = ask
+        self._give_back = give_back
+        self._asked = False
+        self._future: concurrent.futures.Future | None = None
+
+    def claim(self) -> None:
+        if not self._asked:
+            self._asked = True
+            self._future = self._ask()
+
+    def claimed(self) -> Landing | None:
+        """The landing once the engine has claimed it; None until then, or if it could not
+        (the cache then keeps its bytes until the engine admits it)."""
+        future = self._future
+        if future is None or not future.done():
+            return None
+        if future.exception() is not None:
+            self._future = None
+            log.info("KV for %r keeps its bytes until admitted: no landing in the pool (%s)",
+                     self.request_id, future.exception())
+            return None
+        return future.result()
+
+    def release(self) -> None:
+        """The cache is not handed over landed: its blocks go back (once claimed)."""
+        if self._future is not None:
+            self._give_back(self._future)
+            self._future = None
+
+
 @dataclass
 class PushedCache:
     handoff: KVHandoff
-    layers: list[LayerKV | ReceivedLayer]
+    layers: list[LayerKV | ReceivedLayer] | list[LandedLayer]
     num_bytes: int
     transport: str = GRPC  # the data plane that carried the bytes
 
     @property
     def request_id(self) -> str:
         return self.handoff.request_id
+
+    @property
+    def landed(self) -> bool:
+        """Whether its keys and values are in the pool's blocks already (``LandedLayer``)."""
+        return isinstance(self.layers[0], LandedLayer)
 
 
 def kv_spec(model_config: ModelConfig, model_id: str, revision: str, dtype: str) -> KVSpec:
@@ -121,17 +175,23 @@ def check_push(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig, pool
 async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec,
                        stall_s: float | None = None, model_config: ModelConfig | None = None,
                        on_first_token: Callable[[KVHandoff], Awaitable[None]] | None = None,
-                       nixl: NixlPlane | None = None) -> PushedCache:
+                       nixl: NixlPlane | None = None, landing: PoolLanding | None = None
+                       ) -> PushedCache:
     """The rest of a PushKV stream whose header checked out, as a checked cache (the pieces
     its bytes arrived in). When the header said the first token follows, it must come once,
     before the trailer: the handoff it completes goes to ``on_first_token`` at once, and
-    with the cache. Bytes the sender left for a NIXL read are read with ``nixl``."""
+    with the cache. Bytes the sender left for a NIXL read are read with ``nixl``. The
+    first payload bytes claim the pool's blocks for the cache (``landing``); once the
+    engine has, keys and values go straight into them. A landing that fails or comes after
+    the last byte changes nothing."""
     stall_s = STALL_S if stall_s is None else stall_s
     checksum = None  # the trailer's: the last message
     request_id = handoff.request_id
     transport = GRPC
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:
+            if landing is not None and assembler.landing is None and landing.claimed():
+                assembler.land(landing.claimed())
             if checksum is not None:
                 raise KVMalformed(f"PushKV stream for {request_id!r} went on after its checksum")
             part = push_kv.part_of(message)
@@ -152,11 +212,15 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
                                          f"NIXL read; this decode pod takes KV over gRPC only "
                                          f"(its routing record says kv_transport grpc)")
                 part.check()
+                if landing is not None:
+                    landing.claim()
                 views = assembler.next_views(part.num_bytes)
                 await nixl.reader.read(part, views, nixl.timeout_s)
                 assembler.filled(views)
                 transport = NIXL
             else:
+                if landing is not None:
+                    landing.claim()
                 for piece in part:
                     assembler.add(piece)
         if handoff.first_token_follows and checksum is not None:

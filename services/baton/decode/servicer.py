@@ -23,7 +23,14 @@ from baton.api.requests import GenerationStep, KVHandoff
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.answers import failure_answer
-from baton.decode.receiver import Incarnation, NixlPlane, check_push, receive_body, receive_header
+from baton.decode.receiver import (
+    Incarnation,
+    NixlPlane,
+    PoolLanding,
+    check_push,
+    receive_body,
+    receive_header,
+)
 from baton.decode.session import PodSession
 from baton.decode.streams import RequestStream, StreamFailed
 from baton.decode.worker import DecodeWorker, RequestLeaving, RequestNotFound
@@ -158,12 +165,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                 f"at most {self.max_pending_pushes}; retry or push elsewhere")
         self.pushes_in_progress += 1
         worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
-        handoff = stream = None
+        handoff = stream = landing = None
         try:
             handoff = await receive_header(request_iterator)
             check_push(handoff, self.spec, worker.model_config, worker.engine.pool, self.incarnation)
             # The first token streams from here on, or from its own message if it follows.
             stream = worker.announce_push(handoff)
+            landing = PoolLanding(handoff.request_id, lambda: worker.land(handoff),
+                                  worker.give_back)
 
             async def first_token_arrived(complete: KVHandoff) -> None:
                 worker.publish_pushed_first(stream, complete)
@@ -173,8 +182,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await self._let_it_leave(stream)
             cache = await receive_body(handoff, request_iterator, self.spec,
                                        model_config=worker.model_config,
-                                       on_first_token=first_token_arrived, nixl=self.nixl)
+                                       on_first_token=first_token_arrived, nixl=self.nixl,
+                                       landing=landing)
             worker.submit_pushed(stream, cache)
+            if cache.landed:
+                landing = None  # the engine stores the cache in its landing's blocks
         except BaseException as e:
             if handoff is not None and handoff.request_id:  # and its request's stream's
                 worker.push_failed(handoff.request_id, e, stream)
@@ -183,6 +195,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             worker.metrics.kv_pushes_rejected.labels(code=convert.status_for(e).name).inc()
             await abort_with(context, e)
         finally:
+            if landing is not None:
+                landing.release()
             self.pushes_in_progress -= 1
             worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
         return decode_pb2.PushKVResponse(request_id=cache.request_id,

@@ -21,8 +21,10 @@ the streams it touched, never the loop.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +33,7 @@ from baton.api import convert
 from baton.api.requests import DecodeRequest, KVHandoff, Route
 from baton.decode.receiver import PushedCache
 from baton.decode.streams import EngineStalled, PushedKVInfo, PushLost, RequestStream, StreamFailed
+from baton.dtypes import DTYPES
 from baton.errors import Aborted, AlreadyExists, DataLoss, NotFound, ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
@@ -169,6 +172,28 @@ class DecodeWorker:
         if not handoff.first_token_follows:
             self.publish_pushed_first(stream, handoff)
         return stream
+
+    def land(self, handoff: KVHandoff) -> concurrent.futures.Future | None:
+        """Ask the engine for the pool's blocks of a pushed cache whose header checked out, so
+        that its keys and values are copied straight into them as they arrive
+        (``baton.kv.received``); None where the pool cannot take its bytes as they are (a
+        device pool, another dtype or byte order). A push that asked and does not hand its
+        cache over landed gives the blocks back: ``give_back``."""
+        kv = handoff.kv
+        if kv.byte_order != sys.byteorder or not self.engine.pool.takes_bytes(
+                DTYPES[kv.dtype], kv.num_kv_heads, kv.head_dim):
+            return None
+        return self.engine.land(kv.layer_num_tokens)
+
+    def give_back(self, landing: concurrent.futures.Future) -> None:
+        """The blocks of a landing (``land``) whose push does not hand its cache over landed
+        go back to the pool, once the engine has claimed them."""
+
+        def drop(claimed: concurrent.futures.Future) -> None:
+            if not claimed.cancelled() and claimed.exception() is None:
+                self.engine.drop_landed(claimed.result())
+
+        landing.add_done_callback(drop)
 
     def publish_pushed_first(self, stream: RequestStream, handoff: KVHandoff) -> None:
         """The chain's first token (``handoff``'s, complete) streams now, with its text unless
@@ -321,8 +346,8 @@ class DecodeWorker:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.engine.has_unfinished():
-                self.engine.wait_for_work()  # a request, an abort, or stop() wakes it
+            if not self.engine.has_work():
+                self.engine.wait_for_work()  # a request, an abort, a landing or stop() wakes it
                 continue
             self._step_started_s = time.monotonic()
             try:

@@ -43,7 +43,7 @@ from baton.kv.decode_step import (
 )
 from baton.kv.dense import LayerKV
 from baton.kv.prefix_cache import CachedBlock, PrefixCache
-from baton.kv.received import ReceivedLayer, copy_pieces
+from baton.kv.received import LandedLayer, Landing, ReceivedLayer, copy_pieces
 
 
 class KVPoolExhausted(ResourceExhausted, RuntimeError):
@@ -274,25 +274,59 @@ class KVPool:
         tensor, in order (a copy)."""
         return cache.index_select(0, blocks).view((-1,) + cache.shape[2:])[:length]
 
-    def store(self, seq_id: str, layers: list[LayerKV | ReceivedLayer]) -> None:
+    def store(self, seq_id: str, layers: list[LayerKV | ReceivedLayer] | list[LandedLayer]) -> None:
         """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none. A
-        cache as it arrived over the wire is copied from its pieces straight into the blocks."""
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} already holds KV in this pool")
+        cache as it arrived over the wire is copied from its pieces straight into the blocks;
+        one that ``land``-ed in them already only takes its positions."""
         if len(layers) != self.num_layers:
             raise ValueError(f"cache has {len(layers)} layers, the pool {self.num_layers}")
+        if all(isinstance(layer, LandedLayer) for layer in layers):
+            self._settle(seq_id, layers)
+            return
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds KV in this pool")
         self.reserve(seq_id, [layer.num_tokens for layer in layers])
         for index, layer in enumerate(layers):
-            if isinstance(layer, ReceivedLayer) and self._takes_pieces(layer):
+            if isinstance(layer, ReceivedLayer) and self.takes_bytes(
+                    layer.dtype, layer.num_kv_heads, layer.head_dim):
                 self._store_pieces(self._tables[seq_id][index], layer)
             else:
                 self.append(seq_id, index, layer.k, layer.v, layer.positions)
 
-    def _takes_pieces(self, layer: ReceivedLayer) -> bool:
-        """Whether the layer's bytes are the blocks' bytes as they are: a host pool of the
-        same dtype and shape."""
-        return (self.k_cache.device.type == "cpu" and layer.dtype == self.k_cache.dtype
-                and (layer.num_kv_heads, layer.head_dim) == tuple(self.k_cache.shape[2:]))
+    def takes_bytes(self, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether keys and values of this dtype and shape are the blocks' bytes as they are:
+        a host pool of the same dtype and shape."""
+        return (self._k_bytes is not None and dtype == self.k_cache.dtype
+                and (num_kv_heads, head_dim) == tuple(self.k_cache.shape[2:]))
+
+    def land(self, layer_num_tokens: list[int]) -> Landing:
+        """Claim blocks for a cache still arriving (all layers or none: KVPoolExhausted),
+        and say where its keys and values go (a host pool only: ``takes_bytes``). Once they
+        are in, ``store`` gives them to a sequence with their positions (``LandedLayer``);
+        until then the landing holds the blocks, empty, and ``free(landing)`` returns them."""
+        assert self._k_bytes is not None, "only a host pool takes bytes"
+        landing = Landing([])
+        self.reserve(landing, list(layer_num_tokens))
+        landing.targets.extend(
+            (self._block_bytes(self._k_bytes, table.blocks, count),
+             self._block_bytes(self._v_bytes, table.blocks, count))
+            for table, count in zip(self._tables[landing], layer_num_tokens))
+        return landing
+
+    def _settle(self, seq_id: str, layers: list[LandedLayer]) -> None:
+        """A landed cache's bytes are all in its blocks: they become ``seq_id``'s, with the
+        positions written and the tokens counted."""
+        landing = layers[0].landing
+        if landing not in self._tables or any(layer.landing is not landing for layer in layers):
+            raise ValueError(f"the cache for sequence {seq_id!r} did not land in this pool")
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds KV in this pool")
+        tables = self._tables[seq_id] = self._tables.pop(landing)
+        for table, layer in zip(tables, layers):
+            if len(table.blocks) != self.blocks_for(layer.num_tokens):
+                raise ValueError(f"sequence {seq_id!r} landed {len(table.blocks)} blocks for "
+                                 f"{layer.num_tokens} tokens")
+            self._store_positions(table, layer.positions)
 
     def _store_pieces(self, table: _LayerTable, layer: ReceivedLayer) -> None:
         """Copy a received layer's keys and values from their pieces into the table's (fresh)
@@ -300,8 +334,13 @@ class KVPool:
         count = layer.num_tokens
         for cache_bytes, pieces in ((self._k_bytes, layer.k_pieces), (self._v_bytes, layer.v_pieces)):
             copy_pieces(pieces, self._block_bytes(cache_bytes, table.blocks, count))
+        self._store_positions(table, layer.positions)
+
+    def _store_positions(self, table: _LayerTable, positions: torch.Tensor) -> None:
+        """The positions of a table's (empty) blocks' tokens, whose keys and values are in."""
+        count = positions.shape[0]
         index = to_device(self._slots(table, count), self.positions.device)
-        self.positions.view(-1).index_copy_(0, index, layer.positions.to(torch.int64))
+        self.positions.view(-1).index_copy_(0, index, positions.to(torch.int64))
         table.length = count
 
     def _block_bytes(self, cache_bytes: memoryview, blocks: list[int], num_tokens: int

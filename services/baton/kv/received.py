@@ -65,18 +65,64 @@ class ReceivedLayer:
         return raw.view(self.dtype).view(self.num_tokens, self.num_kv_heads, self.head_dim)
 
 
+@dataclass(frozen=True, eq=False)
+class Landing:
+    """Blocks a pool holds for a cache still arriving (``KVPool.land``): per layer, the byte
+    ranges of its keys and of its values. The landing is its own key among the pool's
+    sequences (by identity: no request id can be it) until the cache is stored."""
+
+    targets: list[tuple[list[memoryview], list[memoryview]]]
+
+
+@dataclass(frozen=True)
+class LandedLayer:
+    """One layer of a received cache whose keys and values went straight into the pool's
+    blocks as they arrived (``landing``): only its positions [S] travel on, to be written
+    with them when the pool ``store``-s it."""
+
+    positions: torch.Tensor
+    landing: Landing
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+class RangeWriter:
+    """Writes a byte stream, piece by piece as it comes, into byte ranges in order."""
+
+    def __init__(self, targets: Sequence[memoryview]) -> None:
+        self._targets = targets
+        self._index = 0  # the range the next byte goes to, and where in it
+        self._offset = 0
+
+    @property
+    def done(self) -> bool:
+        return self._index == len(self._targets)
+
+    def write(self, source: memoryview) -> None:
+        for view in self.next_views(len(source)):
+            view[:] = source[:len(view)]
+            source = source[len(view):]
+
+    def next_views(self, num_bytes: int) -> list[memoryview]:
+        """The next ``num_bytes`` of the ranges, as writable views (now counted as written)."""
+        views = []
+        while num_bytes:
+            target = self._targets[self._index]
+            count = min(len(target) - self._offset, num_bytes)
+            views.append(target[self._offset:self._offset + count])
+            num_bytes -= count
+            self._offset += count
+            if self._offset == len(target):
+                self._index, self._offset = self._index + 1, 0
+        return views
+
+
 def copy_pieces(sources: Sequence[memoryview], targets: Sequence[memoryview]) -> None:
     """Copy the byte stream ``sources`` into the byte ranges ``targets``, in order; both
     hold the same number of bytes, cut anywhere."""
-    target_index, offset = 0, 0
+    writer = RangeWriter(targets)
     for source in sources:
-        taken, size = 0, len(source)
-        while taken < size:
-            target = targets[target_index]
-            count = min(len(target) - offset, size - taken)
-            target[offset:offset + count] = source[taken:taken + count]
-            taken += count
-            offset += count
-            if offset == len(target):
-                target_index, offset = target_index + 1, 0
-    assert target_index == len(targets) and offset == 0, "sources and targets differ in length"
+        writer.write(source)
+    assert writer.done, "sources and targets differ in length"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import sys
 import zlib
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ import xxhash
 from baton.dtypes import DTYPES, dtype_name
 from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
 from baton.kv.dense import LayerKV
-from baton.kv.received import ReceivedLayer, copy_pieces
+from baton.kv.received import LandedLayer, Landing, RangeWriter, ReceivedLayer, copy_pieces
 
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
 # per-message cost vanishes (bench/kv_transfer.py measures it).
@@ -295,7 +296,8 @@ class KVAssembler:
     Nothing is copied as chunks arrive: each tensor of the payload collects the views of the
     chunks' bytes that fall in it (``baton.kv.received``), and the pool copies them into its
     blocks. Bytes read over NIXL land in a buffer of their own (``next_views``), viewed the
-    same way.
+    same way. Once the pool has blocks for the cache (``land``), keys and values go straight
+    into them instead, while the chunk is still in cache, and NIXL reads into them.
     """
 
     def __init__(self, header: KVHeader, spec: KVSpec) -> None:
@@ -318,6 +320,8 @@ class KVAssembler:
                 sizes += [num_tokens * tensor_bytes] * 2
         self._sizes = sizes
         self._pieces: list[list[memoryview]] | None = [[] for _ in sizes]
+        self._writers: list[RangeWriter | None] = [None] * len(sizes)  # once landed: K and V
+        self.landing: Landing | None = None
         self._segment = 0  # the segment the next byte belongs to, and where in it
         self._offset = 0
         self._bytes_placed = 0
@@ -347,10 +351,34 @@ class KVAssembler:
         views = []
         while num_bytes:
             count = min(self._sizes[self._segment] - self._offset, num_bytes)
-            views.append(memoryview(torch.empty(count, dtype=torch.uint8).numpy()))
-            self._place(views[-1])
+            writer = self._writers[self._segment]
+            if writer is not None:
+                views += writer.next_views(count)
+            else:
+                views.append(memoryview(torch.empty(count, dtype=torch.uint8).numpy()))
+                self._pieces[self._segment].append(views[-1])
+            self._advance(count)
             num_bytes -= count
         return views
+
+    def land(self, landing: Landing) -> None:
+        """From now on, write each layer's keys and values straight into the pool's blocks
+        (``KVPool.land``), those that arrived already first; ``finish`` then returns
+        ``LandedLayer``-s."""
+        if self._pieces is None or self.landing is not None:
+            raise RuntimeError("this KV assembler is finished, discarded or landed")
+        assert self.header.byte_order == sys.byteorder, "a cache in another byte order is swapped"
+        assert len(landing.targets) == self.header.num_layers
+        for layer, layer_targets in enumerate(landing.targets):
+            first = 3 * layer + 1 if self.header.layout == LAYER_MAJOR else 2 * layer + 1
+            for segment, ranges in zip((first, first + 1), layer_targets):
+                assert sum(len(view) for view in ranges) == self._sizes[segment]
+                writer = RangeWriter(ranges)
+                for piece in self._pieces[segment]:
+                    writer.write(piece)
+                self._pieces[segment] = []
+                self._writers[segment] = writer
+        self.landing = landing
 
     def filled(self, views: list[memoryview]) -> None:
         """``next_views`` hold their bytes now."""
@@ -358,7 +386,7 @@ class KVAssembler:
             self._checksum.update(view)
             self.bytes_received += len(view)
 
-    def finish(self, checksum: int | None) -> list[LayerKV | ReceivedLayer]:
+    def finish(self, checksum: int | None) -> list[LayerKV | ReceivedLayer] | list[LandedLayer]:
         """The received cache, after checking size, the sender's ``checksum`` (None: none
         arrived) and the positions."""
         if self._pieces is None:
@@ -389,17 +417,26 @@ class KVAssembler:
         self._bytes_placed += num_bytes
 
     def _place(self, view: memoryview) -> None:
-        """File ``view``'s bytes under the tensors they belong to, as views."""
+        """File ``view``'s bytes under the tensors they belong to, as views (or, landed,
+        write them where they belong)."""
         taken, size = 0, len(view)
         while taken < size:
             count = min(self._sizes[self._segment] - self._offset, size - taken)
-            self._pieces[self._segment].append(view[taken:taken + count])
+            writer = self._writers[self._segment]
+            if writer is None:
+                self._pieces[self._segment].append(view[taken:taken + count])
+            else:
+                writer.write(view[taken:taken + count])
             taken += count
-            self._offset += count
-            if self._offset == self._sizes[self._segment]:
-                self._segment, self._offset = self._segment + 1, 0
+            self._advance(count)
 
-    def _unpack(self, pieces: list[list[memoryview]]) -> list[LayerKV | ReceivedLayer]:
+    def _advance(self, num_bytes: int) -> None:
+        self._offset += num_bytes
+        if self._offset == self._sizes[self._segment]:
+            self._segment, self._offset = self._segment + 1, 0
+
+    def _unpack(self, pieces: list[list[memoryview]]
+                ) -> list[LayerKV | ReceivedLayer] | list[LandedLayer]:
         header = self.header
         dtype = DTYPES[header.dtype]
         swap = header.byte_order != sys.byteorder
@@ -420,14 +457,17 @@ class KVAssembler:
                                  header.head_dim)
 
         if header.layout == LAYER_MAJOR:
-            return [layer(whole(pieces[3 * index], POSITION_DTYPE), *pieces[3 * index + 1:3 * index + 3])
-                    for index in range(header.num_layers)]
-        all_positions = whole(pieces[0], POSITION_DTYPE)
-        layers, start = [], 0
-        for index, count in enumerate(header.layer_num_tokens):
-            layers.append(layer(all_positions[start:start + count], *pieces[1 + 2 * index:3 + 2 * index]))
-            start += count
-        return layers
+            positions = [whole(pieces[3 * index], POSITION_DTYPE) for index in range(header.num_layers)]
+            keys_and_values = [pieces[3 * index + 1:3 * index + 3] for index in range(header.num_layers)]
+        else:
+            all_positions = whole(pieces[0], POSITION_DTYPE)
+            ends = list(itertools.accumulate(header.layer_num_tokens))
+            positions = [all_positions[end - count:end]
+                         for end, count in zip(ends, header.layer_num_tokens)]
+            keys_and_values = [pieces[1 + 2 * index:3 + 2 * index] for index in range(header.num_layers)]
+        if self.landing is not None:
+            return [LandedLayer(layer_positions, self.landing) for layer_positions in positions]
+        return [layer(layer_positions, *kv) for layer_positions, kv in zip(positions, keys_and_values)]
 
     def _check_positions(self, layers: list[LayerKV]) -> None:
         for index, layer in enumerate(layers):

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+from concurrent import futures
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool
+from baton.kv.received import Landing
 from baton.model.limits import check_prompt
 from baton.model.llama import CausalLM
 from baton.model.sampling import (
@@ -110,7 +112,8 @@ class Engine:
         possibly pyramid-shaped). ``first_token`` is the token the chain's tail sampled, or the
         tail's logits ([vocab]) for this request's own sampler to sample (so a seeded request
         draws the same stream as a local prefill would). It joins the running set directly;
-        its first output includes the first token."""
+        its first output includes the first token. A cache that ``land``-ed in the pool
+        comes as its ``LandedLayer``-s."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_ids(list(prompt_ids))
         self._check(prompt_ids, params)
@@ -130,9 +133,26 @@ class Engine:
         """Stop a request and free its KV; its last output has finish_reason "abort"."""
         self._put(("abort", request_id))
 
+    def land(self, layer_num_tokens: SequenceOf[int]) -> futures.Future:
+        """Claim the pool's blocks for a pushed cache still arriving, on the loop's thread
+        (``KVPool.land``): the future gives the ``Landing`` (where its keys and values go)
+        or why there is none. The cache is then added with ``add_prefilled_request`` as
+        ``LandedLayer``-s, or the blocks given back with ``drop_landed``."""
+        future: futures.Future = futures.Future()
+        self._put(("land", list(layer_num_tokens), future))
+        return future
+
+    def drop_landed(self, landing: Landing) -> None:
+        """Give back a landing's blocks (none once its cache was added and stored)."""
+        self._put(("drop_landed", landing))
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._live_ids)
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or messages for the loop's thread (a landing to claim)."""
+        return self.has_unfinished() or not self._inbox.empty()
 
     def wake(self) -> None:
         """End a ``wait_for_work`` now (its caller has something else to look at)."""
@@ -217,10 +237,24 @@ class Engine:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "add":
+            kind = message[0]
+            if kind == "add":
                 self._admit_message(*message[1:], outputs)
+            elif kind == "land":
+                self._land(*message[1:])
+            elif kind == "drop_landed":
+                if self.pool.has(message[1]):
+                    self.pool.free(message[1])
             elif message[1] in self._sequences:
                 self._finish(self._sequences[message[1]], FINISH_ABORT, outputs)
+
+    def _land(self, layer_num_tokens: list[int], future: futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(self.pool.land(layer_num_tokens))
+        except Exception as e:  # noqa: BLE001 - the pusher learns why, and keeps its bytes
+            future.set_exception(e)
 
     def _admit_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        kv: list[LayerKV] | None, first_token: int | torch.Tensor | None,
