@@ -72,6 +72,10 @@ class DecodeMetrics:
             "baton_decode_kv_bytes_received_total", "bytes of pushed caches taken, by the data "
             "plane that carried them (grpc: the PushKV stream; nixl: a NIXL read)",
             ["transport"], registry=registry)
+        self.kv_pushes_landed = Counter(
+            "baton_decode_kv_pushes_landed_total", "pushed caches copied into the pool's "
+            "blocks as they arrived (the others were kept whole and copied at admission)",
+            registry=registry)
         self.compression_ratio = Histogram(
             "baton_decode_kv_compression_ratio", "kept / full KV entries of each pushed cache",
             buckets=RATIO_BUCKETS, registry=registry)

@@ -271,6 +271,7 @@ def test_a_pushed_cache_lands_in_the_pools_blocks_as_it_arrives(stub, server, ch
     tokens, _ = collect(stub.Attach(decode_pb2.AttachRequest(request_id="landed"), timeout=30))
     assert tokens == reference
     assert len(spy.landings) == 1 and spy.stored == [("landed", {"LandedLayer"})]
+    assert server.worker.metrics.kv_pushes_landed._value.get() >= 1
 
 
 def test_a_push_that_breaks_after_landing_gives_its_blocks_back(stub, server, checkpoint,

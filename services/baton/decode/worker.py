@@ -227,6 +227,8 @@ class DecodeWorker:
                 stream.in_engine = False  # push_failed fails its stream
             raise
         self.metrics.kv_bytes_received.labels(transport=cache.transport).inc(cache.num_bytes)
+        if cache.landed:
+            self.metrics.kv_pushes_landed.inc()
         self.metrics.compression_ratio.observe(stream.pushed.kv_tokens_kept / stream.pushed.kv_tokens_full)
 
     def push_failed(self, request_id: str, error: BaseException,
