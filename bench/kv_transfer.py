@@ -67,6 +67,7 @@ PROMPT_IDS = (1,) * PROMPT  # the prompt the cache is of (a pod checks positions
 NIXL_PATH = "NIXL read, PushKV for the rest"
 OWN_TCP = "raw TCP, receiver in its own process"
 OWN_GRPC = "gRPC PushKV, the decode pod's receiver (asyncio) in its own process"
+OWN_KEPT = "gRPC PushKV, the pod's receiver in its own process, no landing (copied at admission)"
 OWN_ASIDE = "gRPC PushKV, the pod's receiver in its own process, the pool aside"
 OWN_COUNT = "gRPC PushKV, own-process receiver that only counts the bytes"  # gRPC's own share
 OWN_FLOOR = "gRPC alone: chunks framed beforehand, no checksum, into the counting receiver"
@@ -74,9 +75,9 @@ OWN_PAIRED = "gRPC PushKV, two streams at once to the pod's receiver (per cache)
 SMALL_CHUNKS, LARGE_CHUNKS = CHUNK_BYTES // 4, CHUNK_BYTES * 4  # the chunk size's neighbours
 PATHS = ("raw TCP", "gRPC PushKV", "gRPC PushKV, protobuf messages",
          f"gRPC PushKV, {SMALL_CHUNKS // 2**10} KiB chunks",
-         f"gRPC PushKV, {LARGE_CHUNKS // 2**20} MiB chunks", OWN_TCP, OWN_GRPC, OWN_ASIDE,
-         OWN_COUNT, OWN_FLOOR, OWN_PAIRED, NIXL_PATH)
-OWN_PATHS = (OWN_TCP, OWN_GRPC, OWN_ASIDE, OWN_COUNT, OWN_FLOOR, OWN_PAIRED)
+         f"gRPC PushKV, {LARGE_CHUNKS // 2**20} MiB chunks", OWN_TCP, OWN_GRPC, OWN_KEPT,
+         OWN_ASIDE, OWN_COUNT, OWN_FLOOR, OWN_PAIRED, NIXL_PATH)
+OWN_PATHS = (OWN_TCP, OWN_GRPC, OWN_KEPT, OWN_ASIDE, OWN_COUNT, OWN_FLOOR, OWN_PAIRED)
 BLOCK_SIZE = 16
 
 
@@ -158,18 +159,21 @@ class CountingReceiver(decode_pb2_grpc.DecodeServicer):
 
 class PodReceiver(decode_pb2_grpc.DecodeServicer):
     """PushKV as a decode pod takes it: an asyncio servicer running the pod's own
-    ``receive_header`` and ``receive_body``, the cache landing in ``pool`` as it arrives,
-    then admitted there (None: the pool aside)."""
+    ``receive_header`` and ``receive_body``, the cache landing in ``pool`` as it arrives
+    (unless not ``landing``: then kept as it arrived), then admitted there (None: the pool
+    aside)."""
 
-    def __init__(self, pool: BenchPool | None) -> None:
+    def __init__(self, pool: BenchPool | None, landing: bool = True) -> None:
         self.pool = pool
+        self.landing = landing
 
     async def PushKV(self, request_iterator, context):
         handoff = await receive_header(request_iterator)
         if self.pool is None:
             cache = await receive_body(handoff, request_iterator, SPEC)
         else:
-            landing = PoolLanding(handoff.request_id, self.pool.land, lambda _: None)
+            landing = (PoolLanding(handoff.request_id, self.pool.land, lambda _: None)
+                       if self.landing else None)
             cache = await receive_body(handoff, request_iterator, SPEC, landing=landing)
             await asyncio.to_thread(self.pool.admit, cache.layers)
         return decode_pb2.PushKVResponse(request_id=handoff.request_id,
@@ -296,7 +300,8 @@ def serve_in_own_process(ports: multiprocessing.Queue, num_bytes: int) -> None:
     threading.Thread(target=receive_tcp, args=(listener, num_bytes, None), daemon=True).start()
 
     async def serve() -> None:
-        servicers = (PodReceiver(BenchPool(2)), PodReceiver(None), CountingReceiver())
+        servicers = (PodReceiver(BenchPool(2)), PodReceiver(BenchPool(1), landing=False),
+                     PodReceiver(None), CountingReceiver())
         servers = [grpc.aio.server(options=GRPC_OPTIONS) for _ in servicers]
         for server, servicer in zip(servers, servicers):
             push_kv.add_decode_servicer(servicer, server)
@@ -335,11 +340,12 @@ def run(rounds: int) -> dict:
     own_process = spawn.Process(target=serve_in_own_process, args=(ports, len(payload)),
                                 daemon=True)
     own_process.start()
-    own_grpc_port, own_aside_port, own_count_port, own_tcp_port = ports.get(timeout=120)
+    own_grpc_port, own_kept_port, own_aside_port, own_count_port, own_tcp_port = ports.get(timeout=120)
     stream = framed_stream(layers)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel, \
                 grpc.insecure_channel(f"127.0.0.1:{own_grpc_port}", options=GRPC_OPTIONS) as own, \
+                grpc.insecure_channel(f"127.0.0.1:{own_kept_port}", options=GRPC_OPTIONS) as kept, \
                 grpc.insecure_channel(f"127.0.0.1:{own_aside_port}", options=GRPC_OPTIONS) as aside, \
                 grpc.insecure_channel(f"127.0.0.1:{own_count_port}", options=GRPC_OPTIONS) as count:
             framed = push_kv.stub_push_kv(channel)
@@ -354,6 +360,7 @@ def run(rounds: int) -> dict:
                         PATHS[4]: lambda: time_pushes(framed, layers, True, LARGE_CHUNKS),
                         OWN_TCP: lambda: send_tcp(own_tcp_port, payload),
                         OWN_GRPC: lambda: time_pushes(to_own, layers, True),
+                        OWN_KEPT: lambda: time_pushes(push_kv.stub_push_kv(kept), layers, True),
                         OWN_ASIDE: lambda: time_pushes(push_kv.stub_push_kv(aside), layers, True),
                         OWN_COUNT: lambda: time_pushes(push_kv.stub_push_kv(count), layers, True),
                         OWN_FLOOR: lambda: time_framed(as_bytes, stream, len(payload)),
@@ -444,9 +451,10 @@ def report(results: dict) -> str:
          "there: the two ends no longer share one interpreter's lock, but each side's copies "
          "and the socket still share the two cores. There PushKV meets the decode pod's own "
          "code (an asyncio server, `receive_header` and `receive_body`: checksum and positions "
-         "checked), with the pool on a thread of its own, as the pod's engine holds it; the "
-         "pool-aside row leaves the pool out (its receiver keeps the bytes where gRPC put "
-         "them, as a pod does when no landing comes). The counting row's receiver only counts the chunks' bytes: gRPC's own "
+         "checked), with the pool on a thread of its own, as the pod's engine holds it. The "
+         "no-landing row's receiver keeps the bytes where gRPC put them and the pool copies "
+         "them at admission, as a pod does when no landing comes; the pool-aside row leaves "
+         "the pool out. The counting row's receiver only counts the chunks' bytes: gRPC's own "
          "cost, without the checksum and the copy into the pool. The gRPC-alone row also "
          "frames the messages before the clock starts and takes no checksum: what gRPC's "
          "Python runtime allows at all (its own copies: one on the sender into its slice, "
