@@ -190,8 +190,9 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
     transport = GRPC
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:
-            if landing is not None and assembler.landing is None and landing.claimed():
-                assembler.land(landing.claimed())
+            if landing is not None and assembler.landing is None:
+                if (claimed := landing.claimed()) is not None:
+                    assembler.land(claimed)
             if checksum is not None:
                 raise KVMalformed(f"PushKV stream for {request_id!r} went on after its checksum")
             part = push_kv.part_of(message)

@@ -9,10 +9,11 @@ a layer can leave as soon as it is computed:
     for each layer l   positions int64 [S_l] | K_l [S_l, Hkv, D] (dtype) | V_l [S_l, Hkv, D]
 
 A sender of an earlier release sends every layer's positions first, then each layer's K
-and V (``POSITIONS_FIRST``); a receiver takes either. The receiver copies no byte of the
-keys and values: the received layers keep the pieces of the chunks they arrived in, and the
-pool copies those into its blocks (``baton.kv.received``). The header keeps per-layer token
-counts, so it stays small at any context length (its size is independent of S).
+and V (``POSITIONS_FIRST``); a receiver takes either. The receiver copies keys and values once:
+straight into the pool's blocks as they arrive, once the pool has claimed them
+(``KVAssembler.land``), or, kept as the pieces of the chunks they arrived in, when the pool
+stores the cache (``baton.kv.received``). The header keeps per-layer token counts, so it
+stays small at any context length (its size is independent of S).
 
 The checksum (XXH3-64; CRC-32 from senders of an earlier release) follows the payload: the
 sender computes it as the bytes go out, so its header, which carries the request's first
