@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
 NIXL_READ_TIMEOUT_S = 60.0  # a NIXL read of pushed bytes (the pod's configuration sets its own)
+# A landing that comes once more than this has arrived is given back: copying what came
+# before into the blocks would hold the event loop (~10 ms for 64 MiB on the development
+# machines); the pool copies it at admission instead, on the engine's thread.
+LANDING_CATCH_UP_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -182,8 +186,8 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
     before the trailer: the handoff it completes goes to ``on_first_token`` at once, and
     with the cache. Bytes the sender left for a NIXL read are read with ``nixl``. The
     first payload bytes claim the pool's blocks for the cache (``landing``); once the
-    engine has, keys and values go straight into them. A landing that fails or comes after
-    the last byte changes nothing."""
+    engine has, keys and values go straight into them. A landing that fails, comes after
+    ``LANDING_CATCH_UP_BYTES`` or after the last byte changes nothing."""
     stall_s = STALL_S if stall_s is None else stall_s
     checksum = None  # the trailer's: the last message
     request_id = handoff.request_id
@@ -192,7 +196,11 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
         while (message := await _next(messages, stall_s)) is not None:
             if landing is not None and assembler.landing is None:
                 if (claimed := landing.claimed()) is not None:
-                    assembler.land(claimed)
+                    if assembler.bytes_received <= LANDING_CATCH_UP_BYTES:
+                        assembler.land(claimed)
+                    else:
+                        landing.release()
+                        landing = None
             if checksum is not None:
                 raise KVMalformed(f"PushKV stream for {request_id!r} went on after its checksum")
             part = push_kv.part_of(message)
