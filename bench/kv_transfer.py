@@ -50,8 +50,8 @@ from baton.api.v1 import decode_pb2, decode_pb2_grpc
 from baton.decode.receiver import PoolLanding, receive_body, receive_header
 from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
-from baton.kv.pool import KVPool
 from baton.kv.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
+from baton.kv.pool import KVPool
 from baton.kv.wire import CHUNK_BYTES, KVAssembler, KVSpec, encode_kv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

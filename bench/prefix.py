@@ -331,8 +331,8 @@ def render(results: dict) -> str:
              "and more, break-even off), fp32, compression off, greedy, 32 new tokens a request. "
              "Each configuration a fresh cluster, the order flipping every round. See the "
              "script's docstring for the workloads and the oracle."), ""]
-    for workload, title in (("chat", f"Multi-turn chat ({CHAT_USERS} users, {CHAT_CONVERSATIONS} "
-                                      "conversations of 4-8 turns)"),
+    for workload, title in (("chat", (f"Multi-turn chat ({CHAT_USERS} users, {CHAT_CONVERSATIONS} "
+                                       "conversations of 4-8 turns)")),
                             ("system", "Shared system prompt (64 questions, 8 in flight)")):
         lines += [f"## {title}", "",
                   ("| configuration | round | TTFT P50 | TTFT P90 | tok/s | hit rate | oracle | "

@@ -124,8 +124,8 @@ def test_a_killed_redis_server_is_restarted_after_each_back_off(cluster, tmp_pat
 
 @pytest.mark.parametrize("message", [  # as gRPC's server says it, and as asyncio's (the HTTP door)
     "OSError: [Errno 98] Address already in use",
-    "OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 55313): "
-    "address already in use"])
+    ("OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 55313): "
+     "address already in use")])
 def test_a_child_that_lost_its_port_at_start_starts_again_and_other_deaths_are_reported(
         cluster, monkeypatch, message):
     spawned = []

@@ -194,13 +194,13 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
     transport = GRPC
     with KVAssembler(handoff.kv, spec) as assembler:
         while (message := await _next(messages, stall_s)) is not None:
-            if landing is not None and assembler.landing is None:
-                if (claimed := landing.claimed()) is not None:
-                    if assembler.bytes_received <= LANDING_CATCH_UP_BYTES:
-                        assembler.land(claimed)
-                    else:
-                        landing.release()
-                        landing = None
+            if (landing is not None and assembler.landing is None
+                    and (claimed := landing.claimed()) is not None):
+                if assembler.bytes_received <= LANDING_CATCH_UP_BYTES:
+                    assembler.land(claimed)
+                else:
+                    landing.release()
+                    landing = None
             if checksum is not None:
                 raise KVMalformed(f"PushKV stream for {request_id!r} went on after its checksum")
             part = push_kv.part_of(message)

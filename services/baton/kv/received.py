@@ -1,16 +1,21 @@
-"""A pushed cache as it arrived: each layer's keys and values still the byte pieces of the
-messages that carried them, until the pool copies them into its blocks.
+"""A pushed cache on its way into the pool: its keys and values copied once, from the
+messages that carried them into the pool's blocks.
 
 Why: gRPC hands the receiver every chunk of a push as a ``bytes`` object of its own (one copy
-of its 64 KiB read slices, then a join: copies a receiver cannot avoid). Copying those bytes
-again into a buffer per tensor, and then from the buffer into the pool's blocks, moved every
-byte twice more on the decode pod; keeping the received pieces and copying them once, straight
-into the blocks they belong in (``KVPool.store``), moves it once. The pieces keep their
-messages alive until then, as the buffers did.
+of its 64 KiB read slices, then a join: copies a receiver cannot avoid). Any further copy
+(into a buffer per tensor, then from the buffer into the blocks) moves every byte again on
+the decode pod. So a cache takes one of two ways into the blocks:
+
+* landed (``Landing``, ``LandedLayer``): the pool claims the cache's blocks while it arrives
+  (``KVPool.land``) and the receiver writes each chunk into them at once (``RangeWriter``),
+  while the chunk is still in the CPU's cache; only the positions travel on;
+* kept (``ReceivedLayer``): each layer's keys and values stay the pieces of the messages they
+  came in, alive until the pool copies them into the blocks it gives the cache
+  (``KVPool.store``).
 
 Pieces may split a token anywhere (a sender cuts its chunks by bytes, not by tokens): a
-layer's keys are one byte stream, and the pool reads it as one (``copy_pieces``). The
-positions are small (8 bytes a token against kilobytes of keys and values) and are made
+layer's keys are one byte stream, and the blocks' ranges take it as one (``copy_pieces``).
+The positions are small (8 bytes a token against kilobytes of keys and values) and are made
 whole at once, so that the receiver can check them before the cache exists.
 """
 
@@ -21,8 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from baton.kv.dense import LayerKV
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,6 @@ class ReceivedLayer:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
-    @property
-    def token_bytes(self) -> int:
-        """The bytes of one token's keys (or values)."""
-        return self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
     @functools.cached_property
     def k(self) -> torch.Tensor:
         return self._tensor(self.k_pieces)
@@ -56,11 +54,9 @@ class ReceivedLayer:
     def v(self) -> torch.Tensor:
         return self._tensor(self.v_pieces)
 
-    def as_layer_kv(self) -> LayerKV:
-        return LayerKV(self.k, self.v, self.positions)
-
     def _tensor(self, pieces: Sequence[memoryview]) -> torch.Tensor:
-        raw = torch.empty(self.num_tokens * self.token_bytes, dtype=torch.uint8)
+        token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        raw = torch.empty(self.num_tokens * token_bytes, dtype=torch.uint8)
         copy_pieces(pieces, [memoryview(raw.numpy())])
         return raw.view(self.dtype).view(self.num_tokens, self.num_kv_heads, self.head_dim)
 

@@ -19,8 +19,8 @@ import dataclasses
 import itertools
 import queue
 import threading
-from concurrent import futures
 from collections.abc import Sequence as SequenceOf
+from concurrent import futures
 
 import torch
 
