@@ -55,10 +55,8 @@ class ReceivedLayer:
         return self._tensor(self.v_pieces)
 
     def _tensor(self, pieces: Sequence[memoryview]) -> torch.Tensor:
-        token_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        raw = torch.empty(self.num_tokens * token_bytes, dtype=torch.uint8)
-        copy_pieces(pieces, [memoryview(raw.numpy())])
-        return raw.view(self.dtype).view(self.num_tokens, self.num_kv_heads, self.head_dim)
+        return joined(pieces).view(self.dtype).view(self.num_tokens, self.num_kv_heads,
+                                                    self.head_dim)
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,6 +111,13 @@ class RangeWriter:
             if self._offset == len(target):
                 self._index, self._offset = self._index + 1, 0
         return views
+
+
+def joined(pieces: Sequence[memoryview]) -> torch.Tensor:
+    """The bytes of ``pieces`` as one fresh uint8 tensor (a copy)."""
+    raw = torch.empty(sum(len(piece) for piece in pieces), dtype=torch.uint8)
+    copy_pieces(pieces, [memoryview(raw.numpy())])
+    return raw
 
 
 def copy_pieces(sources: Sequence[memoryview], targets: Sequence[memoryview]) -> None:

@@ -49,7 +49,7 @@ import xxhash
 from baton.dtypes import DTYPES, dtype_name
 from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
 from baton.kv.dense import LayerKV
-from baton.kv.received import LandedLayer, Landing, RangeWriter, ReceivedLayer, copy_pieces
+from baton.kv.received import LandedLayer, Landing, RangeWriter, ReceivedLayer, joined
 
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
 # per-message cost vanishes (bench/kv_transfer.py measures it).
@@ -443,8 +443,7 @@ class KVAssembler:
         swap = header.byte_order != sys.byteorder
 
         def whole(segment: list[memoryview], element_dtype: torch.dtype) -> torch.Tensor:
-            raw = torch.empty(sum(len(piece) for piece in segment), dtype=torch.uint8)
-            copy_pieces(segment, [memoryview(raw.numpy())])
+            raw = joined(segment)
             if swap:  # reverse the bytes of every element (only across byte orders)
                 raw = raw.view(-1, element_dtype.itemsize).flip(1).reshape(-1)
             return raw.view(element_dtype)
