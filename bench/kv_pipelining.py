@@ -9,8 +9,9 @@ third mode ships by layer over NIXL (`--kv-transport-kind nixl` on the chain and
 pod, when the package is installed): each layer's bytes read by the pod, not streamed.
 
 Each round starts a fresh local cluster (`LocalCluster`: gateway, a 2-rank chain, one decode
-pod, KV compression off) per shipping mode, on `random-50m` (8 layers, 4 KV heads of 64,
-fp32: 16 KiB of KV per token, a context of 16k; random weights, the shipped tokenizer), and
+pod, KV compression off) per shipping mode, on `random-50m` (8 layers, 4 KV heads of 64, a
+context of 16k; random weights saved in fp32, the shipped tokenizer; the pods run it in the
+precision `auto` picks, so the report gives the KV bytes per token they shipped), and
 sends prompts of 1k-8k tokens one at a time through the gateway's gRPC door, pinned to the
 chain, each prompt new, 4 new tokens each, greedy. Modes alternate round by round (A B C,
 C B A). Every push's bytes are counted by the decode pod per data plane (its /metrics).
@@ -165,13 +166,14 @@ def report(results: dict) -> str:
     def gap(requests):  # the second token's wait after the first: the KV's, then a step
         return statistics.median(r["second_s"] - r["ttft_s"] for r in requests) * 1000
 
-    times, gaps = [], []
+    times, gaps, per_token = [], [], set()
     for length in map(str, LENGTHS):
         cells = [pooled[mode][length] for mode in present]
         if not all(cells):
             continue
         after = pooled["after-prefill"][length]
         mib = statistics.median(r["kv_bytes"] for r in after) / 2**20
+        per_token.add(round(mib * 1024 / int(length)))  # KiB; positions ride along
         times.append([length, f"{mib:.0f}", len(after), f"{p50(after, 'prefill_s'):.0f}",
                       *[f"{p50(cell, 'ttft_s'):.0f}" for cell in cells],
                       *[f"{p50(cell, 'second_s'):.0f}" for cell in cells]])
@@ -193,7 +195,9 @@ def report(results: dict) -> str:
          "Nothing else ran."),
         "",
         (f"Each round starts a fresh `LocalCluster` per mode (gateway, a 2-rank chain, one decode "
-         f"pod; KV compression off) on `{PRESET}` (random weights, fp32: 16 KiB of KV per token), "
+         f"pod; KV compression off) on `{PRESET}` (random weights; the pods ship "
+         f"{' or '.join(map(str, sorted(per_token)))} KiB of KV per token in the precision "
+         "`auto` picks here), "
          "then sends prompts one at a time pinned to the chain, every prompt new, 4 new tokens "
          "each, greedy; times are the client's, from sending the request. The first token leaves "
          "ahead of the KV in every mode; the second needs the whole cache on the decode pod. "
