@@ -16,7 +16,8 @@ gateway routes on; this script predicts with its functions.)
 * kv_bytes(L): what PushKV carries, L x layers x (2 x kv heads x head dim x dtype bytes
   + 8 position bytes), times the kept fraction (1 here: the served runs turn compression
   off);
-* bandwidth: gRPC PushKV end to end (docs/benchmarks/kv-transfer-results.json.gz);
+* bandwidth: gRPC PushKV end to end into a decode pod's receiver in a process of its own,
+  as a tail and a pod run (docs/benchmarks/kv-transfer-results.json.gz);
 * hop_local, hop_chain: the fixed cost of a request on each route (gateway, gRPC calls,
   the first step), fitted at the shortest served length; every other length is predicted.
 
@@ -48,6 +49,10 @@ from common import REPORT_DIR, machine_description, markdown_table, write_report
 RESULTS = REPORT_DIR / "pd-model-results.json.gz"
 SERVED = REPORT_DIR / "route-ttft-results.json.gz"
 TRANSFER = REPORT_DIR / "kv-transfer-results.json.gz"
+# its rows this model takes: PushKV into the pod's receiver, and the raw socket, both received
+# in a process of their own (bench/kv_transfer.py's OWN_GRPC and OWN_TCP)
+TRANSFER_ROW = "gRPC PushKV, the decode pod's receiver (asyncio) in its own process"
+TRANSFER_TCP_ROW = "raw TCP, receiver in its own process"
 LENGTHS = (128, 256, 384, 512, 640, 768, 896, 1024)
 RANKS = 2
 GOAL_ERROR = 0.20  # predicted within 20% of measured
@@ -55,11 +60,14 @@ GOAL_ERROR = 0.20  # predicted within 20% of measured
 
 def measure(repeats: int) -> dict:
     import torch
-    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.model.loader import SHIPPED_MODEL_DIR, resolve_dtype
     from baton.runahead import LocalChain, ModelSource, PartitionTable
     from baton.runahead.tuner import single_process_ttft
 
-    source = ModelSource(path=str(SHIPPED_MODEL_DIR), dtype="float32")
+    # the precision `baton up`'s pods resolve `auto` to here (bf16 where the CPU multiplies
+    # it in hardware): the served runs this model is checked against ran in it
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    source = ModelSource(path=str(SHIPPED_MODEL_DIR), dtype=str(dtype).removeprefix("torch."))
     model = source.load(torch.device("cpu"))
     config = model.config
     table = PartitionTable.load()
@@ -79,12 +87,13 @@ def measure(repeats: int) -> dict:
                                     runner.prefill(ids, boundaries, return_kv=False).ttft_s)
             print(f"L={length}: local {local[length] * 1e3:.1f} ms, chain "
                   f"{chain[length] * 1e3:.1f} ms", flush=True)
-    element = torch.empty(0, dtype=torch.float32).element_size()
+    element = torch.empty(0, dtype=dtype).element_size()
     per_token = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
                                    config.head_dim, element)
     return {"commit": _git("rev-parse", "HEAD"), "machine": machine_description(),
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "local_threads": threads, "chain_ranks": RANKS, "table": table.name,
+            "dtype": source.dtype,
             "kv_bytes_per_token": int(per_token),
             "prefill_local_s": local, "prefill_chain_s": chain}
 
@@ -210,8 +219,8 @@ def _table_break_even(results: dict) -> int:
 
 
 def report(results: dict, served: dict, transfer: dict) -> str:
-    pooled = [s for entry in transfer["rounds"] for s in entry["gRPC PushKV"]]
-    tcp = [s for entry in transfer["rounds"] for s in entry["raw TCP"]]
+    pooled = [s for entry in transfer["rounds"] for s in entry[TRANSFER_ROW]]
+    tcp = [s for entry in transfer["rounds"] for s in entry[TRANSFER_TCP_ROW]]
     bandwidth = transfer["total_bytes"] / statistics.median(pooled)
     grpc_efficiency = statistics.median(tcp) / statistics.median(pooled)
     rows, hops, break_even = validation(results, served, bandwidth)
@@ -220,6 +229,7 @@ def report(results: dict, served: dict, transfer: dict) -> str:
     chain = {int(k): v for k, v in results["prefill_chain_s"].items()}
     gpu_rows, gpu_even = gpu_projection(bandwidth)
     met = max(errors) <= GOAL_ERROR
+    precision = {"bfloat16": "bf16", "float32": "fp32"}.get(results.get("dtype", "float32"))
     return "\n".join([
         "# Where disaggregation pays: predicted against measured time to first token",
         "",
@@ -240,13 +250,13 @@ def report(results: dict, served: dict, transfer: dict) -> str:
         markdown_table(["input", "value", "source"], [
             ["prefill_1(L)", ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in sorted(local.items())),
              (f"measured: one process, {results['local_threads']} threads (a lone decode pod's), "
-             "shipped model, fp32, fastest of the rounds")],
+             f"shipped model, {precision}, fastest of the rounds")],
             ["prefill_chain(L)", ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in sorted(chain.items())),
              (f"measured: `LocalChain`, {results['chain_ranks']} ranks of 1 thread, gloo, partition "
              f"table `{results['table']}`")],
             ["kv_bytes per token", f"{results['kv_bytes_per_token']:,} B",
-             "the model's shape, fp32, compression off as in the served runs"],
-            ["bandwidth", f"{bandwidth / 1e9:.2f} GB/s", "gRPC PushKV end to end, docs/benchmarks/kv_transfer.md"],
+             f"the model's shape, {precision}, compression off as in the served runs"],
+            ["bandwidth", f"{bandwidth / 1e9:.2f} GB/s", "gRPC PushKV end to end into a decode pod's process, docs/benchmarks/kv_transfer.md"],
             ["hop_local", f"{hops['local'] * 1e3:.1f} ms", "fitted at the shortest served length"],
             ["hop_chain", f"{hops['chain'] * 1e3:.1f} ms", "fitted at the shortest served length"],
         ]),
@@ -298,7 +308,7 @@ def report(results: dict, served: dict, transfer: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure the prefill rates first")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if args.measure and not args.report_only:
