@@ -45,14 +45,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.runahead.break_even import Link, chain_ttft_s, kv_bytes_per_token
 from common import REPORT_DIR, machine_description, markdown_table, write_report
+from kv_transfer import OWN_GRPC, OWN_TCP  # the rows a tail and a pod see: each its own process
 
 RESULTS = REPORT_DIR / "pd-model-results.json.gz"
 SERVED = REPORT_DIR / "route-ttft-results.json.gz"
 TRANSFER = REPORT_DIR / "kv-transfer-results.json.gz"
-# its rows this model takes: PushKV into the pod's receiver, and the raw socket, both received
-# in a process of their own (bench/kv_transfer.py's OWN_GRPC and OWN_TCP)
-TRANSFER_ROW = "gRPC PushKV, the decode pod's receiver (asyncio) in its own process"
-TRANSFER_TCP_ROW = "raw TCP, receiver in its own process"
 LENGTHS = (128, 256, 384, 512, 640, 768, 896, 1024)
 RANKS = 2
 GOAL_ERROR = 0.20  # predicted within 20% of measured
@@ -219,8 +216,8 @@ def _table_break_even(results: dict) -> int:
 
 
 def report(results: dict, served: dict, transfer: dict) -> str:
-    pooled = [s for entry in transfer["rounds"] for s in entry[TRANSFER_ROW]]
-    tcp = [s for entry in transfer["rounds"] for s in entry[TRANSFER_TCP_ROW]]
+    pooled = [s for entry in transfer["rounds"] for s in entry[OWN_GRPC]]
+    tcp = [s for entry in transfer["rounds"] for s in entry[OWN_TCP]]
     bandwidth = transfer["total_bytes"] / statistics.median(pooled)
     grpc_efficiency = statistics.median(tcp) / statistics.median(pooled)
     rows, hops, break_even = validation(results, served, bandwidth)
@@ -229,7 +226,8 @@ def report(results: dict, served: dict, transfer: dict) -> str:
     chain = {int(k): v for k, v in results["prefill_chain_s"].items()}
     gpu_rows, gpu_even = gpu_projection(bandwidth)
     met = max(errors) <= GOAL_ERROR
-    precision = {"bfloat16": "bf16", "float32": "fp32"}.get(results.get("dtype", "float32"))
+    dtype = results.get("dtype", "float32")  # results of before it was recorded were fp32's
+    precision = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
     return "\n".join([
         "# Where disaggregation pays: predicted against measured time to first token",
         "",
