@@ -329,8 +329,8 @@ def run(rounds: int) -> dict:
                "nixl": nixl_missing() or "nixl 1.5.1 (UCX), UCX_TLS="
                        + os.environ.get("UCX_TLS", "unset (UCX's choice)")}
     paths = PATHS if nixl_missing() is None else PATHS[:-1]
-    sender = NixlAgent("prefill") if nixl_missing() is None else None
-    reader = NixlReader(NixlAgent("decode")) if sender is not None else None
+    sender = NixlAgent("prefill", "127.0.0.1") if nixl_missing() is None else None
+    reader = NixlReader(NixlAgent("decode", "127.0.0.1")) if sender is not None else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
     push_kv.add_decode_servicer(Receiver(reader), server)
     port = server.add_insecure_port("127.0.0.1:0")

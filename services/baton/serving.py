@@ -101,10 +101,15 @@ class _Binding:
     def _advertised_address(self, port: int) -> str:
         if self.config.advertise:
             return self.config.advertise
-        host = self.config.listen.rpartition(":")[0]
+        host = listen_host(self.config.listen)
         if host in ("", "0.0.0.0", "[::]"):
             host = "127.0.0.1"
         return f"{host}:{port}"
+
+
+def listen_host(listen: str) -> str:
+    """The host of a ``host:port`` listen address (an IPv6 one keeps its brackets)."""
+    return listen.rpartition(":")[0]
 
 
 def _serving_status(serving: bool):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +41,8 @@ SPEC = KVSpec(model_id="m", model_revision="rev", dtype="float32", num_layers=3,
 def agents():
     """A pusher's agent and a pod's, in this process; the pusher's makes progress on a thread
     of its own (as a tail does between layers and while it waits for the pod's answer)."""
-    sender, receiver = NixlAgent("prefill"), NixlAgent("decode")
+    # Given the pods' listen host, as the servers give it: UCX keeps to that interface.
+    sender, receiver = NixlAgent("prefill", "127.0.0.1"), NixlAgent("decode", "127.0.0.1")
     stop = threading.Event()
 
     def progress() -> None:
@@ -169,6 +173,34 @@ def test_bytes_changed_after_their_checksum_are_data_loss(agents):
         layers[1].k.add_(1.0)  # the memory the pod reads, after the checksum was taken
         with pytest.raises(KVDataLoss, match="checksum"):
             receive(handoff, sent, NixlPlane(NixlReader(receiver), 10.0))
+
+
+def tcp_listeners() -> dict[str, ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """This process's listening TCP sockets (by inode) and their addresses, read off /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if (link := os.readlink(f"/proc/self/fd/{fd}")).startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    addresses = {}
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # the kernel prints each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                addresses[fields[9]] = ipaddress.ip_address(words)
+    return addresses
+
+
+def test_an_agent_listens_only_where_its_pod_does():
+    before = tcp_listeners()
+    agent = NixlAgent("decode-on-loopback", "127.0.0.1")
+    opened = [address for inode, address in tcp_listeners().items() if inode not in before]
+    assert opened and all(address.is_loopback for address in opened), opened
+    assert "UCX_NET_DEVICES" not in os.environ  # only while the agent started
+    del agent
 
 
 def test_memory_the_sender_did_not_register_is_not_read(agents):

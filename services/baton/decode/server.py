@@ -36,7 +36,13 @@ from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.routing.prefix_index import PrefixPublisher
 from baton.sarathi.engine import Engine
 from baton.security.mtls import Mtls
-from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
+from baton.serving import (
+    AsyncGrpcServer,
+    listen_host,
+    new_incarnation,
+    release_version,
+    run_until_signalled,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,8 @@ class DecodeServer:
         self.mtls = Mtls(config.mtls)
         transport = config.kv_transport
         # Refuses to start when NIXL is asked for and missing.
-        nixl = (NixlPlane(NixlReader(NixlAgent("decode")), transport.nixl_read_timeout_s)
+        nixl = (NixlPlane(NixlReader(NixlAgent("decode", listen_host(config.server.listen))),
+                          transport.nixl_read_timeout_s)
                 if transport.kind == NIXL else None)
         self.servicer = DecodeServicer(config.kv.max_pending_pushes, self.mtls,
                                        config.stream.interval_ms / 1000, nixl)

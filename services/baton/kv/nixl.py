@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton.config import KV_TRANSPORTS
+from baton.kv import ucx_devices
 from baton.kv.wire import KVDataLoss, KVMalformed
 
 log = logging.getLogger(__name__)
@@ -95,9 +96,11 @@ class Regions:
 
 
 class NixlAgent:
-    """This process's NIXL agent (UCX underneath); its name is new at every start."""
+    """This process's NIXL agent (UCX underneath); its name is new at every start. Given the
+    pod's listen ``host``, UCX's network transports stay on the interface that carries it
+    (and the node's RDMA ports: ``baton.kv.ucx_devices``)."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, host: str | None = None) -> None:
         missing = nixl_missing()
         if missing is not None:
             raise RuntimeError(f"kv transport {NIXL!r}: {missing}")
@@ -108,7 +111,10 @@ class NixlAgent:
         # No progress thread: NIXL's spins a core (see the module's docstring).
         config = nixl_agent_config(backends=["UCX"], enable_prog_thread=False,
                                    sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self.agent = nixl_agent(self.name, config)
+        with ucx_devices.restricted_to(host) as devices:  # UCX reads them as the agent starts
+            self.agent = nixl_agent(self.name, config)
+        if devices is not None:
+            log.info("NIXL agent %s: UCX network devices %s", self.name, devices)
         self._remotes: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 

@@ -37,7 +37,13 @@ from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank
 from baton.security.mtls import Mtls
-from baton.serving import AsyncGrpcServer, new_incarnation, release_version, run_until_signalled
+from baton.serving import (
+    AsyncGrpcServer,
+    listen_host,
+    new_incarnation,
+    release_version,
+    run_until_signalled,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +131,7 @@ class PrefillServer:
                                  on_ready, on_fail, self.mtls, self.by_layer,
                                  lambda: self.rank.model.dtype,
                                  # Refuses to start when NIXL is asked for and missing.
-                                 nixl=(NixlAgent("prefill")
+                                 nixl=(NixlAgent("prefill", listen_host(self.config.server.listen))
                                        if self.config.kv_transport.kind == NIXL else None))
         else:
             self.sink = RankSink(on_ready, on_fail)
