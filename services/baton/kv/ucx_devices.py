@@ -40,6 +40,8 @@ def net_devices_for(host: str) -> str | None:
         return None
     interfaces = sorted({name for name, address in _interface_addresses() if address in addresses})
     if not interfaces:
+        log.warning("NIXL: no interface here carries %r: UCX may use every network device (set "
+                    "%s to restrict it)", host, ENV)
         return None
     return ",".join(interfaces + rdma_ports())
 
@@ -58,9 +60,6 @@ def restricted_to(host: str | None) -> Iterator[str | None]:
     devices are ``host``'s (``net_devices_for``); the environment is as before after it.
     Yields what UCX was given (None: its default, or the operator's own setting)."""
     devices = None if host is None or ENV in os.environ else net_devices_for(host)
-    if host is not None and ENV not in os.environ and devices is None:
-        log.warning("NIXL: no interface here carries %r: UCX may use every network device (set "
-                    "%s to restrict it)", host, ENV)
     if devices is None:
         yield None
         return
