@@ -15,12 +15,14 @@ Without those instructions, without a compiler, or with ``BATON_CPU_KERNELS=0``,
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,11 +125,46 @@ def build(directory: str | None = None) -> None:
 def _compile(chosen: Build, directory: str | None = None) -> ModuleType:
     from torch.utils import cpp_extension
 
-    if directory is not None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-    with pinned_ninja():
+    # torch's own choice of directory (under $TORCH_EXTENSIONS_DIR or its cache) unless told
+    build_directory = Path(directory) if directory is not None else \
+        Path(cpp_extension._get_build_directory(chosen.name, verbose=False))
+    with build_lock(build_directory), pinned_ninja():
         return cpp_extension.load(name=chosen.name, sources=[str(SOURCE_DIR / s) for s in chosen.sources],
-                                  extra_cflags=list(chosen.flags), build_directory=directory, verbose=False)
+                                  extra_cflags=list(chosen.flags), build_directory=str(build_directory),
+                                  verbose=False)
+
+
+# A build of every kernel takes a minute or two of a busy 2-core machine; a holder this long is stuck.
+BUILD_WAIT_S = 600.0
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """Hold a build directory for this process alone, with torch's own lock file cleared.
+
+    torch's builder marks a build (or the up-to-date check every load runs) with a file,
+    ``lock``, that its owner deletes when done, and every other loader waits for that file
+    to go, without limit. A process killed in between (a chain's rank stopped while it
+    loaded its kernels) leaves the file behind, and every later process on the machine
+    hung at its start. An flock, which the kernel drops with its holder, guards the
+    directory instead: whoever holds it knows any ``lock`` file is a dead process's.
+    Waiting longer than ``wait_s`` for a live holder raises TimeoutError."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "baton.flock", "w") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has held {directory} for over {wait_s:g} s") from None
+                time.sleep(0.1)  # a build's minute, polled: a blocking flock could not time out
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a process killed while it loaded these kernels", stale)
+            stale.unlink(missing_ok=True)
+        yield  # closing the handle drops the flock
 
 
 @contextlib.contextmanager
