@@ -210,9 +210,11 @@ GPU_NOTES = """
   is ~250 kernel launches of a few microseconds each, and a profile of
   `random-50m` at batch 32 shows ~0.8 ms of GPU work in a ~6 ms step. Both
   runtimes are bound by launch and Python overhead, not by memory, so the
-  batch-1 step is tens to hundreds of times the bandwidth bound. Capturing the
-  decode step in a CUDA graph is what would close most of that gap; baton does
-  not do it yet. For models this small the bound stays out of reach even then.
+  batch-1 step is tens to hundreds of times the bandwidth bound. Decode here is
+  the model's eager step on both sides; the engine replays its decode-only
+  iterations from CUDA graphs, which `bench/gpu_decode.py` measures (its
+  report: `decode-gpu.md`). For models this small the bound stays out of
+  reach even then.
 * The first GPU run of this script had baton at 0.71-0.80x of transformers
   for decode at batch 8 and 32. Three causes, all fixed: the block indices
   went to the GPU in blocking copies (a stream synchronisation each, several

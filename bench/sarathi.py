@@ -40,7 +40,7 @@ from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.sarathi import Engine
-from baton.sarathi.budget import measure_token_budget
+from baton.sarathi.budget import CANDIDATES, iteration_s, measure_token_budget
 from common import machine_description, write_report
 from sarathi_report import (
     EXPLANATION,
@@ -82,6 +82,15 @@ class PairedPrefillCost:
         return time.perf_counter() - began
 
 
+def served_engine(model, scheduler: SchedulerConfig, kv: KVPoolConfig) -> Engine:
+    """An engine as a decode pod runs it: on a GPU, its decode steps' CUDA graphs captured
+    before the clock starts (as the pod does before it serves)."""
+    engine = Engine(model, None, scheduler=scheduler, kv=kv)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.capture_all()
+    return engine
+
+
 def iteration_costs(model, batch: int, budget: int, rounds: int = 12) -> IterationCosts:
     """SARATHI's per-batch measurement: a decode-maximal batch against its parts.
 
@@ -92,8 +101,8 @@ def iteration_costs(model, batch: int, budget: int, rounds: int = 12) -> Iterati
     """
     chunk = budget - (batch - 1)
     kv = KVPoolConfig(block_size=16, num_blocks=model.config.num_hidden_layers * (batch + 1) * 40)
-    engine = Engine(model, None, scheduler=SchedulerConfig(policy="sarathi", token_budget=budget,
-                                                           max_running=batch), kv=kv)
+    engine = served_engine(model, SchedulerConfig(policy="sarathi", token_budget=budget,
+                                                  max_running=batch), kv)
     shadow = PairedPrefillCost(model, chunk)
     generator = torch.Generator().manual_seed(0)
 
@@ -124,7 +133,7 @@ def run(model, policy: str, workload: Workload, prefill_cost: PairedPrefillCost)
     config = SchedulerConfig(policy=policy, token_budget=workload.budget, max_running=workload.batch)
     tokens_per_seq = workload.prompt_len + workload.decode_len
     num_blocks = model.config.num_hidden_layers * (workload.batch + 1) * (tokens_per_seq // 16 + 2)
-    engine = Engine(model, None, scheduler=config, kv=KVPoolConfig(block_size=16, num_blocks=num_blocks))
+    engine = served_engine(model, config, KVPoolConfig(block_size=16, num_blocks=num_blocks))
     params = SamplingParams(temperature=0.0, max_tokens=workload.decode_len, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
 
@@ -199,6 +208,21 @@ def sweep(model, workloads: list[Workload], label: str, repeats: int,
     return results
 
 
+def device_sized_budget(model, slack: float = 1.1) -> tuple[int, dict[int, float]]:
+    """The smallest token budget whose prompt tokens cost at most ``slack`` times the cheapest
+    per-token cost of any budget up to half the model's context: the chunk that fills the
+    device (SARATHI sizes its chunks so; a larger one prefills no faster per token, only makes
+    decodes wait longer). Returns it and every budget's seconds per prompt token."""
+    # at most half the context: the balanced point's prompt (~C tokens) and its decodes must
+    # fit it, and iteration_costs' pool must hold a C-token chunk beside the B-1 decodes
+    per_token = {budget: iteration_s(model, budget) / budget for budget in CANDIDATES
+                 if 2 * budget <= model.config.max_position_embeddings}
+    for budget, cost in per_token.items():
+        print(f"[budget] C={budget}: {cost * 1e6:.1f} us per prompt token", flush=True)
+    cheapest = min(per_token.values())
+    return min(budget for budget, cost in per_token.items() if cost <= slack * cheapest), per_token
+
+
 def balanced_workload(batch: int, budget: int, chunks: int, num_requests: int) -> Workload:
     """SARATHI's balanced point: with B-1 decodes running, each iteration has room for a
     chunk of C-(B-1) prompt tokens; a prompt of ``chunks`` such chunks takes ``chunks``
@@ -209,12 +233,14 @@ def balanced_workload(batch: int, budget: int, chunks: int, num_requests: int) -
     return Workload(batch, chunks * chunk, chunks * (batch - 1) + 1, budget, num_requests, balanced=True)
 
 
-def grids(quick: bool, auto_budget: int) -> dict[str, list[Workload]]:
-    """The full grid for a quiet machine: P:D around the balanced point (B=8, C=256), the
-    token budget (128/256/512 and the one the engine's rule picks, ``auto_budget``) and the
-    batch size (4/8/16) at their balanced points. ``quick``: the P:D sweep and the picked
-    budget only, one-chunk prompts and fewer requests."""
-    batch, budget = 8, 256
+def grids(quick: bool, auto_budget: int, budget: int = 256,
+          max_tokens: int | None = None) -> dict[str, list[Workload]]:
+    """The full grid for a quiet machine: P:D around the balanced point (B=8, C=``budget``),
+    the token budget (128/256/512 and the one the engine's rule picks, ``auto_budget``) and
+    the batch size (4/8/16) at their balanced points. ``quick``: the P:D sweep and the picked
+    budget only, one-chunk prompts and fewer requests. Workloads whose sequences would pass
+    ``max_tokens`` (the model's context) are left out."""
+    batch = 8
     chunks = 1 if quick else 2
     num_requests = (lambda b: 3 * b) if quick else (lambda b: 4 * b)
     middle = balanced_workload(batch, budget, chunks, num_requests(batch))
@@ -230,7 +256,10 @@ def grids(quick: bool, auto_budget: int) -> dict[str, list[Workload]]:
     grid["chunk"] = [balanced_workload(batch, c, chunks, num_requests(batch)) for c in budgets]
     if not quick:
         grid["batch"] = [balanced_workload(b, budget, chunks, num_requests(b)) for b in (4, 8, 16)]
-    return grid
+    if max_tokens is not None:
+        grid = {axis: [w for w in workloads if w.prompt_len + w.decode_len <= max_tokens]
+                for axis, workloads in grid.items()}
+    return {axis: workloads for axis, workloads in grid.items() if workloads}
 
 
 def main() -> None:
@@ -240,6 +269,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per (workload, policy); best kept")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: a GPU run in bfloat16, written to sarathi-gpu.md")
+    parser.add_argument("--model", choices=("random-50m", "random-1b"), default="random-50m",
+                        help="random-1b: Llama 3.2 1B's shape, drawn on the device, with the "
+                             "device-sized token budget as its balanced point (a GPU run, "
+                             "written to sarathi-gpu-1b.md)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="the model's dtype (default: float32 on a CPU, the reference run in "
                              "sarathi.md; bfloat16 on a GPU). A CPU run in bfloat16, the dtype "
@@ -250,8 +283,11 @@ def main() -> None:
     dtype_name = args.dtype or ("bfloat16" if on_gpu else "float32")
     dtype = getattr(torch, dtype_name)
     prefix = "sarathi-gpu" if on_gpu else ("sarathi" if dtype_name == "float32" else "sarathi-bf16")
+    if args.model != "random-50m":
+        prefix += "-" + args.model.removeprefix("random-")
     precision = f"GPU run, {dtype_name}" if on_gpu else f"{args.threads} threads, {dtype_name}"
     flags = [flag for flag, given in (("--quick", args.quick), ("--device cuda", on_gpu),
+                                      (f"--model {args.model}", args.model != "random-50m"),
                                       (f"--dtype {args.dtype}", args.dtype is not None)) if given]
     header = (f"# SARATHI decode engine{' on a GPU' if on_gpu else ''}: throughput and time between "
               f"tokens\n\n"
@@ -259,45 +295,59 @@ def main() -> None:
               f"Generated by `{' '.join(['bench/sarathi.py', *flags])}`; each (workload, "
               f"policy) ran {args.repeats} times, policies interleaved, the fastest run kept.\n")
     sections = [header]
-    models = [("random-50m", random_model("random-50m", dtype=dtype, device=args.device))]
-    if (SHIPPED_MODEL_DIR / "config.json").is_file():
+    main_label = args.model
+    models = [(main_label, random_model(main_label, dtype=dtype, device=args.device,
+                                        draw_on_device=main_label != "random-50m"))]
+    budget = 256  # the balanced point's token budget: 256, or the device's size for random-1b
+    if main_label != "random-50m":
+        budget, per_token = device_sized_budget(models[0][1])
+        print(f"[budget] device-sized budget for {main_label}: C={budget}", flush=True)
+    elif (SHIPPED_MODEL_DIR / "config.json").is_file():
         models.append(("shipped", load_checkpoint("", dtype=dtype_name, device=args.device).model))
     # The budget the engine picks by default (SARATHI's rule, measured on this machine).
     auto_budget = measure_token_budget(models[0][1], SchedulerConfig().target_iteration_ms)
-    print(f"[budget] the engine's rule picks C={auto_budget} for random-50m", flush=True)
+    print(f"[budget] the engine's rule picks C={auto_budget} for {main_label}", flush=True)
     started = time.perf_counter()
-    costs = [iteration_costs(models[0][1], b, c) for b, c in ((4, 256), (8, 256), (16, 256), (8, 128), (8, 512))]
+    points = ((4, 256), (8, 256), (16, 256), (8, 128), (8, 512)) if budget == 256 else ((8, budget), (8, 256))
+    costs = [iteration_costs(models[0][1], b, c) for b, c in points]
     for c in costs:
         print(f"[iteration] B={c.batch} C={c.budget}: chunk {c.prefill_only_s * 1e3:.1f} ms, mixed "
               f"{c.mixed_s * 1e3:.1f} ms, decodes alone {c.decode_only_s * 1e3:.1f} ms", flush=True)
     balanced_runs: list[RunStats] = []
     for label, model in models:
         measured: dict[tuple, dict[str, RunStats]] = {}
-        grid = grids(args.quick, auto_budget)
+        grid = grids(args.quick, auto_budget, budget, model.config.max_position_embeddings)
         if label == "shipped":
             grid = {"ratio": grid["ratio"]}
         for axis, workloads in grid.items():
             results = sweep(model, workloads, f"{label}/{axis}", args.repeats, measured)
-            if label == "random-50m":
+            if label == main_label:
                 balanced_runs += [r for r in results if r.workload.balanced
                                   and r.workload.key not in {b.workload.key for b in balanced_runs}]
             if axis == "ratio":
                 png = plot(results, lambda w: w.ratio, "P:D", f"{prefix}_{label}_ratio.png",
-                           f"{label}: B=8, C=256, P={workloads[0].prompt_len}")
+                           f"{label}: B=8, C={budget}, P={workloads[0].prompt_len}")
             elif axis == "chunk":
                 png = plot(results, lambda w: w.budget, "token budget C (balanced P:D = C/(B-1))",
                            f"{prefix}_{label}_chunk.png", f"{label}: B=8")
             else:
                 png = plot(results, lambda w: w.batch, "batch size B (balanced P:D = C/(B-1))",
-                           f"{prefix}_{label}_batch.png", f"{label}: C=256")
+                           f"{prefix}_{label}_batch.png", f"{label}: C={budget}")
             sections.append(f"## {label}: sweep over {axis}\n\n{table(results)}\n\n![{axis}]({png})\n")
     elapsed = time.perf_counter() - started
     budget_line = (f"The engine's default budget rule (the largest whose iteration meets "
                    f"{SchedulerConfig().target_iteration_ms:.0f} ms, `baton.sarathi.budget`) picks "
-                   f"**C={auto_budget}** for random-50m on this machine; its balanced point is "
+                   f"**C={auto_budget}** for {main_label} on this machine; its balanced point is "
                    f"in the table below and the chunk sweep.\n\n")
-    sections.insert(1, budget_line + goal_check(balanced_runs, costs) + ITERATION_INTRO + iteration_table(costs) + "\n"
-                    + (GPU_EXPLANATION if on_gpu else EXPLANATION))
+    if main_label != "random-50m":
+        budget_line += (f"The balanced point below takes the device-sized budget instead, "
+                        f"**C={budget}**: the smallest whose prompt tokens cost at most 1.1x the "
+                        f"cheapest per-token cost of any budget "
+                        f"({', '.join(f'C={c}: {s * 1e6:.1f}' for c, s in per_token.items())} "
+                        f"µs per token).\n\n")
+    explanation = EXPLANATION if not on_gpu else GPU_EXPLANATION if main_label == "random-50m" else ""
+    sections.insert(1, budget_line + goal_check(balanced_runs, costs, main_label, budget)
+                    + ITERATION_INTRO.replace("MODEL", main_label) + iteration_table(costs) + "\n" + explanation)
     load = os.getloadavg()[0]
     # The benchmark's own 2 threads count; well above that, other jobs shared the CPU.
     busy = " (other jobs shared the CPU)" if load > args.threads + 1 else ""

@@ -151,8 +151,11 @@ class CpuWindow:
     def __exit__(self, *exc) -> None:
         self.wall_s = time.perf_counter() - self._wall
         roles = _cpu_by_role(self.own_role)
-        self.by_role = {role: seconds - self._roles.get(role, 0.0) for role, seconds in roles.items()}
-        self.own_cpu_s = sum(self.by_role.values())  # the roles cover the whole tree
+        # Rounded to getrusage's microseconds: a role with no ticks in the window reads 0, not
+        # the float noise of two equal sums subtracted (which made the total read below a role).
+        self.by_role = {role: round(seconds - self._roles.get(role, 0.0), 6)
+                        for role, seconds in roles.items()}
+        self.own_cpu_s = round(sum(self.by_role.values()), 6)  # the roles cover the whole tree
         self.others_cpu_s = max(0.0, _busy_s() - self._busy - self.own_cpu_s)
 
 

@@ -129,6 +129,8 @@ class ServiceSpec:
     tolerations: list[dict]
     # The data plane of pushed KV, on the chains' tails and the decode pods alike.
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
+    # UCX_* variables of the chains' ranks and the decode pods (NIXL's UCX reads them).
+    ucx_env: dict[str, str] = field(default_factory=dict)
 
 
 def _section(spec: dict, name: str) -> dict:
@@ -201,7 +203,8 @@ def _read_decode(spec: dict) -> DecodeSpec:
         kv=_build("decode", KVPoolConfig, memory_mib=decode.get("kvMemoryMiB"),
                   block_size=decode.get("kvBlockSize"), prefix_cache=decode.get("prefixCache")),
         scheduler=_build("decode", SchedulerConfig, token_budget=decode.get("tokenBudget"),
-                         max_running=decode.get("maxRunning"), policy=decode.get("policy")),
+                         max_running=decode.get("maxRunning"), policy=decode.get("policy"),
+                         cuda_graphs=decode.get("cudaGraphs")),
         stream=_build("decode", StreamConfig, interval_ms=decode.get("streamIntervalMs")),
         resources=decode.get("resources") or {})
 
@@ -262,6 +265,14 @@ def _read_gpu(spec: dict) -> GPUSpec:
     return GPUSpec(per_pod=_count(gpu, "gpu", "perPod", GPUSpec.per_pod),
                    resource_name=gpu.get("resourceName", GPUSpec.resource_name),
                    nccl_env={k: str(v) for k, v in nccl_env.items()})
+
+
+def _read_ucx_env(spec: dict) -> dict[str, str]:
+    ucx_env = spec.get("ucxEnv") or {}
+    for name in ucx_env:
+        if not name.startswith("UCX_"):
+            raise InvalidSpec(f"spec.ucxEnv: {name!r} is not a UCX_* variable")
+    return {k: str(v) for k, v in ucx_env.items()}
 
 
 def _read_autoscaling(spec: dict) -> AutoscalingSpec:
@@ -336,4 +347,5 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         node_selector=dict(spec.get("nodeSelector") or {}),
         tolerations=list(spec.get("tolerations") or []),
         kv_transport=_build("kvTransport", KVTransportConfig, kind=spec.get("kvTransport")),
+        ucx_env=_read_ucx_env(spec),
     )

@@ -187,6 +187,8 @@ def _env(spec: ServiceSpec, role: str) -> list[dict]:
         env.append(_field_env("BATON_CHAIN_RANK", f"metadata.labels['{POD_INDEX_LABEL}']"))
         if spec.gpu.per_pod:
             env += [{"name": k, "value": v} for k, v in sorted(spec.gpu.nccl_env.items())]
+    if role in ("prefill", "decode"):  # the two ends of a push over NIXL
+        env += [{"name": k, "value": v} for k, v in sorted(spec.ucx_env.items())]
     return env
 
 

@@ -85,6 +85,12 @@ class SchedulerConfig:
     step_stall_s: float = setting(120.0, "a decode pod whose engine step has run this long is stuck: it "
                                   "fails its streams UNAVAILABLE (the gateway moves them), leaves "
                                   "routing and exits for its supervisor to restart it; 0 = never")
+    cuda_graphs: bool = setting(True, "on a GPU, replay decode-only iterations from CUDA graphs "
+                                "(captured per batch and context bucket on first use); no effect "
+                                "on a CPU")
+    cuda_graph_max_batch: int = setting(256, "the largest decode batch replayed from a CUDA graph")
+    cuda_graph_max_context: int = setting(8192, "the longest sequence (tokens) whose decode steps "
+                                          "are replayed from a CUDA graph; longer ones run eagerly")
 
     def __post_init__(self) -> None:
         require(self.policy in SCHEDULER_POLICIES,
@@ -100,6 +106,10 @@ class SchedulerConfig:
         require(self.token_budget == 0 or self.tile_size <= self.token_budget,
                 f"scheduler tile_size {self.tile_size} exceeds token_budget {self.token_budget}")
         require(self.max_running >= 1, f"scheduler max_running must be >= 1, got {self.max_running}")
+        require(self.cuda_graph_max_batch >= 1,
+                f"scheduler cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        require(self.cuda_graph_max_context >= 1,
+                f"scheduler cuda_graph_max_context must be >= 1, got {self.cuda_graph_max_context}")
 
 
 # Implemented by baton.pyramid.schedule.BUDGET_POLICIES (which checks it has exactly these).

@@ -18,13 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 from baton.config import KVPoolConfig, SchedulerConfig
-from baton.kv import DenseKV
+from baton.kv import DenseKV, LayerKV
+from baton.kv.device_copy import layers_to_host, to_device
+from baton.kv.received import ReceivedLayer
 from baton.model import load_checkpoint, prefill, save_checkpoint
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.runahead import LocalChain, ModelSource
 from baton.sarathi import Engine
+from baton.sarathi.runner import StepLogits
 from hf_reference import (
     EQUIVALENCE_CASES,
     case_id,
@@ -105,6 +108,34 @@ def test_greedy_engine_on_cuda_equals_transformers_generate():
         assert result.token_ids == expected[0, ids.shape[1]:].tolist(), prompt
 
 
+@pytest.mark.parametrize("policy", ["sarathi", "separate"])
+def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens(policy):
+    # The shipped model in fp32 on CUDA, greedy: the same tokens with the decode-only steps
+    # replayed from CUDA graphs (several batch and width buckets: the prompts finish their
+    # prefills at different steps and grow past block boundaries) as without.
+    shipped = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cuda")
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    tokens = {}
+    for graphs in (False, True):
+        engine = Engine(shipped.model, shipped.tokenizer,
+                        scheduler=SchedulerConfig(policy=policy, token_budget=64, max_running=4,
+                                                  cuda_graphs=graphs),
+                        kv=KVPoolConfig(block_size=16, num_blocks=256))
+        replayer = engine.runner.graphs
+        # sarathi: graphs captured as steps need them; separate: all of them first, as a
+        # decode pod does before it serves (then no step captures one)
+        captured = replayer.capture_all() if graphs and policy == "separate" else 0
+        tokens[graphs] = [r.token_ids for r in engine.generate(PROMPTS, params)]
+        if graphs:
+            print(f"CUDA-GRAPHS {policy}: {replayer.num_graphs} graphs, "
+                  f"{replayer.replayed_steps} replayed steps")
+            assert replayer.enabled and replayer.num_graphs >= 2 and replayer.replayed_steps >= 40
+            assert not captured or replayer.num_graphs == captured
+        else:
+            assert engine.runner.graphs is None
+    assert tokens[True] == tokens[False]
+
+
 def test_seeded_sampling_is_the_same_on_cuda_as_on_cpu():
     # The sampler draws on the CPU generator whatever the model's device, so a seed
     # means the same tokens on both (up to logits close enough not to flip a draw).
@@ -173,14 +204,56 @@ def test_cuda_engine_continues_from_a_cache_that_arrives_in_host_memory():
     with LocalChain(ModelSource(dtype="float32"), ranks=1, backend="nccl", timeout_s=120) as chain:
         result = chain.prefill(prompt_ids)
     assert result.layers[0].k.device.type == "cpu"
-    decoder = engine()
-    request_id = decoder.add_prefilled_request(prompt_ids, result.layers, result.first_token_logits,
-                                               params)
-    tokens = []
-    while decoder.has_unfinished():
-        tokens += [t for out in decoder.step() if out.request_id == request_id
-                   for t in out.new_token_ids]
-    assert tokens == expected
+    # as it comes (the engine copies it), and staged through pinned memory on the copy stream
+    # (as a decode pod does with a pushed cache: ``baton.kv.device_copy.to_device``)
+    for layers in (result.layers, to_device(wire_layers(result.layers), torch.device("cuda"))):
+        decoder = engine()
+        request_id = decoder.add_prefilled_request(prompt_ids, layers, result.first_token_logits,
+                                                   params)
+        tokens = []
+        while decoder.has_unfinished():
+            tokens += [t for out in decoder.step() if out.request_id == request_id
+                       for t in out.new_token_ids]
+        assert tokens == expected
+
+
+def wire_layers(layers):
+    """A cache as a decode pod receives it: each layer's keys and values as message pieces."""
+    pieces = []
+    for layer in layers:
+        k, v = (memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for t in (layer.k, layer.v))
+        # cut anywhere, as a sender cuts chunks by bytes
+        pieces.append(ReceivedLayer(layer.positions, (k[:1000], k[1000:]), (v[:7], v[7:]), layer.k.dtype,
+                                    layer.k.shape[1], layer.k.shape[2]))
+    return pieces
+
+
+def test_kv_copies_off_the_device_land_in_pinned_memory_intact():
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    layers = [LayerKV(torch.randn(300, 4, 64, device="cuda", generator=generator),
+                      torch.randn(300, 4, 64, device="cuda", generator=generator),
+                      torch.arange(300, device="cuda")) for _ in range(3)]
+    host_layers = layers_to_host(layers)
+    for got, want in zip(host_layers, layers, strict=True):
+        assert got.k.is_pinned() and got.v.is_pinned()
+        assert torch.equal(got.k, want.k.cpu()) and torch.equal(got.v, want.v.cpu())
+        assert torch.equal(got.positions, want.positions.cpu())
+    # and back: a staged layer reads the same once its copy is waited for
+    back = to_device(host_layers, torch.device("cuda"))
+    stream = torch.cuda.current_stream()
+    for got, want in zip(back, layers, strict=True):
+        got.wait_on(stream)
+        assert torch.equal(got.k, want.k) and torch.equal(got.positions, want.positions)
+
+
+def test_a_steps_logits_cross_as_argmaxes_and_the_drawn_rows():
+    logits = torch.randn(64, 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    logits[5, 9] = logits[5, 7] = logits[5].max() + 1  # a tie: the first maximum wins, as on a CPU
+    greedy, drawn = StepLogits(logits).pick([3, 40])
+    assert greedy == StepLogits(logits.cpu()).pick([])[0] and greedy[5] == 7
+    assert sorted(drawn) == [3, 40]
+    for row, host in drawn.items():
+        assert host.is_pinned() and torch.equal(host, logits[row].cpu())
 
 
 def test_pyramid_compression_on_cuda_keeps_what_it_keeps_on_the_cpu():

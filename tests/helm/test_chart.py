@@ -111,6 +111,19 @@ def test_gpu_values_schedule_on_gpus():
             assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
 
 
+def test_ucx_settings_go_from_the_values_to_both_ends_of_a_push():
+    values = {"service": {"spec": {"kvTransport": "nixl",
+                                   "ucxEnv": {"UCX_NET_DEVICES": "mlx5_0:1"}}}}
+    service = next(o for o in objects(values) if o["kind"] == "BatonService")
+    validate(service)
+    spec = read_spec(service["spec"], "unused")
+    pods = dict(_pod_specs(workloads.children("baton", NAMESPACE, spec, 1, 1)))
+    for name in ("baton-prefill-0", "baton-decode"):
+        assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in pods[name]["containers"][0]["env"]
+    with helm_python.Chart.load(CHART) as chart, pytest.raises(helm_python.errors.HelmError):
+        chart.validate_schema({"service": {"spec": {"ucxEnv": {"UCX_TLS": 3}}}})
+
+
 def test_values_schema_rejects_bad_values():
     with helm_python.Chart.load(CHART) as chart:
         chart.validate_schema({})

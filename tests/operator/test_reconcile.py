@@ -151,6 +151,7 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
     ({"gateway": {"http": {"port": 70000}}}, "http port 70000 is not a port"),
     ({"gateway": {"apiKeys": {"secretName": "keys", "key": "../keys"}}}, "apiKeys.key"),
     ({"kvTransport": "rdma"}, "spec.kvTransport: kv_transport kind 'rdma' is not one of"),
+    ({"ucxEnv": {"LD_PRELOAD": "/x.so"}}, "spec.ucxEnv: 'LD_PRELOAD' is not a UCX_* variable"),
 ])
 def test_invalid_spec_sets_degraded_and_builds_nothing(cluster, reconciler, bad, says):
     from baton_operator.spec import InvalidSpec
@@ -227,7 +228,8 @@ def test_the_routing_settings_reach_the_gateway(cluster, reconciler):
     create_service(cluster.kube, "demo", {**SPEC, "routing": {
         "migrationLimit": 0, "chainFailure": "fail", "rerouteWaitSeconds": 5,
         "chainMaxQueuedTokens": 0, "prefillThresholdTokens": 2048, "chainBreakEven": False,
-        "policy": "least-loaded"}, "decode": {**SPEC.get("decode", {}), "prefixCache": False}})
+        "policy": "least-loaded"}, "decode": {**SPEC.get("decode", {}), "prefixCache": False,
+                                              "cudaGraphs": False}})
     _reconcile(cluster, reconciler)
     args = _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
     assert _flag(args, "--gateway-prefill-threshold-tokens") == "2048"
@@ -239,14 +241,20 @@ def test_the_routing_settings_reach_the_gateway(cluster, reconciler):
     assert _flag(args, "--gateway-policy") == "least-loaded"
     decode_args = _args(cluster.kube.get("Deployment", NS, "demo-decode"))
     assert _flag(decode_args, "--kv-prefix-cache") == "false"
+    assert _flag(decode_args, "--scheduler-cuda-graphs") == "false"
 
 
 def test_the_kv_transport_reaches_the_chains_and_the_decode_pods(cluster, reconciler):
     create_service(cluster.kube, "demo", {**SPEC, "kvTransport": "nixl", "prefill": {
-        **SPEC.get("prefill", {}), "kvLinkGBPerSecond": 11, "extraHopMs": 1}})
+        **SPEC.get("prefill", {}), "kvLinkGBPerSecond": 11, "extraHopMs": 1},
+        "ucxEnv": {"UCX_NET_DEVICES": "mlx5_0:1"}})
     _reconcile(cluster, reconciler)
     for kind, name in (("StatefulSet", "demo-prefill-0"), ("Deployment", "demo-decode")):
         assert _flag(_args(cluster.kube.get(kind, NS, name)), "--kv-transport-kind") == "nixl"
+        container = cluster.kube.get(kind, NS, name)["spec"]["template"]["spec"]["containers"][0]
+        assert {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"} in container["env"]
+    gateway = cluster.kube.get("Deployment", NS, "demo-gateway")["spec"]["template"]["spec"]
+    assert not any(e["name"].startswith("UCX_") for e in gateway["containers"][0]["env"])
     chain_args = _args(cluster.kube.get("StatefulSet", NS, "demo-prefill-0"))
     assert float(_flag(chain_args, "--chain-kv-link-gb-per-s")) == 11  # its break-even's inputs
     assert float(_flag(chain_args, "--chain-extra-hop-ms")) == 1

@@ -9,7 +9,7 @@ from baton.kv import DenseKV, KVPool, LayerKV
 from baton.model import load_checkpoint, prefill
 from baton.model.sampling import SamplingParams
 from baton.sarathi.request import Sequence
-from baton.sarathi.runner import ModelRunner
+from baton.sarathi.runner import ModelRunner, StepLogits
 from baton.sarathi.scheduler import PrefillChunk, SchedulerOutput
 from engine_fixtures import make_engine, prompts_of_lengths
 from hf_reference import save_random_hf_model, tiny_config
@@ -31,7 +31,7 @@ def chunked_logits(model, prompt: list[int], chunk_size: int) -> torch.Tensor:
         sampling, logits = runner.execute(SchedulerOutput(prefills=[chunk]))
         assert (sampling == [seq]) == chunk.completes, "only the final chunk yields logits"
         seq.num_computed += chunk.num_tokens
-    return logits[0]
+    return logits.logits[0]
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 90])
@@ -59,12 +59,23 @@ def test_budget_changes_the_schedule_not_the_tokens(model, token_budget):
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == [r.token_ids for r in reference]
 
 
-def test_seeded_sampling_is_the_same_alone_and_batched(model):
+def test_seeded_sampling_is_the_same_alone_and_batched_with_greedy_rows(model):
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234, max_tokens=10)
-    prompts = prompts_of_lengths(12, 60)
+    prompts = prompts_of_lengths(12, 60, 33)
     alone = make_engine(model).generate([prompts[0]], params)[0].token_ids
-    batched = make_engine(model).generate(prompts, [params, SamplingParams(temperature=1.0, seed=7)])
-    assert batched[0].token_ids == alone
+    greedy_alone = make_engine(model).generate([prompts[2]], GREEDY)[0].token_ids
+    batched = make_engine(model).generate(prompts, [params, SamplingParams(temperature=1.0, seed=7),
+                                                    GREEDY])
+    assert batched[0].token_ids == alone and batched[2].token_ids == greedy_alone
+
+
+def test_a_steps_logits_give_each_row_its_first_maximum_and_the_drawn_rows_whole():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    logits[4, 30] = logits[4, 11] = logits[4].max() + 1
+    greedy, drawn = StepLogits(logits).pick([1, 4])
+    assert greedy == [int(torch.argmax(row)) for row in logits] and greedy[4] == 11
+    assert sorted(drawn) == [1, 4] and all(torch.equal(drawn[row], logits[row]) for row in drawn)
+    assert StepLogits(logits).pick([])[1] == {}
 
 
 PREEMPTION_PROMPTS = prompts_of_lengths(20, 20, 20, 20)

@@ -176,7 +176,7 @@ def last_logits_with_a_hit(model, prefix: list[int], prompt: list[int], chunk: i
             _, logits = runner.execute(SchedulerOutput(prefills=[step]))
             seq.num_computed += step.num_tokens
             memory.cache_computed(seq)
-        return logits[0]
+        return logits.logits[0]
 
     if prefix:
         run("writer", prefix)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -104,11 +105,13 @@ class DecodeServer:
         def build() -> Engine:
             self.loaded = load_checkpoint(model.path, dtype=model.dtype, device=model.device,
                                           revision=model.revision)
-            return Engine(self.loaded.model, self.loaded.tokenizer, scheduler=self.config.scheduler,
-                          kv=self.config.kv,
-                          compressor_factory=engine_compressor_factory(self.config.pyramid,
-                                                                       self.loaded.config),
-                          model_revision=self.loaded.revision)
+            engine = Engine(self.loaded.model, self.loaded.tokenizer,
+                            scheduler=self.config.scheduler, kv=self.config.kv,
+                            compressor_factory=engine_compressor_factory(self.config.pyramid,
+                                                                         self.loaded.config),
+                            model_revision=self.loaded.revision)
+            capture_decode_graphs(engine)
+            return engine
 
         # Only the engine thread may keep an OpenMP pool (see baton.compute_thread).
         engine = build_on_short_lived_thread(build, "decode-load")
@@ -177,6 +180,18 @@ class DecodeServer:
         self.worker.stop()
         if self._stop_metrics is not None:
             self._stop_metrics()
+
+
+def capture_decode_graphs(engine: Engine) -> None:
+    """On a GPU, every decode step's CUDA graph before the pod serves (none is captured in
+    the middle of a stream, where it would hold up every sequence of that step)."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return
+    started = time.monotonic()
+    count = graphs.capture_all()
+    if graphs.enabled:
+        log.info("captured %d CUDA graphs of decode steps in %.1f s", count, time.monotonic() - started)
 
 
 def create_server(config: DecodeServiceConfig, store: RoutingStore | None = None,

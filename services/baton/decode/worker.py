@@ -35,6 +35,7 @@ from baton.decode.receiver import PushedCache
 from baton.decode.streams import EngineStalled, PushedKVInfo, PushLost, RequestStream, StreamFailed
 from baton.dtypes import DTYPES
 from baton.errors import Aborted, AlreadyExists, DataLoss, NotFound, ResourceExhausted
+from baton.kv.device_copy import to_device
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.limits import check_prompt
@@ -218,8 +219,14 @@ class DecodeWorker:
             stream.in_engine = True
             stream.pushed.push_s = time.monotonic() - stream.arrival_s
         params = dataclasses.replace(handoff.sampling, compression=handoff.compression)
+        layers = cache.layers
+        device = self.engine.model.device
+        if device.type == "cuda" and not cache.landed:
+            # through pinned memory on the copy stream, starting now: the engine steps on, and
+            # the copy is (most likely) done by the time the request is admitted
+            layers = to_device(layers, device)
         try:
-            self.engine.add_prefilled_request(list(handoff.prompt_token_ids), cache.layers,
+            self.engine.add_prefilled_request(list(handoff.prompt_token_ids), layers,
                                               handoff.first_token_id, params, handoff.request_id,
                                               handoff.cache_salt)
         except Exception:

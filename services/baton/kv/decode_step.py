@@ -5,6 +5,9 @@ new token per sequence in every layer and returns a ``DecodeStep`` — the flat 
 the new tokens go to, every layer's lengths and block tables, and the cache tensors
 they index. The model writes and reads through the step and never touches the
 pool's allocator.
+The pool's methods that build a step (``DecodeSteps``: ``claim_decode`` claims the room
+in host lists, ``decode_step`` turns a claim into tensors) live here, beside what they
+build; ``KVPool`` inherits them.
 
 Reading a decode batch gathers each sequence's blocks into a padded tensor for one
 kernel call; a batch of ragged lengths (50 to 900 tokens) padded to its longest
@@ -21,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from baton.host_to_device import to_device
 
 # What one more group costs (its gathers, mask and kernel call per layer), in bytes of
 # padding it saves: on the development CPUs a group's fixed cost is ~50 µs and a byte of
@@ -135,3 +140,106 @@ class BatchTables:
                     table[row, known:len(blocks)] = torch.tensor(blocks[known:])
                     counts[row] = len(blocks)
         return True
+
+
+@dataclass
+class ClaimedDecode:
+    """A decode step's claim (``KVPool.claim_decode``), layer-major like ``DecodeStep``:
+    slots[layer * B + b] is where sequence b's new token goes in that layer, lengths[...] how
+    many tokens that layer then holds, blocks[b][layer] its block table (the pool's own list:
+    read it, do not keep it)."""
+
+    seq_ids: list[str]
+    slots: list[int]
+    lengths: list[int]
+    blocks: list[list[list[int]]]
+
+
+class DecodeSteps:
+    """``KVPool``'s decode-step half (a mixin: the pool's block tables, cache tensors and
+    allocator are its own): claim room for one new token per sequence, and describe the step
+    to the model as a ``DecodeStep``."""
+
+    def begin_decode(self, seq_ids: list[str], grouped: bool = True) -> DecodeStep:
+        """Claim room for one new token per sequence in every layer; return the step's metadata.
+
+        The batched form of ``append`` for decode steps: the block tables are walked once
+        per step rather than once per layer, and every index reaches the device in one copy
+        (on a GPU each separate copy costs a launch, and Python time per layer and sequence
+        adds up at batch 32). Lengths count the new token from here on; the model then
+        writes each layer's token with ``DecodeStep.write`` and reads with ``DecodeStep.read``.
+        Sequences are attended in groups of similar width (see ``baton.kv.decode_step``);
+        ``grouped=False`` makes them one group, for a reader that takes the blocks where they
+        lie and so pays nothing for padding (the CPU decode kernel).
+        A sequence that needs a block and cannot get one raises ``KVPoolExhausted`` before
+        any of its layers changed.
+        """
+        return self.decode_step(self.claim_decode(seq_ids), grouped)
+
+    def claim_decode(self, seq_ids: list[str]) -> ClaimedDecode:
+        """``begin_decode``'s first half: room for one new token per sequence in every layer,
+        described in host lists (a CUDA graph's replay copies them into its own tensors)."""
+        size = self.block_size
+        for seq_id in seq_ids:
+            tables = self._tables.get(seq_id)
+            if tables is None or any(table.length == len(table.blocks) * size for table in tables):
+                self.reserve(seq_id, 1)
+        per_sequence = [self._tables[seq_id] for seq_id in seq_ids]
+        slots: list[int] = []
+        lengths: list[int] = []
+        for layer in range(self.num_layers):
+            for tables in per_sequence:
+                table = tables[layer]
+                slots.append(table.blocks[table.length // size] * size + table.length % size)
+                table.length += 1
+                lengths.append(table.length)
+        return ClaimedDecode(list(seq_ids), slots, lengths,
+                             [[table.blocks for table in tables] for tables in per_sequence])
+
+    def decode_step(self, claimed: ClaimedDecode, grouped: bool = True) -> DecodeStep:
+        """``begin_decode``'s second half: the claimed step's tensors, on the pool's device."""
+        seq_ids, slots, lengths = claimed.seq_ids, claimed.slots, claimed.lengths
+        per_sequence = [self._tables[seq_id] for seq_id in seq_ids]
+        batch, per_layer = len(seq_ids), self.num_layers * len(seq_ids)
+        if not grouped and seq_ids and self.k_cache.device.type == "cpu":
+            return self._ungrouped_step(seq_ids, per_sequence, slots, lengths)
+        widths = [max(len(table.blocks) for table in tables) for tables in per_sequence]
+        rows = group_by_width(widths, max(1, GROUP_OVERHEAD_BYTES // self.bytes_per_block))
+        if not grouped and seq_ids:
+            rows = [slice(0, batch)]
+        blocks: list[int] = []
+        shapes: list[tuple[int, int]] = []  # (sequences, width) of each group's layer table
+        for group in rows:
+            for layer in range(self.num_layers):
+                tables = [tables[layer] for tables in per_sequence[group]]
+                width = max(len(table.blocks) for table in tables)
+                for table in tables:
+                    blocks += table.blocks
+                    blocks += [0] * (width - len(table.blocks))
+                shapes.append((len(tables), width))
+        flat = to_device(slots + lengths + blocks, self.k_cache.device)
+        all_lengths = flat[per_layer:2 * per_layer].view(self.num_layers, batch)
+        tables = iter(flat[2 * per_layer:].split([n * width for n, width in shapes]))
+        shapes_of = iter(shapes)
+        groups = []
+        for group in rows:
+            layer_blocks = [next(tables).view(*next(shapes_of)) for _ in range(self.num_layers)]
+            group_lengths = [lengths[layer * batch + group.start:layer * batch + group.stop]
+                             for layer in range(self.num_layers)]
+            uniform = (len({table.shape[1] for table in layer_blocks}) == 1
+                       and all(row == group_lengths[0] for row in group_lengths))
+            groups.append(DecodeGroup(group, layer_blocks, all_lengths[:, group], uniform))
+        return DecodeStep(flat[:per_layer].view(self.num_layers, batch), groups,
+                          self.k_cache, self.v_cache, self.positions)
+
+    def _ungrouped_step(self, seq_ids: list[str], per_sequence: list, slots: list[int],
+                        lengths: list[int]) -> DecodeStep:
+        """A CPU decode step as one group, its block tables kept from the last step."""
+        if self._batch is None or not self._batch.patch(seq_ids, per_sequence):
+            self._batch = BatchTables(seq_ids, per_sequence, self.num_layers)
+        batch = len(seq_ids)
+        flat = to_device(slots + lengths, "cpu")
+        all_lengths = flat[len(slots):].view(self.num_layers, batch)
+        group = DecodeGroup(slice(0, batch), list(self._batch.tensors), all_lengths, uniform=False)
+        return DecodeStep(flat[:len(slots)].view(self.num_layers, batch), [group],
+                          self.k_cache, self.v_cache, self.positions)

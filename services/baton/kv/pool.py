@@ -34,14 +34,9 @@ import torch
 from baton.errors import ResourceExhausted
 from baton.host_memory import huge_page_zeros
 from baton.host_to_device import to_device
-from baton.kv.decode_step import (
-    GROUP_OVERHEAD_BYTES,
-    BatchTables,
-    DecodeGroup,
-    DecodeStep,
-    group_by_width,
-)
+from baton.kv.decode_step import BatchTables, DecodeSteps
 from baton.kv.dense import LayerKV
+from baton.kv.device_copy import DeviceLayer
 from baton.kv.prefix_cache import CachedBlock, PrefixCache
 from baton.kv.received import LandedLayer, Landing, ReceivedLayer, copy_pieces
 
@@ -69,7 +64,7 @@ class _CachedPrefix:
     num_blocks_seen: int = 0  # its leading full blocks already cached or found cached elsewhere
 
 
-class KVPool:
+class KVPool(DecodeSteps):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", cache_prefixes: bool = False) -> None:
@@ -94,6 +89,7 @@ class KVPool:
         # The last ungrouped decode batch's block tables (see BatchTables); dropped whenever
         # blocks are taken from a sequence, which appending alone never does.
         self._batch: BatchTables | None = None
+        self._scratch: int | None = None  # see scratch_block
 
     @staticmethod
     def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -274,10 +270,12 @@ class KVPool:
         tensor, in order (a copy)."""
         return cache.index_select(0, blocks).view((-1,) + cache.shape[2:])[:length]
 
-    def store(self, seq_id: str, layers: list[LayerKV | ReceivedLayer] | list[LandedLayer]) -> None:
+    def store(self, seq_id: str,
+              layers: list[LayerKV | ReceivedLayer | DeviceLayer] | list[LandedLayer]) -> None:
         """Put a whole (possibly pyramid-shaped) cache into the pool, all layers or none. A
         cache as it arrived over the wire is copied from its pieces straight into the blocks;
-        one that ``land``-ed in them already only takes its positions."""
+        one that ``land``-ed in them already only takes its positions; one on its way to the
+        device (``baton.kv.device_copy.to_device``) is read once its copy is done."""
         if len(layers) != self.num_layers:
             raise ValueError(f"cache has {len(layers)} layers, the pool {self.num_layers}")
         if all(isinstance(layer, LandedLayer) for layer in layers):
@@ -287,6 +285,8 @@ class KVPool:
             raise ValueError(f"sequence {seq_id!r} already holds KV in this pool")
         self.reserve(seq_id, [layer.num_tokens for layer in layers])
         for index, layer in enumerate(layers):
+            if isinstance(layer, DeviceLayer):  # still on its way from the host, maybe
+                layer.wait_on(torch.cuda.current_stream(self.k_cache.device))
             if isinstance(layer, ReceivedLayer) and self.takes_bytes(
                     layer.dtype, layer.num_kv_heads, layer.head_dim):
                 self._store_pieces(self._tables[seq_id][index], layer)
@@ -387,77 +387,15 @@ class KVPool:
         if surplus and self._batch is not None:  # its first blocks stay: the row is shorter
             self._batch.truncate(seq_id, layer, len(table.blocks))
 
-    def begin_decode(self, seq_ids: list[str], grouped: bool = True) -> DecodeStep:
-        """Claim room for one new token per sequence in every layer; return the step's metadata.
-
-        The batched form of ``append`` for decode steps: the block tables are walked once
-        per step rather than once per layer, and every index reaches the device in one copy
-        (on a GPU each separate copy costs a launch, and Python time per layer and sequence
-        adds up at batch 32). Lengths count the new token from here on; the model then
-        writes each layer's token with ``DecodeStep.write`` and reads with ``DecodeStep.read``.
-        Sequences are attended in groups of similar width (see ``baton.kv.decode_step``);
-        ``grouped=False`` makes them one group, for a reader that takes the blocks where they
-        lie and so pays nothing for padding (the CPU decode kernel).
-        A sequence that needs a block and cannot get one raises ``KVPoolExhausted`` before
-        any of its layers changed.
-        """
-        size = self.block_size
-        for seq_id in seq_ids:
-            tables = self._tables.get(seq_id)
-            if tables is None or any(table.length == len(table.blocks) * size for table in tables):
-                self.reserve(seq_id, 1)
-        per_sequence = [self._tables[seq_id] for seq_id in seq_ids]
-        slots: list[int] = []
-        lengths: list[int] = []
-        for layer in range(self.num_layers):
-            for tables in per_sequence:
-                table = tables[layer]
-                slots.append(table.blocks[table.length // size] * size + table.length % size)
-                table.length += 1
-                lengths.append(table.length)
-        batch, per_layer = len(seq_ids), self.num_layers * len(seq_ids)
-        if not grouped and seq_ids and self.k_cache.device.type == "cpu":
-            return self._ungrouped_step(seq_ids, per_sequence, slots, lengths)
-        widths = [max(len(table.blocks) for table in tables) for tables in per_sequence]
-        rows = group_by_width(widths, max(1, GROUP_OVERHEAD_BYTES // self.bytes_per_block))
-        if not grouped and seq_ids:
-            rows = [slice(0, batch)]
-        blocks: list[int] = []
-        shapes: list[tuple[int, int]] = []  # (sequences, width) of each group's layer table
-        for group in rows:
-            for layer in range(self.num_layers):
-                tables = [tables[layer] for tables in per_sequence[group]]
-                width = max(len(table.blocks) for table in tables)
-                for table in tables:
-                    blocks += table.blocks
-                    blocks += [0] * (width - len(table.blocks))
-                shapes.append((len(tables), width))
-        flat = to_device(slots + lengths + blocks, self.k_cache.device)
-        all_lengths = flat[per_layer:2 * per_layer].view(self.num_layers, batch)
-        tables = iter(flat[2 * per_layer:].split([n * width for n, width in shapes]))
-        shapes_of = iter(shapes)
-        groups = []
-        for group in rows:
-            layer_blocks = [next(tables).view(*next(shapes_of)) for _ in range(self.num_layers)]
-            group_lengths = [lengths[layer * batch + group.start:layer * batch + group.stop]
-                             for layer in range(self.num_layers)]
-            uniform = (len({table.shape[1] for table in layer_blocks}) == 1
-                       and all(row == group_lengths[0] for row in group_lengths))
-            groups.append(DecodeGroup(group, layer_blocks, all_lengths[:, group], uniform))
-        return DecodeStep(flat[:per_layer].view(self.num_layers, batch), groups,
-                          self.k_cache, self.v_cache, self.positions)
-
-    def _ungrouped_step(self, seq_ids: list[str], per_sequence: list, slots: list[int],
-                        lengths: list[int]) -> DecodeStep:
-        """A CPU decode step as one group, its block tables kept from the last step."""
-        if self._batch is None or not self._batch.patch(seq_ids, per_sequence):
-            self._batch = BatchTables(seq_ids, per_sequence, self.num_layers)
-        batch = len(seq_ids)
-        flat = to_device(slots + lengths, "cpu")
-        all_lengths = flat[len(slots):].view(self.num_layers, batch)
-        group = DecodeGroup(slice(0, batch), list(self._batch.tensors), all_lengths, uniform=False)
-        return DecodeStep(flat[:len(slots)].view(self.num_layers, batch), [group],
-                          self.k_cache, self.v_cache, self.positions)
+    def scratch_block(self) -> int:
+        """A block no sequence holds, set aside for good on first call: a padded decode batch
+        (a CUDA graph's rows past the real batch) writes its dummy tokens there. Raises
+        ``KVPoolExhausted`` when no block is free."""
+        if self._scratch is None:
+            if self.num_free_blocks < 1:
+                raise KVPoolExhausted(1, 0)
+            self._scratch = self._take_block()
+        return self._scratch
 
     def _token_slots(self, table: _LayerTable) -> torch.Tensor:
         """Flat slot numbers of a table's tokens, in order (a host tensor)."""

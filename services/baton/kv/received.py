@@ -113,9 +113,10 @@ class RangeWriter:
         return views
 
 
-def joined(pieces: Sequence[memoryview]) -> torch.Tensor:
-    """The bytes of ``pieces`` as one fresh uint8 tensor (a copy)."""
-    raw = torch.empty(sum(len(piece) for piece in pieces), dtype=torch.uint8)
+def joined(pieces: Sequence[memoryview], pin_memory: bool = False) -> torch.Tensor:
+    """The bytes of ``pieces`` as one fresh uint8 tensor (a copy; in pinned memory, for a copy
+    to a GPU, with ``pin_memory``)."""
+    raw = torch.empty(sum(len(piece) for piece in pieces), dtype=torch.uint8, pin_memory=pin_memory)
     copy_pieces(pieces, [memoryview(raw.numpy())])
     return raw
 

@@ -77,10 +77,15 @@ class Segment:
 class DecodeBatch:
     """The last B rows of the flat batch: one new token for each of B sequences whose KV
     lies in a paged pool. The caller (a runner) builds ``step`` with ``KVPool.begin_decode``;
-    the model writes and reads the cache through it. ``observers[b]`` sees row b's queries."""
+    the model writes and reads the cache through it. ``observers[b]`` sees row b's queries.
+    With ``record_queries`` the forward leaves every row's queries of every layer in
+    ``queries`` ([B, layers, H, D]) instead: a CUDA graph's replay hands them to the observers
+    after the fact, since calling them is host work a graph cannot hold."""
 
     step: DecodeStep
     observers: Sequence[DecodeObserver | None] = ()
+    record_queries: bool = False
+    queries: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -370,9 +375,11 @@ class _AttentionPlan:
         self.decode = decode
         self.num_layers = num_layers
         self.observed = False  # are the decode batch's queries observed
+        self.keeps_queries = False  # observed, or recorded for later (DecodeBatch.record_queries)
         if decode is not None:
             self.decode_rows = slice(row, num_rows)
             self.observed = any(observer is not None for observer in decode.observers)
+            self.keeps_queries = self.observed or decode.record_queries
             self.in_place = False  # read the cache where it lies (set by the model)
             self._biases: dict[int, torch.Tensor] = {}  # per group, shared by same-shape layers
             self._decode_queries: list[torch.Tensor] = []  # each layer's, while observed
@@ -407,18 +414,14 @@ class _AttentionPlan:
         q, positions, out = q[rows], positions[rows], out[rows]  # views of the decode rows
         for index, group in enumerate(step.groups):
             self._attend_group(index, group, layer, q, positions, sliding_window, out)
-        if self.observed:
+        if self.keeps_queries:
             self._decode_queries.append(q)
             if layer == self.num_layers - 1:
-                self._observe_decode(positions)
-
-    def _observe_decode(self, positions: torch.Tensor) -> None:
-        """Each observer gets its row's queries of every layer: one stack for the batch,
-        then one call per sequence (none per sequence and layer)."""
-        queries = torch.stack(self._decode_queries, dim=1).unbind(0)  # [layers, H, D] each
-        for observer, query, position in zip(self.decode.observers, queries, positions.tolist()):
-            if observer is not None:
-                observer.observe_decode(query, position)
+                queries = torch.stack(self._decode_queries, dim=1)  # [B, layers, H, D]
+                if self.decode.record_queries:
+                    self.decode.queries = queries
+                if self.observed:
+                    observe_decode(self.decode.observers, queries, positions.tolist())
 
     def _attend_group(self, index: int, group: DecodeGroup, layer: int, q, positions,
                       sliding_window, out) -> None:
@@ -436,6 +439,15 @@ class _AttentionPlan:
                                          sliding_window, q.dtype)
             self._biases[index] = bias
         out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias)
+
+
+def observe_decode(observers: Sequence[DecodeObserver | None], queries: torch.Tensor,
+                   positions: Sequence[int]) -> None:
+    """Each observer gets its row's queries of every layer (queries: [B, layers, H, D]): one
+    call per sequence, none per sequence and layer."""
+    for observer, query, position in zip(observers, queries.unbind(0), positions):
+        if observer is not None:
+            observer.observe_decode(query, position)
 
 
 # --- The two entry points the engines call -------------------------------------------------

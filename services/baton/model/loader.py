@@ -116,7 +116,6 @@ def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "a
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to_empty(device=target).to(resolve_dtype(dtype, target))
-    model.rotary = type(model.rotary)(config).to(target)
     load_weights(model, directory)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

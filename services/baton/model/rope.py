@@ -47,7 +47,19 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.config = config
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        """The frequencies follow the model to its device but stay exact fp32 whatever dtype
+        it is cast to (rounded to bf16 they would turn position p's angle by up to p * 2^-9
+        rad), and a model made on the meta device gets them when it is materialised."""
+        super()._apply(fn, recurse)
+        device = self.inv_freq.device
+        if device.type != "meta":
+            with torch.device("cpu"):
+                self.inv_freq = inverse_frequencies(self.config).to(device)
+        return self
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, 1, head_dim] for absolute positions [T] (broadcast over heads)."""

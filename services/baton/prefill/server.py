@@ -132,7 +132,8 @@ class PrefillServer:
                                  lambda: self.rank.model.dtype,
                                  # Refuses to start when NIXL is asked for and missing.
                                  nixl=(NixlAgent("prefill", listen_host(self.config.server.listen))
-                                       if self.config.kv_transport.kind == NIXL else None))
+                                       if self.config.kv_transport.kind == NIXL else None),
+                                 kv_device=lambda: self.rank.model.device)
         else:
             self.sink = RankSink(on_ready, on_fail)
         def build() -> ChainRank:

@@ -23,6 +23,7 @@ deployment's settings with the request's overrides (``baton.pyramid.request_conf
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import time
@@ -36,6 +37,7 @@ from baton.api.requests import FirstToken, KVHandoff, PrefillRequest
 from baton.api.v1 import prefill_pb2
 from baton.config import MtlsConfig, PyramidConfig
 from baton.kv.dense import LayerKV
+from baton.kv.device_copy import HostCopy, layers_to_host, to_host
 from baton.kv.nixl import NIXL, NixlAgent, NixlSource
 from baton.kv.wire import KVHeader, KVMalformed, encode_kv, kv_header, layer_segments
 from baton.metrics import PrefillMetrics
@@ -61,11 +63,14 @@ class TailSink:
                  on_fail: Callable[[str], None] = lambda message: None,
                  mtls: Mtls | None = None, by_layer: bool = False,
                  kv_dtype: Callable[[], torch.dtype] = lambda: torch.float32,
-                 nixl: NixlAgent | None = None) -> None:
+                 nixl: NixlAgent | None = None,
+                 kv_device: Callable[[], torch.device] = lambda: torch.device("cpu")) -> None:
         """``by_layer``: ship each layer as it is computed (``on_layer``), the first token
         before the last layer; otherwise the whole cache once the logits exist, the first
-        token on the header. ``kv_dtype``: the model's, once it is loaded. ``nixl``: this
-        process's agent, for pods that read over NIXL (None: gRPC to every pod)."""
+        token on the header. ``kv_dtype``, ``kv_device``: the model's, once it is loaded (by
+        layer from a GPU, a thread of the tail's sends each layer once its copy to the host is
+        done, while the chain computes on). ``nixl``: this process's agent, for pods that read
+        over NIXL (None: gRPC to every pod)."""
         self.model_config = model_config
         self.model_id = model_id
         self.revision = revision
@@ -77,7 +82,9 @@ class TailSink:
         self.mtls = mtls or Mtls(MtlsConfig())
         self.by_layer = by_layer
         self.kv_dtype = kv_dtype
+        self.kv_device = kv_device
         self.nixl = nixl
+        self._shipper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-shipper")
         self._channels: dict[str, grpc.Channel] = {}
         # The request being computed, read and its push opened before the chain computes it:
         # off the first token's path.
@@ -105,8 +112,10 @@ class TailSink:
                       if settings.enabled else None)
         if self._computing is not None:  # the chain moved on without delivering it
             self._computing.cancel()
+        shipper = self._shipper if self.kv_device().type == "cuda" else None
         self._computing = Shipment(details, request, self._open_push(request), compressor,
-                                   self.model_id, self.revision, self._nixl_source(request))
+                                   self.model_id, self.revision, self._nixl_source(request),
+                                   shipper)
         if self.by_layer:
             kept = compressor.kept_counts() if compressor else (
                 (prompt_length,) * self.model_config.num_hidden_layers)
@@ -176,6 +185,7 @@ class TailSink:
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()
+        self._shipper.shutdown(wait=False)
 
 
 class Shipment:
@@ -192,8 +202,13 @@ class Shipment:
 
     def __init__(self, details: bytes, request: PrefillRequest, push: PushCall,
                  compressor: PromptCompressor | None, model_id: str, revision: str,
-                 source: NixlSource | None = None) -> None:
+                 source: NixlSource | None = None,
+                 shipper: concurrent.futures.Executor | None = None) -> None:
+        """``shipper``: one thread that sends layers copied off a GPU, in order (None: every
+        layer is sent by the caller)."""
         self.details = details
+        self._shipper = shipper
+        self._queued: concurrent.futures.Future | None = None  # the last layer given to it
         self.source = source
         self.model_id, self.revision = model_id, revision
         self.request = request
@@ -213,13 +228,33 @@ class Shipment:
         self._writer = push_kv.LayerByLayer(handoff, self.push.put, self.source)
 
     def ship_layer(self, index: int, layer: LayerKV) -> None:
+        """Called by the chain's compute: a layer on a GPU only starts its copy to the host
+        here; the shipper thread sends it once it is there, while the chain computes on."""
         if self._writer is None or self._failure is not None:
             return
         try:
-            self._ship(index, layer)
+            layer = self._checked(index, layer)
+            if self._shipper is not None:
+                copy = to_host([layer.positions, layer.k, layer.v])
+                self._queued = self._shipper.submit(self._send_copied, copy)
+            else:
+                self._send(layer)
         except Exception as e:  # noqa: BLE001 - kept for finish(); the chain computes on
-            self._failure = e
-            self.push.cancel()
+            self._fail(e)
+
+    def _send_copied(self, copy: HostCopy) -> None:
+        """On the shipper thread: a layer's copy to the host, sent once it is done."""
+        if self._failure is not None:
+            return
+        try:
+            positions, k, v = copy.wait()
+            self._send(LayerKV(k, v, positions))
+        except Exception as e:  # noqa: BLE001 - kept for finish()
+            self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        self._failure = error
+        self.push.cancel()
 
     def finish(self, result: ChainResult) -> None:
         """Send what is left (everything, unless by layer) and wait for the pod's answer."""
@@ -230,12 +265,15 @@ class Shipment:
                 self.source.release()
 
     def _finish(self, result: ChainResult) -> None:
+        if self._queued is not None:
+            self._queued.result()  # the shipper has sent every layer before the last
         if self._failure is not None:
             raise self._failure
         request = self.request
         first_token = Sampler(request.sampling).sample(result.first_token_logits, position=0)
         if self._writer is None:
-            encoded = encode_kv(result.layers, request.request_id, self.model_id, self.revision)
+            encoded = encode_kv(layers_to_host(result.layers), request.request_id, self.model_id,
+                                self.revision)
             handoff = KVHandoff(encoded.header, request.prompt_token_ids, first_token,
                                 request.sampling, request.compression, request.decode_incarnation,
                                 request.cache_salt, result.ttft_s, tuple(result.boundaries))
@@ -245,22 +283,34 @@ class Shipment:
                            self.source)
             return
         self._writer.first_token(FirstToken(first_token, result.ttft_s, tuple(result.boundaries)))
-        self._ship(len(result.layers) - 1, result.layers[-1])
+        last = self._checked(len(result.layers) - 1, result.layers[-1])
+        self._send(layers_to_host([last])[0])
         self._writer.finish()
         self.push.end(self.source)
 
     def cancel(self) -> None:
+        if self._failure is None:
+            self._failure = RuntimeError("the shipment was cancelled")  # queued layers stop
         self.push.cancel()
+        if self._queued is not None:
+            # the layer the shipper may be sending still reads the NIXL source's memory
+            concurrent.futures.wait([self._queued])
         if self.source is not None:
             self.source.release()
 
-    def _ship(self, index: int, layer: LayerKV) -> None:
+    def _checked(self, index: int, layer: LayerKV) -> LayerKV:
+        """A finished layer as it goes out: compressed when the request compresses, and of the
+        size the header announced."""
         if self.compressor is not None:
             layer = self.compressor.compress_layer(index, layer)
         announced = self._header.layer_num_tokens[index]
         if layer.num_tokens != announced:
             raise KVMalformed(f"layer {index} keeps {layer.num_tokens} tokens; the header "
                               f"announced {announced}")
+        return layer
+
+    def _send(self, layer: LayerKV) -> None:
+        """A checked layer's bytes (in host memory) onto the push."""
         segments = layer_segments(layer)
         self.num_bytes += sum(len(segment) for segment in segments)
         self._writer.layer(segments)

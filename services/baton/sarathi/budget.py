@@ -37,13 +37,13 @@ def measure_token_budget(model: CausalLM, target_iteration_ms: float) -> int:
 def _measure(model: CausalLM, target_s: float) -> int:
     chosen = CANDIDATES[0]
     for budget in CANDIDATES:
-        if _iteration_s(model, budget) > target_s:
+        if iteration_s(model, budget) > target_s:
             break
         chosen = budget
     return chosen
 
 
-def _iteration_s(model: CausalLM, num_tokens: int) -> float:
+def iteration_s(model: CausalLM, num_tokens: int) -> float:
     """The faster of two forwards of ``num_tokens`` prompt tokens in chunks (the first also
     builds the shape's kernels: oneDNN primitives, packed weights)."""
     chunk = min(CHUNK_TOKENS, model.config.max_position_embeddings)
