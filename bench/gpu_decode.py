@@ -27,9 +27,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv import DenseKV, KVPool, LayerKV
-from baton.kv.device_copy import HostCopy, to_device, to_host
-from baton.kv.received import ReceivedLayer
-from baton.kv.wire import CHUNK_BYTES
 from baton.model import CausalLM, load_checkpoint, prefill, save_checkpoint
 from baton.model.config import ModelConfig
 from baton.model.presets import PRESETS, random_model
@@ -40,6 +37,9 @@ from baton.sarathi.decode_graphs import DecodeGraphs
 from baton.sarathi.request import Sequence
 from baton.sarathi.runner import ModelRunner
 from baton.sarathi.scheduler import PrefillChunk, SchedulerOutput
+from baton.transfer.codec import CHUNK_BYTES
+from baton.transfer.device_copy import HostCopy, to_device, to_host
+from baton.transfer.received import ReceivedLayer
 from common import REPORT_DIR, machine_description, markdown_table, write_report
 
 RESULTS = REPORT_DIR / "decode-gpu-results.json.gz"

@@ -53,7 +53,7 @@ PRESET = "random-50m"
 
 def modes() -> tuple[str, ...]:
     """The modes this machine can run (NIXL's only where the package is installed)."""
-    from baton.kv.nixl import nixl_missing
+    from baton.transfer.nixl import nixl_missing
 
     return tuple(mode for mode in MODES if mode != BY_LAYER_NIXL or nixl_missing() is None)
 

@@ -4,7 +4,7 @@ One question: how close to the wire does a chain's tail ship a cache to a decode
 pyramid-shaped fp32 cache goes, in interleaved rounds, through
 
 * raw TCP: the payload's bytes through a plain socket in 1 MiB sends, into one buffer;
-* gRPC PushKV as the tail sends it (``baton.api.push_kv``: chunks framed by hand) to a
+* gRPC PushKV as the tail sends it (``baton.transfer.framing``: chunks framed by hand) to a
   receiver that takes it into a KV pool as a decode pod does (``KVAssembler``: keys and
   values copied into the pool's blocks as they arrive, the checksum, the positions; then
   ``KVPool.store``);
@@ -44,15 +44,17 @@ from pathlib import Path
 
 import grpc
 import torch
-from baton.api import push_kv
-from baton.api.requests import CompressionParams, KVHandoff, SamplingParams
+from baton.api.requests import CompressionParams, SamplingParams
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
-from baton.decode.receiver import PoolLanding, receive_body, receive_header
 from baton.host_memory import keep_freed_memory
 from baton.kv.dense import LayerKV
-from baton.kv.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
 from baton.kv.pool import KVPool
-from baton.kv.wire import CHUNK_BYTES, KVAssembler, KVSpec, encode_kv
+from baton.transfer import framing
+from baton.transfer.assembler import KVAssembler
+from baton.transfer.codec import CHUNK_BYTES, KVSpec, encode_kv
+from baton.transfer.handoff import KVHandoff
+from baton.transfer.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
+from baton.transfer.receiver import PoolLanding, receive_body, receive_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPORT_DIR, git, machine_description, markdown_table, write_report
@@ -125,7 +127,7 @@ class Receiver(decode_pb2_grpc.DecodeServicer):
         self.pool = BenchPool(1)
 
     def PushKV(self, request_iterator, context):
-        handoff, parts = push_kv.read(request_iterator)
+        handoff, parts = framing.read(request_iterator)
         checksum = None
         with KVAssembler(handoff.kv, SPEC) as assembler:
             assembler.land(self.pool.land().result())  # an idle engine's answer
@@ -152,7 +154,7 @@ class CountingReceiver(decode_pb2_grpc.DecodeServicer):
     async def PushKV(self, request_iterator, context):
         num_bytes = 0
         async for message in request_iterator:
-            if isinstance(message, push_kv.Chunk):
+            if isinstance(message, framing.Chunk):
                 num_bytes += message.num_bytes
         return decode_pb2.PushKVResponse(request_id="bench", bytes_received=num_bytes)
 
@@ -184,14 +186,14 @@ def as_protobuf(messages):
     """The stream as a generated stub sends it: every chunk a PushKVRequest."""
     for message in messages:
         yield (decode_pb2.PushKVRequest(chunk=b"".join(message.pieces))
-               if isinstance(message, push_kv.Chunk) else message)
+               if isinstance(message, framing.Chunk) else message)
 
 
 def push_once(send, layers: list[LayerKV], framed: bool = True,
               chunk_bytes: int = CHUNK_BYTES) -> None:
     encoded = encode_kv(layers, "bench", "bench", "r1")  # checksummed as it goes
     handoff = KVHandoff(encoded.header, PROMPT_IDS, 0, SamplingParams(), CompressionParams())
-    messages = push_kv.messages(handoff, encoded.chunk_pieces(chunk_bytes))
+    messages = framing.messages(handoff, encoded.chunk_pieces(chunk_bytes))
     reply = send(messages if framed else as_protobuf(messages))
     assert reply.bytes_received == encoded.header.total_bytes
 
@@ -210,8 +212,8 @@ def framed_stream(layers: list[LayerKV]) -> list[bytes]:
     """A push's messages as the bytes gRPC sends, made before any clock starts."""
     encoded = encode_kv(layers, "bench", "bench", "r1")
     handoff = KVHandoff(encoded.header, PROMPT_IDS, 0, SamplingParams(), CompressionParams())
-    return [push_kv.serialize(message)
-            for message in push_kv.messages(handoff, encoded.chunk_pieces())]
+    return [framing.serialize(message)
+            for message in framing.messages(handoff, encoded.chunk_pieces())]
 
 
 def time_framed(send, stream: list[bytes], num_bytes: int) -> list[float]:
@@ -247,7 +249,7 @@ def time_nixl_pushes(send, layers: list[LayerKV], agent: NixlAgent) -> list[floa
         handoff = KVHandoff(encoded.header, PROMPT_IDS, 0, SamplingParams(), CompressionParams())
         source = NixlSource(agent)
         try:
-            reply = source.answer(send.future(push_kv.nixl_messages(handoff, encoded.segments, source)))
+            reply = source.answer(send.future(framing.nixl_messages(handoff, encoded.segments, source)))
         finally:
             source.release()
         seconds.append(time.perf_counter() - started)
@@ -304,7 +306,7 @@ def serve_in_own_process(ports: multiprocessing.Queue, num_bytes: int) -> None:
                      PodReceiver(None), CountingReceiver())
         servers = [grpc.aio.server(options=GRPC_OPTIONS) for _ in servicers]
         for server, servicer in zip(servers, servicers):
-            push_kv.add_decode_servicer(servicer, server)
+            framing.add_decode_servicer(servicer, server)
         grpc_ports = [server.add_insecure_port("127.0.0.1:0") for server in servers]
         for server in servers:
             await server.start()
@@ -332,7 +334,7 @@ def run(rounds: int) -> dict:
     sender = NixlAgent("prefill", "127.0.0.1") if nixl_missing() is None else None
     reader = NixlReader(NixlAgent("decode", "127.0.0.1")) if sender is not None else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
-    push_kv.add_decode_servicer(Receiver(reader), server)
+    framing.add_decode_servicer(Receiver(reader), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     spawn = multiprocessing.get_context("spawn")
@@ -348,10 +350,10 @@ def run(rounds: int) -> dict:
                 grpc.insecure_channel(f"127.0.0.1:{own_kept_port}", options=GRPC_OPTIONS) as kept, \
                 grpc.insecure_channel(f"127.0.0.1:{own_aside_port}", options=GRPC_OPTIONS) as aside, \
                 grpc.insecure_channel(f"127.0.0.1:{own_count_port}", options=GRPC_OPTIONS) as count:
-            framed = push_kv.stub_push_kv(channel)
+            framed = framing.stub_push_kv(channel)
             generated = decode_pb2_grpc.DecodeStub(channel).PushKV
-            to_own = push_kv.stub_push_kv(own)
-            as_bytes = count.stream_unary(push_kv.METHOD, request_serializer=None,
+            to_own = framing.stub_push_kv(own)
+            as_bytes = count.stream_unary(framing.METHOD, request_serializer=None,
                                           response_deserializer=decode_pb2.PushKVResponse.FromString)
             measures = {"raw TCP": lambda: time_tcp(payload),
                         "gRPC PushKV": lambda: time_pushes(framed, layers, True),
@@ -360,9 +362,9 @@ def run(rounds: int) -> dict:
                         PATHS[4]: lambda: time_pushes(framed, layers, True, LARGE_CHUNKS),
                         OWN_TCP: lambda: send_tcp(own_tcp_port, payload),
                         OWN_GRPC: lambda: time_pushes(to_own, layers, True),
-                        OWN_KEPT: lambda: time_pushes(push_kv.stub_push_kv(kept), layers, True),
-                        OWN_ASIDE: lambda: time_pushes(push_kv.stub_push_kv(aside), layers, True),
-                        OWN_COUNT: lambda: time_pushes(push_kv.stub_push_kv(count), layers, True),
+                        OWN_KEPT: lambda: time_pushes(framing.stub_push_kv(kept), layers, True),
+                        OWN_ASIDE: lambda: time_pushes(framing.stub_push_kv(aside), layers, True),
+                        OWN_COUNT: lambda: time_pushes(framing.stub_push_kv(count), layers, True),
                         OWN_FLOOR: lambda: time_framed(as_bytes, stream, len(payload)),
                         OWN_PAIRED: lambda: time_paired_pushes(to_own, layers),
                         NIXL_PATH: lambda: time_nixl_pushes(framed, layers, sender)}

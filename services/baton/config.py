@@ -148,7 +148,7 @@ class PyramidConfig:
             require(0.0 < value <= 1.0, f"pyramid {name} must be in (0, 1], got {value}")
 
 
-# The PushKV stream itself, and NIXL (baton.kv.nixl).
+# The PushKV stream itself, and NIXL (baton.transfer.nixl).
 KV_TRANSPORTS = ("grpc", "nixl")
 
 

@@ -31,7 +31,7 @@ from baton.security.mtls import reloading_server_credentials
 
 log = logging.getLogger(__name__)
 
-# A pushed KV chunk is ~1 MiB (baton.kv.wire.CHUNK_BYTES); leave room for the framing and for
+# A pushed KV chunk is ~1 MiB (baton.transfer.codec.CHUNK_BYTES); leave room for the framing and for
 # callers that send larger chunks, far below anything that could exhaust memory.
 MAX_MESSAGE_BYTES = 16 << 20
 # Ports are bound exclusively: with gRPC's default SO_REUSEPORT a second server (a second

@@ -24,9 +24,9 @@ from baton.api.requests import (
 )
 from baton.api.v1 import api_pb2, common_pb2
 from baton.kv.pool import KVPoolExhausted
-from baton.kv.wire import KVDataLoss, KVIncompatible, KVMalformed
 from baton.model.limits import check_prompt
 from baton.routing.store import StoreUnavailable, WorkerLoad
+from baton.transfer.codec import KVDataLoss, KVIncompatible, KVMalformed
 
 SAMPLING = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1234, max_tokens=17,
                           stop_token_ids=[2, 7], stop=["\n\n", "END"])

@@ -8,8 +8,7 @@ import time
 
 import grpc
 import torch
-from baton.api import push_kv
-from baton.api.requests import CompressionParams, KVHandoff
+from baton.api.requests import CompressionParams
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import (
     DecodeServiceConfig,
@@ -23,12 +22,14 @@ from baton.config import (
 )
 from baton.decode.server import create_server
 from baton.kv import DenseKV
-from baton.kv.wire import encode_kv
 from baton.model import prefill
 from baton.model.loader import load_checkpoint
 from baton.model.sampling import SamplingParams
 from baton.routing import InMemoryStore
 from baton.sarathi.engine import Engine
+from baton.transfer import framing
+from baton.transfer.codec import encode_kv
+from baton.transfer.handoff import KVHandoff
 from commands.cli_checkpoint import save_cli_checkpoint
 
 # The prompt and length the decode tests' module-wide reference is generated for (conftest).
@@ -92,9 +93,9 @@ def prefilled_handoff(checkpoint, request_id: str, prompt_ids: list[int], max_to
 def proto_messages(handoff, chunks):
     """PushKV's messages as plain protobuf, what a generated stub sends (a pod takes these
     as well as the chain's hand-framed ones)."""
-    for message in push_kv.messages(handoff, ([chunk] for chunk in chunks)):
+    for message in framing.messages(handoff, ([chunk] for chunk in chunks)):
         yield (decode_pb2.PushKVRequest(chunk=b"".join(message.pieces))
-               if isinstance(message, push_kv.Chunk) else message)
+               if isinstance(message, framing.Chunk) else message)
 
 
 def push(stub, handoff, chunks) -> decode_pb2.PushKVResponse:

@@ -14,12 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from baton.api import convert
-from baton.api.requests import FirstToken
 from baton.api.v1 import common_pb2, decode_pb2
 from baton.config import StreamConfig
-from baton.kv.wire import Checksum
 from baton.routing import InMemoryStore
 from baton.serving import free_port
+from baton.transfer import framing
+from baton.transfer.codec import Checksum
+from baton.transfer.handoff import FirstToken
 from decode_servers import (
     MAX_TOKENS,
     PROMPT,
@@ -447,7 +448,7 @@ def _header_then_stall(handoff, release):
 
 def test_a_push_that_stalls_after_its_header_is_cut_off_and_frees_nothing(stub, server, checkpoint,
                                                                            monkeypatch):
-    from baton.decode import receiver
+    from baton.transfer import receiver
     monkeypatch.setattr(receiver, "STALL_S", 0.5)
     handoff, _ = prefilled_handoff(checkpoint, "stalled", PROMPT, MAX_TOKENS)
     free = server.worker.engine.pool.num_free_blocks
@@ -559,12 +560,12 @@ def layer_by_layer(handoff, chunks, first=None, before_first=lambda: None, trail
     the payload, the first token before the last chunk, the trailer."""
     follows = dataclasses.replace(handoff, first_token_id=0, prefill_s=0.0, partition=(),
                                   first_token_follows=True)
-    yield decode_pb2.PushKVRequest(header=convert.handoff_to_proto(follows))
+    yield decode_pb2.PushKVRequest(header=framing.handoff_to_proto(follows))
     checksum = Checksum()
     for index, chunk in enumerate(chunks):
         if index == len(chunks) - 1 and first is not None:
             before_first()
-            yield decode_pb2.PushKVRequest(first_token=convert.first_token_to_proto(first))
+            yield decode_pb2.PushKVRequest(first_token=framing.first_token_to_proto(first))
         checksum.update(chunk)
         yield decode_pb2.PushKVRequest(chunk=chunk)
     if trailer:
@@ -607,7 +608,7 @@ def test_a_first_token_out_of_turn_or_of_range_is_invalid(stub, server, checkpoi
     if case == "unannounced":  # a header with its token, and a token message after it
         messages = list(proto_messages(handoff, chunks))
         messages.insert(2, decode_pb2.PushKVRequest(
-            first_token=convert.first_token_to_proto(FirstToken(handoff.first_token_id))))
+            first_token=framing.first_token_to_proto(FirstToken(handoff.first_token_id))))
     else:
         first = FirstToken(999) if case == "outside the vocabulary" else None
         messages = list(layer_by_layer(handoff, chunks, first))

@@ -19,8 +19,6 @@ import pytest
 import torch
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv import DenseKV, LayerKV
-from baton.kv.device_copy import layers_to_host, to_device
-from baton.kv.received import ReceivedLayer
 from baton.model import load_checkpoint, prefill, save_checkpoint
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
@@ -28,6 +26,8 @@ from baton.model.sampling import SamplingParams
 from baton.runahead import LocalChain, ModelSource
 from baton.sarathi import Engine
 from baton.sarathi.runner import StepLogits
+from baton.transfer.device_copy import layers_to_host, to_device
+from baton.transfer.received import ReceivedLayer
 from hf_reference import (
     EQUIVALENCE_CASES,
     case_id,
@@ -205,7 +205,7 @@ def test_cuda_engine_continues_from_a_cache_that_arrives_in_host_memory():
         result = chain.prefill(prompt_ids)
     assert result.layers[0].k.device.type == "cpu"
     # as it comes (the engine copies it), and staged through pinned memory on the copy stream
-    # (as a decode pod does with a pushed cache: ``baton.kv.device_copy.to_device``)
+    # (as a decode pod does with a pushed cache: ``baton.transfer.device_copy.to_device``)
     for layers in (result.layers, to_device(wire_layers(result.layers), torch.device("cuda"))):
         decoder = engine()
         request_id = decoder.add_prefilled_request(prompt_ids, layers, result.first_token_logits,

@@ -1,5 +1,5 @@
 """The KV layer sits below the model: nothing in baton.kv imports baton.model (or anything
-that serves above it), so the pool and the wire codec can be used and tested alone."""
+that serves above it), so the pool can be used and tested alone."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 from baton.kv.dense import LayerKV
-from baton.kv.wire import encode_kv
 from baton.runahead import PartitionTable
 from baton.runahead.break_even import (
     COMPUTE_ONLY,
@@ -20,6 +19,7 @@ from baton.runahead.break_even import (
     kv_bytes_per_token,
 )
 from baton.runahead.table import TableEntry
+from baton.transfer.codec import encode_kv
 
 # (tokens, one process s, chain s): the chain saves 10% of the compute from 2048 tokens on
 POINTS = [(1024, 0.10, 0.11), (2048, 0.20, 0.18), (4096, 0.40, 0.36), (8192, 0.80, 0.72)]

@@ -19,10 +19,8 @@ from baton.api.requests import (
     CompressionParams,
     DecodeRequest,
     FinishReason,
-    FirstToken,
     GenerateRequest,
     GenerationStep,
-    KVHandoff,
     ModelInfo,
     PrefillRequest,
     PrefillStarted,
@@ -31,9 +29,8 @@ from baton.api.requests import (
     Tokenization,
     Usage,
 )
-from baton.api.v1 import api_pb2, common_pb2, decode_pb2, kv_pb2, prefill_pb2
+from baton.api.v1 import api_pb2, common_pb2, decode_pb2, prefill_pb2
 from baton.errors import ServiceError
-from baton.kv.wire import KVHeader
 from baton.model.sampling import SamplingParams
 from baton.routing.store import WorkerLoad
 
@@ -42,45 +39,45 @@ T = TypeVar("T")
 # --- flat messages: one proto field per dataclass field, same names ------------------------
 
 
-def _flat_to_proto(value: Any, message_type: type[T]) -> T:
+def flat_to_proto(value: Any, message_type: type[T]) -> T:
     return message_type(**dataclasses.asdict(value))
 
 
-def _flat_from_proto(message: Any, domain_type: type[T]) -> T:
+def flat_from_proto(message: Any, domain_type: type[T]) -> T:
     names = [f.name for f in dataclasses.fields(domain_type)]  # type: ignore[arg-type]
     return domain_type(**{name: getattr(message, name) for name in names})
 
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:
-    return _flat_to_proto(usage, common_pb2.Usage)
+    return flat_to_proto(usage, common_pb2.Usage)
 
 
 def usage_from_proto(message: common_pb2.Usage) -> Usage:
-    return _flat_from_proto(message, Usage)
+    return flat_from_proto(message, Usage)
 
 
 def timings_to_proto(timings: Timings) -> common_pb2.Timings:
-    return _flat_to_proto(timings, common_pb2.Timings)
+    return flat_to_proto(timings, common_pb2.Timings)
 
 
 def timings_from_proto(message: common_pb2.Timings) -> Timings:
-    return _flat_from_proto(message, Timings)
+    return flat_from_proto(message, Timings)
 
 
 def worker_load_to_proto(load: WorkerLoad) -> common_pb2.WorkerLoad:
-    return _flat_to_proto(load, common_pb2.WorkerLoad)
+    return flat_to_proto(load, common_pb2.WorkerLoad)
 
 
 def worker_load_from_proto(message: common_pb2.WorkerLoad) -> WorkerLoad:
-    return _flat_from_proto(message, WorkerLoad)
+    return flat_from_proto(message, WorkerLoad)
 
 
 def model_info_to_proto(info: ModelInfo) -> api_pb2.ModelInfo:
-    return _flat_to_proto(info, api_pb2.ModelInfo)
+    return flat_to_proto(info, api_pb2.ModelInfo)
 
 
 def model_info_from_proto(message: api_pb2.ModelInfo) -> ModelInfo:
-    return _flat_from_proto(message, ModelInfo)
+    return flat_from_proto(message, ModelInfo)
 
 
 # --- request parameters ----------------------------------------------------------------------
@@ -275,45 +272,6 @@ def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> Deco
                          compression=compression_from_proto(message.compression),
                          generated_before=message.generated_before,
                          incarnation=message.incarnation, cache_salt=message.cache_salt)
-
-
-def kv_header_to_proto(header: KVHeader) -> kv_pb2.KVHeader:
-    return _flat_to_proto(header, kv_pb2.KVHeader)
-
-
-def kv_header_from_proto(message: kv_pb2.KVHeader) -> KVHeader:
-    header = _flat_from_proto(message, KVHeader)
-    return dataclasses.replace(header, layer_num_tokens=tuple(header.layer_num_tokens))
-
-
-def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
-    return decode_pb2.PushKVHeader(
-        kv=kv_header_to_proto(handoff.kv), prompt_token_ids=handoff.prompt_token_ids,
-        first_token_id=handoff.first_token_id, sampling=sampling_to_proto(handoff.sampling),
-        compression=compression_to_proto(handoff.compression),
-        decode_incarnation=handoff.decode_incarnation, cache_salt=handoff.cache_salt,
-        prefill_s=handoff.prefill_s, partition=handoff.partition,
-        first_token_follows=handoff.first_token_follows)
-
-
-def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
-    return KVHandoff(kv=kv_header_from_proto(message.kv),
-                     prompt_token_ids=tuple(message.prompt_token_ids),
-                     first_token_id=message.first_token_id,
-                     sampling=sampling_from_proto(message.sampling),
-                     compression=compression_from_proto(message.compression),
-                     decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt,
-                     prefill_s=message.prefill_s, partition=tuple(message.partition),
-                     first_token_follows=message.first_token_follows)
-
-
-def first_token_to_proto(first: FirstToken) -> decode_pb2.PushKVFirstToken:
-    return decode_pb2.PushKVFirstToken(token_id=first.token_id, prefill_s=first.prefill_s,
-                                       partition=first.partition)
-
-
-def first_token_from_proto(message: decode_pb2.PushKVFirstToken) -> FirstToken:
-    return FirstToken(message.token_id, message.prefill_s, tuple(message.partition))
 
 
 # --- errors --------------------------------------------------------------------------------------

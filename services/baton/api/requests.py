@@ -9,14 +9,12 @@ imports gRPC or protobuf. Sampling parameters are the engine's own
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 
 from baton.config import KV_TRANSPORTS
 from baton.configtree import require
 from baton.errors import TooLarge
-from baton.kv.wire import KVHeader
 from baton.model.sampling import CompressionParams, SamplingParams
 
 # A request id is echoed in every streamed message and stored in the routing table: long
@@ -113,42 +111,6 @@ class DecodeRequest:
                 f"generated_before {self.generated_before} is not within the prompt's "
                 f"{len(self.prompt_token_ids)} tokens")
         require(len(self.prompt_token_ids) > 0, "the prompt is empty")
-
-
-@dataclass(frozen=True)
-class KVHandoff:
-    """What a decode pod needs to continue a request whose KV a chain pushed."""
-
-    kv: KVHeader
-    prompt_token_ids: tuple[int, ...]
-    first_token_id: int
-    sampling: SamplingParams
-    compression: CompressionParams
-    decode_incarnation: str = ""  # of the decode pod the push is meant for ("" = any)
-    cache_salt: str = ""  # the caller's tenant, for the decode pod's prefix cache
-    prefill_s: float = 0.0  # the chain's time to the first token's logits (its tail's clock)
-    partition: tuple[int, ...] = ()  # the slice boundaries the chain used
-    # The three above come later, in a ``FirstToken`` (the header left before the chain had
-    # them: the tail ships each layer as it is computed).
-    first_token_follows: bool = False
-
-    @property
-    def request_id(self) -> str:
-        return self.kv.request_id
-
-    def with_first(self, first: FirstToken) -> KVHandoff:
-        """The handoff completed by the first token that followed it."""
-        return dataclasses.replace(self, first_token_id=first.token_id, prefill_s=first.prefill_s,
-                                   partition=first.partition, first_token_follows=False)
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    """A pushed request's first token, sent after its header once the chain's logits exist."""
-
-    token_id: int
-    prefill_s: float = 0.0
-    partition: tuple[int, ...] = ()
 
 
 class FinishReason(enum.Enum):

@@ -20,16 +20,13 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry
 
-from baton.api import push_kv
 from baton.api.v1 import decode_pb2
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
-from baton.decode.receiver import Incarnation, NixlPlane, kv_spec
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
 from baton.dtypes import dtype_name
-from baton.kv.nixl import NIXL, NixlAgent, NixlReader
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
 from baton.pyramid.engine_hook import engine_compressor_factory
@@ -44,6 +41,9 @@ from baton.serving import (
     release_version,
     run_until_signalled,
 )
+from baton.transfer import framing
+from baton.transfer.nixl import NIXL, NixlAgent, NixlReader
+from baton.transfer.receiver import Incarnation, NixlPlane, kv_spec
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class DecodeServer:
         self.grpc.set_serving(True)
 
     def _register(self, server) -> None:
-        push_kv.add_decode_servicer(self.servicer, server)  # PushKV's chunks without copies
+        framing.add_decode_servicer(self.servicer, server)  # PushKV's chunks without copies
 
     def _init_worker(self) -> None:
         model = self.config.model

@@ -19,11 +19,18 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 
 from baton.api import convert
-from baton.api.requests import GenerationStep, KVHandoff
+from baton.api.requests import GenerationStep
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.answers import failure_answer
-from baton.decode.receiver import (
+from baton.decode.session import PodSession
+from baton.decode.streams import RequestStream, StreamFailed
+from baton.decode.worker import DecodeWorker, RequestLeaving, RequestNotFound
+from baton.errors import PermissionDenied, Unavailable, check_incarnation
+from baton.security.mtls import Mtls, require_role
+from baton.transfer.codec import KVSpec
+from baton.transfer.handoff import KVHandoff
+from baton.transfer.receiver import (
     Incarnation,
     NixlPlane,
     PoolLanding,
@@ -31,12 +38,6 @@ from baton.decode.receiver import (
     receive_body,
     receive_header,
 )
-from baton.decode.session import PodSession
-from baton.decode.streams import RequestStream, StreamFailed
-from baton.decode.worker import DecodeWorker, RequestLeaving, RequestNotFound
-from baton.errors import PermissionDenied, Unavailable, check_incarnation
-from baton.kv.wire import KVSpec
-from baton.security.mtls import Mtls, require_role
 
 DEFAULT_ATTACH_WAIT_S = 60.0  # an Attach that names no wait_s waits this long for the push
 MAX_ATTACH_WAIT_S = 600.0  # and none waits longer

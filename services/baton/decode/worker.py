@@ -30,12 +30,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from baton.api import convert
-from baton.api.requests import DecodeRequest, KVHandoff, Route
-from baton.decode.receiver import PushedCache
+from baton.api.requests import DecodeRequest, Route
 from baton.decode.streams import EngineStalled, PushedKVInfo, PushLost, RequestStream, StreamFailed
 from baton.dtypes import DTYPES
 from baton.errors import Aborted, AlreadyExists, DataLoss, NotFound, ResourceExhausted
-from baton.kv.device_copy import to_device
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.limits import check_prompt
@@ -45,6 +43,9 @@ from baton.routing.prefix_index import PrefixPublisher
 from baton.routing.store import WorkerLoad
 from baton.sarathi.engine import Engine
 from baton.sarathi.request import RequestOutput
+from baton.transfer.device_copy import to_device
+from baton.transfer.handoff import KVHandoff
+from baton.transfer.receiver import PushedCache
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class DecodeWorker:
     def land(self, handoff: KVHandoff) -> concurrent.futures.Future | None:
         """Ask the engine for the pool's blocks of a pushed cache whose header checked out, so
         that its keys and values are copied straight into them as they arrive
-        (``baton.kv.received``); None where the pool cannot take its bytes as they are (a
+        (``baton.transfer.received``); None where the pool cannot take its bytes as they are (a
         device pool, another dtype or byte order). A push that asked and does not hand its
         cache over landed gives the blocks back: ``give_back``."""
         kv = handoff.kv

@@ -160,6 +160,11 @@ class DecodeSteps:
     allocator are its own): claim room for one new token per sequence, and describe the step
     to the model as a ``DecodeStep``."""
 
+    def _init_decode_steps(self) -> None:
+        # The last ungrouped decode batch's block tables (see BatchTables); dropped whenever
+        # blocks are taken from a sequence, which appending alone never does.
+        self._batch: BatchTables | None = None
+
     def begin_decode(self, seq_ids: list[str], grouped: bool = True) -> DecodeStep:
         """Claim room for one new token per sequence in every layer; return the step's metadata.
 

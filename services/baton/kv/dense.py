@@ -24,6 +24,10 @@ class LayerKV:
     def num_tokens(self) -> int:
         return self.k.shape[0]
 
+    def store_into(self, pool, seq_id: str, layer: int) -> None:
+        """Into the pool's blocks for this layer (``baton.kv.landing.StorableLayer``)."""
+        pool.append(seq_id, layer, self.k, self.v, self.positions)
+
 
 class DenseKV:
     """``SequenceKV`` backed by growing tensors (concatenation on every extend)."""

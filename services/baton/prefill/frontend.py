@@ -33,13 +33,13 @@ from baton.errors import Aborted, AlreadyExists, PermissionDenied, ResourceExhau
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
-from baton.prefill.tail import PUSH_TIMEOUT_S
 from baton.routing.store import WorkerLoad
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, make_request
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import StopChain
 from baton.security.mtls import Mtls, require_role
+from baton.transfer.sender import PUSH_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
 from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
-from baton.kv.nixl import NIXL, NixlAgent
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.prefill.frontend import PrefillFrontend
@@ -44,6 +43,7 @@ from baton.serving import (
     release_version,
     run_until_signalled,
 )
+from baton.transfer.nixl import NIXL, NixlAgent
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch
 
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv.dense import LayerKV
+from baton.kv.landing import Landing
 from baton.kv.pool import KVPool
-from baton.kv.received import Landing
 from baton.model.limits import check_prompt
 from baton.model.llama import CausalLM
 from baton.model.sampling import (

@@ -2,10 +2,10 @@
 
 The linear layers run once over all the iteration's tokens (SARATHI's gain:
 weights are read once for prefill and decodes together); attention runs per
-prefill chunk (one ``Segment`` each) against its KV in the pool, and for the
-decodes as one ``DecodeBatch`` whose metadata the runner builds here
-(``KVPool.claim_decode``, ``decode_step``): the model reads and writes the cache
-through it and never manages the pool. Decodes go shortest first, so that the batch's groups
+prefill chunk (one ``Segment`` each, its slots claimed here: ``KVPool.prefill_segment``)
+against its KV in the pool, and for the decodes as one ``DecodeBatch`` whose metadata the
+runner builds here too (``KVPool.claim_decode``, ``decode_step``): the model reads and
+writes the cache through them and never calls the pool. Decodes go shortest first, so that the batch's groups
 of similar length are consecutive rows. Only the rows whose sequence samples
 this step — decodes and final prefill chunks — are turned into logits. A decode-only
 iteration is replayed from a CUDA graph where the runner has ``DecodeGraphs`` (a GPU) and
@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 
 from baton.host_to_device import to_device
-from baton.kv.device_copy import to_host
 from baton.kv.pool import KVPool
 from baton.model.llama import CausalLM, DecodeBatch, Segment
 from baton.sarathi.decode_graphs import DecodeGraphs
 from baton.sarathi.request import Sequence
 from baton.sarathi.scheduler import SchedulerOutput
+from baton.transfer.device_copy import to_host
 
 
 class StepLogits:
@@ -73,7 +73,8 @@ class ModelRunner:
             seq, start = chunk.seq, chunk.seq.num_computed
             token_ids += seq.token_ids[start:start + chunk.num_tokens]
             positions += range(start, start + chunk.num_tokens)
-            segments.append(Segment(chunk.num_tokens, self.pool.view(seq.request_id), seq.compressor))
+            kv = self.pool.prefill_segment(seq.request_id, chunk.num_tokens)
+            segments.append(Segment(chunk.num_tokens, kv, seq.compressor))
             if chunk.completes:
                 output_rows.append(len(token_ids) - 1)
                 sampling.append(seq)

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from baton.api import push_kv
-from baton.api.requests import CompressionParams, FirstToken, KVHandoff
-from baton.decode.receiver import NixlPlane, receive_body
+from baton.api.requests import CompressionParams
 from baton.kv.dense import LayerKV
-from baton.kv.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
-from baton.kv.wire import (
-    KVAssembler,
+from baton.model.sampling import SamplingParams
+from baton.transfer import framing
+from baton.transfer.assembler import KVAssembler
+from baton.transfer.codec import (
     KVDataLoss,
     KVIncompatible,
     KVMalformed,
@@ -29,7 +28,9 @@ from baton.kv.wire import (
     encode_kv,
     layer_segments,
 )
-from baton.model.sampling import SamplingParams
+from baton.transfer.handoff import FirstToken, KVHandoff
+from baton.transfer.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl_missing
+from baton.transfer.receiver import NixlPlane, receive_body
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
 
@@ -69,7 +70,7 @@ def handoff_of(layers, follows: bool = False) -> KVHandoff:
 
 async def messages_of(sent):
     for message in sent:  # as they cross the wire
-        yield push_kv.parse(push_kv.serialize(message))
+        yield framing.parse(framing.serialize(message))
 
 
 @contextlib.contextmanager
@@ -79,7 +80,7 @@ def offered(sender: NixlAgent, layers: list[LayerKV]):
     handoff = handoff_of(layers)
     source = NixlSource(sender)
     try:
-        yield handoff, list(push_kv.nixl_messages(
+        yield handoff, list(framing.nixl_messages(
             handoff, encode_kv(layers, "r1", "m", "rev").segments, source))
     finally:
         source.release()
@@ -87,7 +88,7 @@ def offered(sender: NixlAgent, layers: list[LayerKV]):
 
 def receive(handoff, sent, plane: NixlPlane | None, **kwargs):
     """The pod's side of a push whose messages were ``sent`` (the header read already)."""
-    assert push_kv.header_of(sent[0]) == handoff
+    assert framing.header_of(sent[0]) == handoff
     return asyncio.run(receive_body(handoff, messages_of(sent[1:]), SPEC, nixl=plane, **kwargs))
 
 
@@ -113,7 +114,7 @@ def test_layer_by_layer_over_nixl_with_the_first_token_before_the_last_layer(age
     layers = cache()
     handoff = handoff_of(layers, follows=True)
     source, sent, firsts = NixlSource(sender), [], []
-    writer = push_kv.LayerByLayer(handoff, sent.append, source)
+    writer = framing.LayerByLayer(handoff, sent.append, source)
     writer.layer(layer_segments(layers[0]))
     writer.layer(layer_segments(layers[1]))
     writer.first_token(FirstToken(77, 0.5, (0, 20)))

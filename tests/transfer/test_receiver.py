@@ -7,14 +7,14 @@ import asyncio
 import concurrent.futures
 
 import torch
-from baton.api import push_kv
-from baton.api.requests import CompressionParams, KVHandoff
-from baton.decode import receiver
-from baton.decode.receiver import PoolLanding, receive_body
+from baton.api.requests import CompressionParams
 from baton.kv import KVPool
 from baton.kv.dense import LayerKV
-from baton.kv.wire import KVSpec, encode_kv
 from baton.model.sampling import SamplingParams
+from baton.transfer import framing, receiver
+from baton.transfer.codec import KVSpec, encode_kv
+from baton.transfer.handoff import KVHandoff
+from baton.transfer.receiver import PoolLanding, receive_body
 
 LAYERS, HEADS, DIM, PROMPT = 3, 2, 8, 200
 SPEC = KVSpec("m", "rev", "float32", LAYERS, HEADS, DIM, 512)
@@ -52,8 +52,8 @@ def push(layers, pool: Pool, claim_after_chunks: int):
     encoded = encode_kv(layers, "r", "m", "rev")
     handoff = KVHandoff(encoded.header, tuple(range(PROMPT)), 0, SamplingParams(),
                         CompressionParams())
-    sent = [push_kv.parse(push_kv.serialize(message))
-            for message in push_kv.messages(handoff, encoded.chunk_pieces(1000))]
+    sent = [framing.parse(framing.serialize(message))
+            for message in framing.messages(handoff, encoded.chunk_pieces(1000))]
 
     async def messages():
         for index, message in enumerate(sent[1:]):

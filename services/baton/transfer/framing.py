@@ -3,14 +3,14 @@ chunk messages framed by hand (docs/architecture.md, "KV on the wire"). A tail t
 each layer as it is computed sends the first token in a message of its own, before the
 last layer's bytes (``LayerByLayer``); otherwise it rides on the header (``messages``). To a
 pod that reads over NIXL, a ``PushKVNixl`` message (where the bytes lie in the sender's
-memory: ``baton.kv.nixl``) stands in for each layer's chunks, or for all of them.
+memory: ``baton.transfer.nixl``) stands in for each layer's chunks, or for all of them.
 
 Protobuf's Python runtime copies a ``bytes`` field each time a message is built, serialized,
 parsed or read: four copies of every byte of the cache, slower together than the socket
 itself. A chunk message is one length-delimited field, so its encoding is trivial: the
 sender writes the tag, the length and the payload's pieces into the one buffer gRPC takes
 (``serialize``); the receiver finds the payload as a view of the buffer gRPC gave it
-(``parse``) and keeps it until the pool copies it into its blocks (``baton.kv.received``).
+(``parse``) and keeps it until the pool copies it into its blocks (``baton.transfer.received``).
 The bytes on the wire are ``PushKVRequest``'s own encoding, so either side may be a plain
 generated stub or servicer: ``parse`` falls back to protobuf for anything but a lone chunk
 field.
@@ -20,26 +20,72 @@ field.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 
 from baton.api.convert import (
-    first_token_from_proto,
-    first_token_to_proto,
-    handoff_from_proto,
-    handoff_to_proto,
+    compression_from_proto,
+    compression_to_proto,
+    flat_from_proto,
+    flat_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
 )
-from baton.api.requests import FirstToken, KVHandoff
-from baton.api.v1 import decode_pb2, decode_pb2_grpc
-from baton.kv.nixl import NixlSource, Regions
-from baton.kv.wire import Checksum, KVDataLoss, KVMalformed, chunk_pieces
+from baton.api.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
+from baton.transfer.codec import Checksum, KVDataLoss, KVHeader, KVMalformed, chunk_pieces
+from baton.transfer.handoff import FirstToken, KVHandoff
+from baton.transfer.nixl import NixlSource, Regions
 
 METHOD = "/baton.v1.Decode/PushKV"
 _CHUNK_FIELD = decode_pb2.PushKVRequest.DESCRIPTOR.fields_by_name["chunk"].number
 _CHUNK_TAG = (_CHUNK_FIELD << 3) | 2  # wire type 2: length-delimited
 _TAG_BYTE = bytes([_CHUNK_TAG])
 
+
+# --- the header and the first token: domain <-> proto ---------------------------------------
+
+def kv_header_to_proto(header: KVHeader) -> kv_pb2.KVHeader:
+    return flat_to_proto(header, kv_pb2.KVHeader)
+
+
+def kv_header_from_proto(message: kv_pb2.KVHeader) -> KVHeader:
+    header = flat_from_proto(message, KVHeader)
+    return dataclasses.replace(header, layer_num_tokens=tuple(header.layer_num_tokens))
+
+
+def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
+    return decode_pb2.PushKVHeader(
+        kv=kv_header_to_proto(handoff.kv), prompt_token_ids=handoff.prompt_token_ids,
+        first_token_id=handoff.first_token_id, sampling=sampling_to_proto(handoff.sampling),
+        compression=compression_to_proto(handoff.compression),
+        decode_incarnation=handoff.decode_incarnation, cache_salt=handoff.cache_salt,
+        prefill_s=handoff.prefill_s, partition=handoff.partition,
+        first_token_follows=handoff.first_token_follows)
+
+
+def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
+    return KVHandoff(kv=kv_header_from_proto(message.kv),
+                     prompt_token_ids=tuple(message.prompt_token_ids),
+                     first_token_id=message.first_token_id,
+                     sampling=sampling_from_proto(message.sampling),
+                     compression=compression_from_proto(message.compression),
+                     decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt,
+                     prefill_s=message.prefill_s, partition=tuple(message.partition),
+                     first_token_follows=message.first_token_follows)
+
+
+def first_token_to_proto(first: FirstToken) -> decode_pb2.PushKVFirstToken:
+    return decode_pb2.PushKVFirstToken(token_id=first.token_id, prefill_s=first.prefill_s,
+                                       partition=first.partition)
+
+
+def first_token_from_proto(message: decode_pb2.PushKVFirstToken) -> FirstToken:
+    return FirstToken(message.token_id, message.prefill_s, tuple(message.partition))
+
+
+# --- chunks, framed by hand -----------------------------------------------------------------
 
 class Chunk:
     """One payload chunk in place of ``PushKVRequest(chunk=...)``: the pieces it is made of
@@ -104,7 +150,7 @@ class LayerByLayer:
         send(decode_pb2.PushKVRequest(header=handoff_to_proto(handoff)))
 
     def layer(self, segments: list[memoryview]) -> None:
-        """One layer's part of the payload (``baton.kv.wire.layer_segments``)."""
+        """One layer's part of the payload (``baton.transfer.codec.layer_segments``)."""
         if self._source is not None:
             for segment in segments:
                 self._checksum.update(segment)

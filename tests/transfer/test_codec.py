@@ -11,16 +11,17 @@ import torch
 import xxhash
 from baton.kv import KVPool
 from baton.kv.dense import LayerKV
-from baton.kv.received import LandedLayer, Landing, ReceivedLayer
-from baton.kv.wire import (
+from baton.kv.landing import LandedLayer, Landing
+from baton.transfer.assembler import KVAssembler
+from baton.transfer.codec import (
     CHUNK_BYTES,
-    KVAssembler,
     KVDataLoss,
     KVIncompatible,
     KVMalformed,
     KVSpec,
     encode_kv,
 )
+from baton.transfer.received import ReceivedLayer
 
 LAYERS, HEADS, DIM, MAX_TOKENS = 4, 2, 8, 512
 SPEC = KVSpec("tiny", "rev-1", "float32", LAYERS, HEADS, DIM, MAX_TOKENS)

@@ -4,15 +4,15 @@ of it has.
 
 Order of checks, cheapest first and all before the payload buffer is allocated: the stream
 opens with a header; the header matches this pod's model, dtype and shape
-(``baton.kv.wire.check_header``); the prompt, the first token (on the header, or in a
+(``baton.transfer.codec.check_header``); the prompt, the first token (on the header, or in a
 message of its own once the chain's logits exist, when the tail ships each layer as it is
 computed) and the sampling parameters fit the model; the pool has room for the cache right
 now (else RESOURCE_EXHAUSTED at once, so the sender can pick another pod).
 
 Then the bytes, in chunks or, from a sender that leaves them in its memory for this pod to
-read over NIXL (``baton.kv.nixl``; a pod without it refuses that with FAILED_PRECONDITION),
+read over NIXL (``baton.transfer.nixl``; a pod without it refuses that with FAILED_PRECONDITION),
 read into buffers of their own. ``KVAssembler`` keeps them where they arrived, counts them
-and checks the checksum and the positions (``baton.kv.received``). Meanwhile the engine
+and checks the checksum and the positions (``baton.transfer.received``). Meanwhile the engine
 claims the cache's blocks in the pool (``Engine.land``): from then on keys and values are
 copied straight into them as they arrive, while still in the CPU's cache, and the ones
 kept so far follow; without that (a device pool, a landing that came too late) the pool
@@ -30,16 +30,18 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from baton.api import push_kv
-from baton.api.requests import FirstToken, KVHandoff
 from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
-from baton.kv.nixl import GRPC, NIXL, NixlReader, Regions
+from baton.kv.landing import LandedLayer, Landing
 from baton.kv.pool import KVPool, KVPoolExhausted
-from baton.kv.received import LandedLayer, Landing, ReceivedLayer
-from baton.kv.wire import KVAssembler, KVDataLoss, KVIncompatible, KVMalformed, KVSpec, check_header
 from baton.model.config import ModelConfig
 from baton.model.limits import check_prompt
+from baton.transfer import framing
+from baton.transfer.assembler import KVAssembler
+from baton.transfer.codec import KVDataLoss, KVIncompatible, KVMalformed, KVSpec, check_header
+from baton.transfer.handoff import FirstToken, KVHandoff
+from baton.transfer.nixl import GRPC, NIXL, NixlReader, Regions
+from baton.transfer.received import ReceivedLayer
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +168,7 @@ def check_room(pool: KVPool, layer_num_tokens: tuple[int, ...]) -> None:
 
 async def receive_header(messages: AsyncIterator, stall_s: float | None = None) -> KVHandoff:
     """The handoff a PushKV stream opens with (not yet checked: ``check_push``)."""
-    return push_kv.header_of(await _next(messages, STALL_S if stall_s is None else stall_s))
+    return framing.header_of(await _next(messages, STALL_S if stall_s is None else stall_s))
 
 
 def check_push(handoff: KVHandoff, spec: KVSpec, model_config: ModelConfig, pool: KVPool,
@@ -203,7 +205,7 @@ async def receive_body(handoff: KVHandoff, messages: AsyncIterator, spec: KVSpec
                     landing = None
             if checksum is not None:
                 raise KVMalformed(f"PushKV stream for {request_id!r} went on after its checksum")
-            part = push_kv.part_of(message)
+            part = framing.part_of(message)
             if isinstance(part, int):
                 checksum = part
             elif isinstance(part, FirstToken):

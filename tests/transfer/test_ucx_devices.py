@@ -5,8 +5,8 @@ import os
 from pathlib import Path
 
 import pytest
-from baton.kv import ucx_devices
-from baton.kv.ucx_devices import ENV, net_devices_for, restricted_to
+from baton.transfer import ucx_devices
+from baton.transfer.ucx_devices import ENV, net_devices_for, restricted_to
 
 UNASSIGNED = "203.0.113.77"  # TEST-NET-3: no interface here carries it
 IPV6_LOOPBACK = pytest.mark.skipif(  # a host may run with IPv6 off

@@ -8,12 +8,13 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
-from baton.api import push_kv
-from baton.api.requests import CompressionParams, FirstToken, KVHandoff
+from baton.api.requests import CompressionParams
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
 from baton.kv.dense import LayerKV
-from baton.kv.wire import KVDataLoss, KVMalformed, encode_kv, layer_segments
 from baton.model.sampling import SamplingParams
+from baton.transfer import framing as push_kv
+from baton.transfer.codec import KVDataLoss, KVMalformed, encode_kv, layer_segments
+from baton.transfer.handoff import FirstToken, KVHandoff
 from decode.decode_servers import proto_messages
 
 

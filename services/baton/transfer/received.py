@@ -6,7 +6,7 @@ of its 64 KiB read slices, then a join: copies a receiver cannot avoid). Any fur
 (into a buffer per tensor, then from the buffer into the blocks) moves every byte again on
 the decode pod. So a cache takes one of two ways into the blocks:
 
-* landed (``Landing``, ``LandedLayer``): the pool claims the cache's blocks while it arrives
+* landed (``baton.kv.landing``): the pool claims the cache's blocks while it arrives
   (``KVPool.land``) and the receiver writes each chunk into them at once (``RangeWriter``),
   while the chunk is still in the CPU's cache; only the positions travel on;
 * kept (``ReceivedLayer``): each layer's keys and values stay the pieces of the messages they
@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from baton.kv.landing import LayerStore
 
 
 @dataclass(frozen=True)
@@ -58,28 +60,17 @@ class ReceivedLayer:
         return joined(pieces).view(self.dtype).view(self.num_tokens, self.num_kv_heads,
                                                     self.head_dim)
 
-
-@dataclass(frozen=True, eq=False)
-class Landing:
-    """Blocks a pool holds for a cache still arriving (``KVPool.land``): per layer, the byte
-    ranges of its keys and of its values. The landing is its own key among the pool's
-    sequences (by identity: no request id can be it) until the cache is stored."""
-
-    targets: list[tuple[list[memoryview], list[memoryview]]]
-
-
-@dataclass(frozen=True)
-class LandedLayer:
-    """One layer of a received cache whose keys and values went straight into the pool's
-    blocks as they arrived (``landing``): only its positions [S] travel on, to be written
-    with them when the pool ``store``-s it."""
-
-    positions: torch.Tensor
-    landing: Landing
-
-    @property
-    def num_tokens(self) -> int:
-        return self.positions.shape[0]
+    def store_into(self, pool: LayerStore, seq_id: str, layer: int) -> None:
+        """Into the pool's fresh blocks for this layer: the pieces straight into the blocks'
+        bytes where they are the same dtype and shape (each byte copied once), else as
+        tensors."""
+        if not pool.takes_bytes(self.dtype, self.num_kv_heads, self.head_dim):
+            pool.append(seq_id, layer, self.k, self.v, self.positions)
+            return
+        k_ranges, v_ranges = pool.layer_bytes(seq_id, layer, self.num_tokens)
+        copy_pieces(self.k_pieces, k_ranges)
+        copy_pieces(self.v_pieces, v_ranges)
+        pool.write_positions(seq_id, layer, self.positions)
 
 
 class RangeWriter:

@@ -13,7 +13,7 @@ memory (PyTorch's caching host allocator keeps the buffers for reuse) on a copy 
   ``HostCopy.wait`` blocks only its caller (the tail's shipping thread), not the compute.
 * ``to_device``: a cache from the wire (``ReceivedLayer`` pieces, or host ``LayerKV``) joined
   once into pinned memory and copied to the device; the ``DeviceLayer``-s come back at once,
-  and the pool's ``store`` makes its own stream wait for the copy, on the GPU, before it
+  and storing one into the pool makes the pool's stream wait for its copy, on the GPU, before it
   reads them.
 
 On a CPU nothing moves: ``to_host`` hands host tensors back as they are, ``to_device`` a cache
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from baton.kv.dense import LayerKV
-from baton.kv.received import ReceivedLayer, joined
+from baton.kv.landing import LayerStore
+from baton.transfer.received import ReceivedLayer, joined
 
 
 @functools.cache
@@ -82,7 +83,7 @@ def layers_to_host(layers: Sequence[LayerKV]) -> list[LayerKV]:
 class DeviceLayer:
     """One layer of a cache copied to the device (``to_device``), the same reading interface
     as ``LayerKV``. Its tensors may still be arriving: a reader on another stream waits for
-    ``ready`` first (``KVPool.store`` does)."""
+    ``ready`` first (``store_into`` does)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -92,6 +93,11 @@ class DeviceLayer:
     @property
     def num_tokens(self) -> int:
         return self.k.shape[0]
+
+    def store_into(self, pool: LayerStore, seq_id: str, layer: int) -> None:
+        """Into the pool, once the copy is done: the pool's stream waits for it on the GPU."""
+        self.wait_on(torch.cuda.current_stream(self.k.device))
+        pool.append(seq_id, layer, self.k, self.v, self.positions)
 
     def wait_on(self, stream: torch.cuda.Stream) -> None:
         """Make ``stream``'s later work wait for the copy (on the GPU; the CPU goes on), and

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton.config import KV_TRANSPORTS
-from baton.kv import ucx_devices
-from baton.kv.wire import KVDataLoss, KVMalformed
+from baton.transfer import ucx_devices
+from baton.transfer.codec import KVDataLoss, KVMalformed
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Regions:
 class NixlAgent:
     """This process's NIXL agent (UCX underneath); its name is new at every start. Given the
     pod's listen ``host``, UCX's network transports stay on the interface that carries it
-    (and the node's RDMA ports: ``baton.kv.ucx_devices``)."""
+    (and the node's RDMA ports: ``baton.transfer.ucx_devices``)."""
 
     def __init__(self, role: str, host: str | None = None) -> None:
         missing = nixl_missing()
