@@ -93,7 +93,7 @@ def test_only_prefill_ranks_push_kv_and_only_gateways_attach(server, checkpoint,
         push(as_gateway, handoff, chunks)  # KV injection by a gateway (or a client's) certificate
     assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "PushKV is for prefill pods" in error.value.details()
-    assert server.worker.load.running_sequences == 0 and not server.worker._awaiting_attach
+    assert server.worker.load.running_sequences == 0 and not server.worker._leases.awaiting
 
     channel, as_prefill = stub(server, roles["prefill"])
     with channel:

@@ -126,7 +126,7 @@ class DecodeServer:
         if engine.pool.prefix_cache is not None:  # what it caches, for cache-aware routing
             self.prefix_publisher = PrefixPublisher(self.store, self.describe_identity().prefix_stream,
                                                     self.config.routing.prefix_ttl_s).start()
-            self.worker.prefix_publisher = self.prefix_publisher
+            self.worker.report.prefix_publisher = self.prefix_publisher
         self.servicer.ready(self.worker, self.kv_spec, self.grpc.loop, Incarnation(self.address, self.incarnation))
         log.info("decode pod %s serves %s (revision %s), %d KV blocks, token budget %d (%s)",
                  self.address, self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks,

@@ -23,9 +23,10 @@ from baton.api.requests import GenerationStep
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import MtlsConfig
 from baton.decode.answers import failure_answer
+from baton.decode.errors import RequestLeaving, RequestNotFound
 from baton.decode.session import PodSession
 from baton.decode.streams import RequestStream, StreamFailed
-from baton.decode.worker import DecodeWorker, RequestLeaving, RequestNotFound
+from baton.decode.worker import DecodeWorker
 from baton.errors import PermissionDenied, Unavailable, check_incarnation
 from baton.security.mtls import Mtls, require_role
 from baton.transfer.codec import KVSpec
