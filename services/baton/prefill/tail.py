@@ -42,12 +42,10 @@ from baton.model.sampling import Sampler
 from baton.pyramid import PromptCompressor, compressor_factory, request_config
 from baton.runahead.request import ChainResult
 from baton.security.mtls import Mtls
-from baton.serving import CHANNEL_OPTIONS
-from baton.transfer import framing
 from baton.transfer.codec import kv_header
 from baton.transfer.handoff import FirstToken
-from baton.transfer.nixl import NIXL, NixlAgent, NixlSource
-from baton.transfer.sender import PushCall, Shipment
+from baton.transfer.nixl import NixlAgent
+from baton.transfer.sender import Pushes, Shipment
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +75,14 @@ class TailSink:
         self.current_details = current_details  # the details of the request being computed
         self.on_ready = on_ready
         self.on_fail = on_fail
-        self.mtls = mtls or Mtls(MtlsConfig())
+        self.pushes = Pushes(mtls or Mtls(MtlsConfig()), nixl, model_id, revision)
         self.by_layer = by_layer
         self.kv_dtype = kv_dtype
         self.kv_device = kv_device
-        self.nixl = nixl
         self._shipper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-shipper")
-        self._channels: dict[str, grpc.Channel] = {}
         # The request being computed, read and its push opened before the chain computes it:
         # off the first token's path.
         self._computing: Shipment | None = None
-        self._generation = self.mtls.generation()
 
     # --- ChainSink -------------------------------------------------------------------------
 
@@ -111,10 +106,9 @@ class TailSink:
         if self._computing is not None:  # the chain moved on without delivering it
             self._computing.cancel()
         shipper = self._shipper if self.kv_device().type == "cuda" else None
-        self._computing = Shipment(details, request, self._open_push(request),
-                                   compressor.compress_layer if compressor else None,
-                                   self.model_id, self.revision, self._nixl_source(request),
-                                   shipper)
+        self._computing = self.pushes.open(details, request,
+                                           compressor.compress_layer if compressor else None,
+                                           shipper)
         if self.by_layer:
             kept = compressor.kept_counts() if compressor else (
                 (prompt_length,) * self.model_config.num_hidden_layers)
@@ -135,8 +129,7 @@ class TailSink:
             if shipment is not None:
                 shipment.cancel()
             request = read_details(result.details)
-            shipment = Shipment(result.details, request, self._open_push(request), None,
-                                self.model_id, self.revision, self._nixl_source(request))
+            shipment = self.pushes.open(result.details, request)
         request = shipment.request
         try:
             push_start = time.monotonic()
@@ -162,30 +155,8 @@ class TailSink:
 
     # --- one request -----------------------------------------------------------------------
 
-    def _open_push(self, request: PrefillRequest) -> PushCall:
-        """The request's PushKV call, opened now: its setup (a stream, the pod's handler) costs
-        ~2 ms, which the chain's compute hides when it is opened before it."""
-        return PushCall(framing.stub_push_kv(self._channel(request.decode_address)))
-
-    def _nixl_source(self, request: PrefillRequest) -> NixlSource | None:
-        """Where the request's bytes wait for the pod's NIXL read (None: they go on the stream)."""
-        if self.nixl is None or request.decode_kv_transport != NIXL:
-            return None
-        return NixlSource(self.nixl)
-
-    def _channel(self, address: str) -> grpc.Channel:
-        """A channel per decode pod (mTLS when on); all anew once the certificates rotate."""
-        generation = self.mtls.generation()
-        if generation != self._generation:
-            self.close()
-            self._channels, self._generation = {}, generation
-        if address not in self._channels:
-            self._channels[address] = self.mtls.channel(address, CHANNEL_OPTIONS)
-        return self._channels[address]
-
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
+        self.pushes.close()
         self._shipper.shutdown(wait=False)
 
 

@@ -14,11 +14,13 @@ import grpc
 
 from baton.api.requests import PrefillRequest
 from baton.kv.dense import LayerKV
+from baton.security.mtls import Mtls
+from baton.serving import CHANNEL_OPTIONS
 from baton.transfer import framing
 from baton.transfer.codec import KVHeader, KVMalformed, encode_kv, layer_segments
 from baton.transfer.device_copy import HostCopy, layers_to_host, to_host
 from baton.transfer.handoff import FirstToken, KVHandoff
-from baton.transfer.nixl import NixlSource
+from baton.transfer.nixl import NIXL, NixlAgent, NixlSource
 
 PUSH_TIMEOUT_S = 120.0  # one cache over gRPC; at ~1 GB/s even a large cache takes seconds
 
@@ -187,3 +189,40 @@ class PushCall:
     def cancel(self) -> None:
         self._messages.put(None)
         self._future.cancel()
+
+
+class Pushes:
+    """A tail's pushes: one channel per decode pod (mTLS when on; all anew once the
+    certificates rotate), a push opened per request, over NIXL where the pod reads that way
+    and this process has an agent (``nixl``; None: gRPC to every pod)."""
+
+    def __init__(self, mtls: Mtls, nixl: NixlAgent | None, model_id: str, revision: str) -> None:
+        self.mtls = mtls
+        self.nixl = nixl
+        self.model_id, self.revision = model_id, revision
+        self._channels: dict[str, grpc.Channel] = {}
+        self._generation = mtls.generation()
+
+    def open(self, details: bytes, request: PrefillRequest,
+             prepare: Callable[[int, LayerKV], LayerKV] | None = None,
+             shipper: concurrent.futures.Executor | None = None) -> Shipment:
+        """A request's shipment, its PushKV call opened now: the call's setup (a stream, the
+        pod's handler) costs ~2 ms, which the chain's compute hides when it is opened before."""
+        method = framing.stub_push_kv(self._channel(request.decode_address))
+        source = (NixlSource(self.nixl) if self.nixl is not None
+                  and request.decode_kv_transport == NIXL else None)
+        return Shipment(details, request, PushCall(method), prepare, self.model_id,
+                        self.revision, source, shipper)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        generation = self.mtls.generation()
+        if generation != self._generation:
+            self.close()
+            self._channels, self._generation = {}, generation
+        if address not in self._channels:
+            self._channels[address] = self.mtls.channel(address, CHANNEL_OPTIONS)
+        return self._channels[address]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
