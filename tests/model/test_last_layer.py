@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 from baton.kv import DenseKV
-from baton.model import CausalLM, llama
-from baton.model.llama import Segment
+from baton.model import CausalLM, layers
+from baton.model.forward_batch import Segment
 from hf_reference import tiny_config
 
 LENGTHS = (13, 9, 17)  # three sequences' chunks in one flat batch
@@ -75,7 +75,7 @@ def test_the_mlp_in_blocks_of_rows_equals_the_mlp_at_once(monkeypatch):
     x = torch.randn(1000, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(1))
     whole = mlp(x)
     assert mlp.block_rows(x) >= x.shape[0]
-    monkeypatch.setattr(llama, "MLP_MIN_BLOCK_ROWS", 1)
-    monkeypatch.setattr(llama, "MLP_BLOCK_BYTES", 300 * 2 * mlp.gate_proj.out_features * x.element_size())
+    monkeypatch.setattr(layers, "MLP_MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(layers, "MLP_BLOCK_BYTES", 300 * 2 * mlp.gate_proj.out_features * x.element_size())
     assert mlp.block_rows(x) == 300  # four blocks, the last one short
     torch.testing.assert_close(mlp(x), whole, rtol=0, atol=1e-6)

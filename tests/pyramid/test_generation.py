@@ -7,7 +7,7 @@ import torch
 from baton.config import PyramidConfig
 from baton.kv import KVPool
 from baton.model import Segment
-from baton.model.llama import DecodeBatch
+from baton.model.forward_batch import DecodeBatch
 from baton.pyramid import GenerationCompressor, generation_keep_counts, prefill_compressed
 from pyramid_fixtures import PROMPT_LENGTH, build_model, hand_decode
 

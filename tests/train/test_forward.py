@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from baton.kv.dense import DenseKV
-from baton.model.llama import CausalLM, Segment
+from baton.model.forward_batch import Segment
+from baton.model.llama import CausalLM
 from baton.train.forward import hidden_states, next_token_loss
 from baton.train.trainer import initialize
 from hf_reference import tiny_config

@@ -2,7 +2,8 @@
 
 from baton.model.config import ModelConfig
 from baton.model.errors import CheckpointError
-from baton.model.llama import CausalLM, Segment, decode_step, prefill
+from baton.model.forward_batch import Segment
+from baton.model.llama import CausalLM, decode_step, prefill
 from baton.model.loader import LoadedModel, load_checkpoint, save_checkpoint
 
 __all__ = ["CausalLM", "CheckpointError", "LoadedModel", "ModelConfig", "Segment", "decode_step",

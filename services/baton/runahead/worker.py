@@ -31,7 +31,7 @@ import torch.distributed as dist
 from baton.config import ChainConfig
 from baton.kv import LayerKV
 from baton.model import prefill
-from baton.model.llama import AttentionObserver
+from baton.model.forward_batch import AttentionObserver
 from baton.runahead.errors import ChainError
 from baton.runahead.request import MODES, ChainRequest, ChainResult, ModelSource
 from baton.runahead.transport import AllGatherKV, RankCounters, RunaheadKV

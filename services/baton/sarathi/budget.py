@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from baton.kv.dense import DenseKV
-from baton.model.llama import CausalLM, Segment
+from baton.model.forward_batch import Segment
+from baton.model.llama import CausalLM
 from baton.model.probe import fastest_run_s
 
 CANDIDATES = (256, 512, 1024, 2048, 4096, 8192)

@@ -38,7 +38,8 @@ import torch
 
 from baton.kv.decode_step import ClaimedDecode, DecodeGroup, DecodeStep
 from baton.kv.pool import KVPool, KVPoolExhausted
-from baton.model.llama import CausalLM, DecodeBatch, DecodeObserver, observe_decode
+from baton.model.forward_batch import DecodeBatch, DecodeObserver, observe_decode
+from baton.model.llama import CausalLM
 
 log = logging.getLogger(__name__)
 

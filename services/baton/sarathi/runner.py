@@ -19,7 +19,8 @@ import torch
 
 from baton.host_to_device import to_device
 from baton.kv.pool import KVPool
-from baton.model.llama import CausalLM, DecodeBatch, Segment
+from baton.model.forward_batch import DecodeBatch, Segment
+from baton.model.llama import CausalLM
 from baton.sarathi.decode_graphs import DecodeGraphs
 from baton.sarathi.request import Sequence
 from baton.sarathi.scheduler import SchedulerOutput

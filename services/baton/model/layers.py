@@ -1,0 +1,177 @@
+"""The layers of a Llama-family decoder, Hugging Face's parameter names and all: RMSNorm,
+attention's projections (RoPE applied), the gated MLP, fused projections, a decoder layer
+and the backbone (``model.*``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.kernels import cpu as cpu_kernels
+from baton.model.config import ModelConfig
+from baton.model.linear import Linear, WeightPack, project
+from baton.model.rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.elementwise_fits(x, self.weight) and x.is_contiguous():
+            return cpu_kernels.kernels().rms_norm(x, self.weight, self.eps)  # one pass
+        dtype = x.dtype
+        # One fused kernel for x / rms(x) in fp32, then Llama's cast back before the weight.
+        x32 = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
+        return x32.to(dtype).mul_(self.weight)  # a fresh tensor either way: scale it in place
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v (see ``CausalLM.fuse_projections``)."""
+        self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [N, hidden] -> q [N, H, D], k, v [N, Hkv, D], RoPE applied to q and k."""
+        n = x.shape[0]
+        if self.qkv is not None:
+            fused = self.qkv.output(x)
+            if cpu_kernels.elementwise_fits(fused) and self.head_dim % 32 == 0:
+                # RoPE in place on the q and k heads of the fused output, one pass
+                cpu_kernels.kernels().rotary_(fused, cos.view(n, -1), sin.view(n, -1),
+                                              self.num_heads + self.num_kv_heads, self.head_dim)
+                q, k, v = fused.split(self.qkv.sizes, dim=-1)
+                return (q.view(n, self.num_heads, self.head_dim),
+                        k.view(n, self.num_kv_heads, self.head_dim),
+                        v.view(n, self.num_kv_heads, self.head_dim))
+            q, k, v = fused.split(self.qkv.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+# On the CPU a prompt-sized batch goes through the MLP in blocks of rows whose gate/up
+# activations take about this much. Whole, an 8192-token step's are ~45 MiB in fp32 (the
+# shipped model): more than the L3 cache, and more than glibc serves from its heap (32
+# MiB at most), so every layer of every such step had them page-faulted in anew.
+MLP_BLOCK_BYTES = 8 * 2**20
+MLP_MIN_BLOCK_ROWS = 256  # below this, matmuls use the CPU less well
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """One matmul for gate and up (see ``CausalLM.fuse_projections``)."""
+        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.block_rows(x)
+        if x.shape[0] <= rows:
+            return self._forward(x)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[0], rows):  # rows are independent: same result
+            out[start:start + rows] = self._forward(x[start:start + rows])
+        return out
+
+    def block_rows(self, x: torch.Tensor) -> int:
+        """How many rows go through at once (all of them on a GPU)."""
+        if x.device.type != "cpu":
+            return x.shape[0]
+        row_bytes = 2 * self.gate_proj.out_features * x.element_size()
+        return max(MLP_MIN_BLOCK_ROWS, MLP_BLOCK_BYTES // row_bytes)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            fused = self.gate_up.output(x)
+            if cpu_kernels.elementwise_fits(fused) and fused.shape[1] % 32 == 0:
+                return self.down_proj(cpu_kernels.kernels().silu_and_mul(fused))  # one pass
+            gate, up = fused.split(self.gate_up.sizes, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class FusedLinear:
+    """Several linear layers over the same input as one matmul.
+
+    The layers' weights become row slices (views) of one concatenated matrix, so
+    memory is not doubled, the Hugging Face parameter names stay, and a later
+    ``load_state_dict`` writes through to the fused matrix. Moving the model to
+    another device or dtype gives the layers new tensors of their own; the next
+    call notices (the first layer's weight is no longer the fused matrix's first
+    rows) and fuses them again on their new device.
+    Inference only: the views are not leaves of their own for autograd.
+    """
+
+    def __init__(self, *layers: nn.Linear) -> None:
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self.pack = WeightPack()
+        self._fuse()
+
+    def _fuse(self) -> None:
+        layers = self.layers
+        with torch.no_grad():
+            self.weight = torch.cat([layer.weight for layer in layers])
+            has_bias = [layer.bias is not None for layer in layers]
+            assert all(has_bias) or not any(has_bias), "fused layers must agree on bias"
+            self.bias = torch.cat([layer.bias for layer in layers]) if has_bias[0] else None
+        start = 0
+        for layer, size in zip(layers, self.sizes, strict=True):
+            layer.weight.data = self.weight[start:start + size]
+            if self.bias is not None:
+                layer.bias.data = self.bias[start:start + size]
+            start += size
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers' outputs side by side: [N, sum of out_features]."""
+        if self.layers[0].weight.data_ptr() != self.weight.data_ptr():  # moved since fused
+            self._fuse()
+        return project(x, self.weight, self.bias, self.pack)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.output(x).split(self.sizes, dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    """Hugging Face's ``model.*`` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
