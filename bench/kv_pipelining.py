@@ -73,7 +73,8 @@ def measure(mode: str, model_dir: Path, requests_per_length: int, first_prompt: 
     """One round of one mode on a fresh cluster: per length, each request's client times."""
     from baton.api.requests import CompressionParams, GenerateRequest
     from baton.client import BatonClient
-    from baton.local.cluster import ClusterSpec, LocalCluster
+    from baton.local.cluster import LocalCluster
+    from baton.local.spec import ClusterSpec
     from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
     from baton.model.sampling import SamplingParams
 

@@ -42,7 +42,8 @@ from baton.api.requests import CompressionParams, GenerateRequest
 from baton.api.v1 import api_pb2_grpc
 from baton.client import BatonClient
 from baton.local.child_exits import StopEvent
-from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import LocalCluster
+from baton.local.spec import ClusterSpec
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer

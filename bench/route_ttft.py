@@ -43,7 +43,8 @@ def measure(requests_per_cell: int, first_prompt: int) -> dict:
     from baton.api.requests import CompressionParams, GenerateRequest
     from baton.client import BatonClient
     try:
-        from baton.local.cluster import ClusterSpec, LocalCluster
+        from baton.local.cluster import LocalCluster
+        from baton.local.spec import ClusterSpec
     except ImportError:  # a baseline from before baton.local
         from baton.gateway.local_cluster import ClusterSpec, LocalCluster
     from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint

@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient, Completion
-from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import LocalCluster
+from baton.local.spec import ClusterSpec
 from baton.model import load_checkpoint, save_checkpoint
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model

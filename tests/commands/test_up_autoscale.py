@@ -9,7 +9,7 @@ import os
 import pytest
 from baton.commands import up
 from baton.config import PlannerConfig
-from baton.local.cluster import ClusterSpec
+from baton.local.spec import ClusterSpec
 
 CORES = len(os.sched_getaffinity(0))
 

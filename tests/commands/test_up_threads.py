@@ -7,7 +7,7 @@ import os
 
 import pytest
 from baton.commands import up
-from baton.local.cluster import ClusterSpec
+from baton.local.spec import ClusterSpec
 
 
 def parse(*argv: str) -> ClusterSpec:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 from baton.client import BatonClient
-from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import LocalCluster
+from baton.local.spec import ClusterSpec
 from baton.serving import free_port
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,

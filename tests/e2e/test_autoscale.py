@@ -17,7 +17,8 @@ import openai
 import pytest
 from baton.config import PlannerConfig
 from baton.local.autoscaler import LocalAutoscaler
-from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import LocalCluster
+from baton.local.spec import ClusterSpec
 from baton.planner import parse_pod
 from baton.serving import free_port
 from e2e_cluster import (

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
-from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import LocalCluster
+from baton.local.spec import ClusterSpec
 from baton.model.sampling import SamplingParams
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,

@@ -10,7 +10,8 @@ import grpc
 import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
-from baton.local.cluster import ClusterSpec, LocalCluster
+from baton.local.cluster import LocalCluster
+from baton.local.spec import ClusterSpec
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, greedy, long_prompt_ids, skip_without_cluster_parts
 
 pytestmark = pytest.mark.slow

@@ -17,10 +17,10 @@ from baton.local.cluster import (
     START_PORT_RETRIES,
     STOP_TIMEOUT_S,
     Child,
-    ClusterSpec,
     LocalCluster,
     ManagedRedis,
 )
+from baton.local.spec import ClusterSpec
 from redis_server import redis_server_binary
 
 WAIT_S = 60.0  # far beyond what any wait here needs: a wait that does not wake fails the test
@@ -73,7 +73,7 @@ def test_a_dead_unit_in_its_back_off_does_not_end_the_wait_but_a_stop_does(clust
     child = add_child(cluster, "decode-0")
     end(child)
     child.process.wait()
-    cluster._restarts["decode-0"] = (5, time.monotonic())  # next start 16 s after the last
+    cluster._restarts.starts["decode-0"] = (5, time.monotonic())  # next start 16 s after the last
     stop = StopEvent()
     try:
         waiter = waiting(cluster, stop)

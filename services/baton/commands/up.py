@@ -32,7 +32,7 @@ from baton import configtree
 from baton.config import KV_TRANSPORTS, PlannerConfig, ServerConfig
 
 if TYPE_CHECKING:
-    from baton.local.cluster import ClusterSpec
+    from baton.local.spec import ClusterSpec
 
 DEMO_SHORT_PROMPT = "def fibonacci(n):\n"
 DEMO_LINES_PER_ROUND = 8  # the long demo prompt grows by this many source lines until long enough
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     """The cluster the command line asks for (``--threads`` given alone sets every process)."""
-    from baton.local.cluster import ClusterSpec
+    from baton.local.spec import ClusterSpec
 
     planner = configtree.from_arguments(args, PlannerConfig) if args.autoscale else None
     decode_workers = args.decode_workers

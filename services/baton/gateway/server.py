@@ -19,10 +19,11 @@ from prometheus_client import CollectorRegistry
 
 from baton.api.v1 import api_pb2, api_pb2_grpc
 from baton.config import GatewayServiceConfig
+from baton.gateway.channels import Channels
 from baton.gateway.generations import Generations
 from baton.gateway.http import OpenAIServer
 from baton.gateway.http.chat_template import ChatTemplate
-from baton.gateway.relay import Channels, Relay
+from baton.gateway.relay import Relay
 from baton.gateway.request_table import RequestTable
 from baton.gateway.routing_policy import create_policy
 from baton.gateway.served_model import ServedModel

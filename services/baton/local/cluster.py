@@ -32,8 +32,7 @@ Once up, ``supervise()`` restarts what died, as Kubernetes restarts a pod: a dec
 the gateway alone (the gateway on the address it had), the whole chain when one of its
 ranks died (a chain's ranks start together: they meet at a fresh rendezvous port), the
 private redis-server on its own port. Each restart waits twice as long as the one before
-(``RESTART_BACKOFF_S`` up to ``RESTART_BACKOFF_MAX_S``); a unit that stayed up
-``RESTART_STABLE_S`` starts over.
+(``baton.local.processes.RestartBackoff``); a unit that stayed up a minute starts over.
 
 Autoscaled (``spec.autoscale``, driven by ``baton.local.autoscaler``): every pod
 serves ``/metrics`` on a free port (``metrics_targets()`` names them for the planner), the
@@ -47,27 +46,27 @@ never restarted; ``supervise()`` reaps it, or kills it ``STOP_TIMEOUT_S`` past i
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from baton.config import KVTransportConfig, MtlsConfig, PlannerConfig, ServerConfig, StreamConfig
+from baton.config import MtlsConfig
 from baton.local.child_exits import StopEvent, wait_for_exits
 from baton.local.processes import (
     STOP_TIMEOUT_S,
+    Child,
     ManagedRedis,
+    RestartBackoff,
     popen_dying_with_parent,
     ready_retries_s,
-    tail,
     terminate,
 )
+from baton.local.spec import ClusterSpec
 from baton.planner.scraper import Target
 from baton.serving import free_port
 
@@ -75,96 +74,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 180.0  # loading models on a busy 2-core machine takes a while
 MTLS_DAYS = 2.0  # the local CA's certificates outlive any `baton up`; made anew at every start
-RESTART_BACKOFF_S = 0.5  # the wait before the first restart of a unit
-RESTART_BACKOFF_MAX_S = 30.0
-RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_BACKOFF_S again
-MAX_DECODE_WORKERS = 8
 START_PORT_RETRIES = 3  # starts of a child that lost a port picked for it to another process
-PORT_TAKEN = "address already in use"  # matched in any case: grpc and asyncio differ
-
-
-
-@dataclass
-class ClusterSpec:
-    model_path: str = ""  # empty = the shipped model
-    decode_workers: int = 1
-    chain_ranks: int = 2  # 0 = no chain: every prompt is prefilled on a decode pod
-    redis_url: str = ""  # empty = start a redis-server for this cluster
-    gateway_listen: str = "127.0.0.1:0"
-    gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
-    prefill_threshold_tokens: int = 512
-    # The gateway's chain_break_even: a chain takes only prompts from the length its partition
-    # table measured it to pay (on one small machine that is past the shipped model's context,
-    # so prompts stay on the decode pod unless pinned); False = the threshold alone decides.
-    chain_break_even: bool = True
-    threads_per_process: int = 1  # torch threads of every chain rank
-    # torch threads of each decode pod; 0 = this machine's cores shared among the decode pods.
-    # A decode pod works through every phase of every request (it prefills the short prompts,
-    # decodes all of them) while a chain works only on long prompts, so on a small machine
-    # the pod gets the cores: one thread left it using half of a 2-core machine whenever the
-    # chain was idle.
-    decode_threads: int = 0
-    stream_interval_ms: float = 0.0  # the decode pods' --stream-interval-ms (0 = every step)
-    mtls: bool = True  # a private CA and a certificate per role; False: --mtls-insecure
-    heartbeat_s: float = 0.5
-    worker_ttl_s: float = 2.0
-    # more flags per role, e.g. {"decode": ["--pyramid-enabled", "false"]}
-    extra_args: dict[str, list[str]] = field(default_factory=dict)
-    # The planner's settings when the decode pods are autoscaled (decode_workers is then the
-    # count to start with); None = they stay as decode_workers made them.
-    autoscale: PlannerConfig | None = None
-    decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
-    kv_transport: str = "grpc"  # the chain's and the decode pods' --kv-transport-kind
-
-    def threads_of(self, role: str) -> int:
-        """Torch threads of one process of ``role`` (the gateway runs no torch work)."""
-        if role != "decode":
-            return self.threads_per_process
-        if self.decode_threads:
-            return self.decode_threads
-        most = self.autoscale.max_decode_pods if self.autoscale else self.decode_workers
-        return max(1, len(os.sched_getaffinity(0)) // most)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.decode_workers <= MAX_DECODE_WORKERS:
-            raise ValueError(f"decode_workers must be in 1..{MAX_DECODE_WORKERS}, got "
-                             f"{self.decode_workers}")
-        if self.autoscale is not None:
-            low, high = self.autoscale.min_decode_pods, self.autoscale.max_decode_pods
-            if high > MAX_DECODE_WORKERS or not low <= self.decode_workers <= high:
-                raise ValueError(f"autoscaled decode pods need min ({low}) <= decode_workers "
-                                 f"({self.decode_workers}) <= max ({high}) <= "
-                                 f"{MAX_DECODE_WORKERS} on one machine")
-        ServerConfig(grace_s=self.decode_grace_s)  # a bad value fails before any process
-        if self.chain_ranks < 0:
-            raise ValueError(f"chain_ranks must be >= 0, got {self.chain_ranks}")
-        if self.threads_per_process < 1 or self.decode_threads < 0:
-            raise ValueError(f"threads_per_process must be >= 1 and decode_threads >= 0 "
-                             f"(0 = automatic), got {self.threads_per_process} and "
-                             f"{self.decode_threads}")
-        StreamConfig(interval_ms=self.stream_interval_ms)  # a bad value fails before any process
-        KVTransportConfig(kind=self.kv_transport)
-
-
-@dataclass
-class Child:
-    name: str
-    role: str
-    process: subprocess.Popen
-    log_path: Path
-    args: list[str] = field(default_factory=list)  # the role's own flags, to start it again
-    metrics_port: int = 0  # its /metrics (autoscaled clusters only)
-    log_start: int = 0  # where this start's output begins in the (appended) log
-    port_retries: int = 0  # starts again after losing a port to another process
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        return tail(self.log_path, num_chars)
-
-    def lost_a_port(self) -> bool:
-        """This start died binding a port another process took since it was picked."""
-        with self.log_path.open("rb") as log:
-            log.seek(self.log_start)
-            return PORT_TAKEN in log.read().decode(errors="replace").lower()
 
 
 class LocalCluster:
@@ -178,7 +88,7 @@ class LocalCluster:
         self.retiring: list[tuple[Child, float]] = []  # decode pods sent SIGTERM, kill deadline
         self._num_decode_started = 0  # decode pods are named in start order, never reused
         self.gateway_address = ""
-        self._restarts: dict[str, tuple[int, float]] = {}  # unit -> (restarts, last start)
+        self._restarts = RestartBackoff()
         self._pki: dict[str, MtlsConfig] = {}  # role -> its certificate (spec.mtls)
         if spec.mtls:
             from baton.security.certificates import Authority
@@ -328,7 +238,7 @@ class LocalCluster:
         for unit, processes in self._units():
             alive = [process for process in processes if process.poll() is None]
             if len(alive) < len(processes):  # dead: due again when its back-off ends
-                deadline = min(deadline, self._restart_due_at(unit))
+                deadline = min(deadline, self._restarts.due_at(unit))
             running += alive
         for child, kill_at in self.retiring:
             running.append(child.process)
@@ -341,7 +251,7 @@ class LocalCluster:
         now = time.monotonic()
         events = self._reap_retired(now)
         for unit, processes in self._units():
-            if any(process.poll() is not None for process in processes) and self._due(unit, now):
+            if any(process.poll() is not None for process in processes) and self._restarts.take(unit, now):
                 events.append(self._restart(unit))
         return events
 
@@ -380,26 +290,10 @@ class LocalCluster:
         self._spawn(child.name, child.role, args)
         return self._restarted(child.name, child.process.returncode, f"(log {child.log_path})")
 
-    def _restart_due_at(self, unit: str) -> float:
-        """When a dead unit may start again: its last start plus a back-off that doubles
-        with each restart (a unit that stayed up ``RESTART_STABLE_S`` is past it anyway)."""
-        restarts, last_start = self._restarts.get(unit, (0, -math.inf))
-        return last_start + min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** restarts)
-
-    def _due(self, unit: str, now: float) -> bool:
-        """Whether a dead unit may start again now (and if so, count the start)."""
-        if now < self._restart_due_at(unit):
-            return False
-        restarts, last_start = self._restarts.get(unit, (0, -math.inf))
-        if now - last_start > RESTART_STABLE_S:
-            restarts = 0
-        self._restarts[unit] = (restarts + 1, now)
-        return True
-
     def _restarted(self, what: str, code: int | None, detail: str) -> str:
         unit = {"redis-server": "redis", "the chain": "chain"}.get(what, what)
         exit_code = "" if code is None else f" exited with {code};"
-        return f"{what}{exit_code} restarted {detail}, restart {self._restarts[unit][0]}"
+        return f"{what}{exit_code} restarted {detail}, restart {self._restarts.count(unit)}"
 
     def stop(self) -> None:
         """Stop every child (gateway first, so no request lands on a dying worker), then Redis."""

@@ -5,12 +5,14 @@ redis-server."""
 from __future__ import annotations
 
 import ctypes
+import math
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.local.child_exits import wait_for_exit, wait_for_exits
@@ -128,3 +130,57 @@ def terminate(process: subprocess.Popen) -> None:
         if not wait_for_exit(process, STOP_TIMEOUT_S):
             process.kill()
             process.wait()
+
+
+PORT_TAKEN = "address already in use"  # matched in any case: grpc and asyncio differ
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    process: subprocess.Popen
+    log_path: Path
+    args: list[str] = field(default_factory=list)  # the role's own flags, to start it again
+    metrics_port: int = 0  # its /metrics (autoscaled clusters only)
+    log_start: int = 0  # where this start's output begins in the (appended) log
+    port_retries: int = 0  # starts again after losing a port to another process
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return tail(self.log_path, num_chars)
+
+    def lost_a_port(self) -> bool:
+        """This start died binding a port another process took since it was picked."""
+        with self.log_path.open("rb") as log:
+            log.seek(self.log_start)
+            return PORT_TAKEN in log.read().decode(errors="replace").lower()
+
+
+RESTART_BACKOFF_S = 0.5  # the wait before the first restart of a unit
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_STABLE_S = 60.0  # up this long: the next death restarts after RESTART_BACKOFF_S again
+
+
+class RestartBackoff:
+    """When a dead unit may start again: its last start plus a back-off that doubles with
+    each restart; a unit that stayed up ``RESTART_STABLE_S`` starts over."""
+
+    def __init__(self) -> None:
+        self.starts: dict[str, tuple[int, float]] = {}  # unit -> (restarts, last start)
+
+    def due_at(self, unit: str) -> float:
+        restarts, last_start = self.starts.get(unit, (0, -math.inf))
+        return last_start + min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** restarts)
+
+    def take(self, unit: str, now: float) -> bool:
+        """Whether a dead unit may start again now (and if so, count the start)."""
+        if now < self.due_at(unit):
+            return False
+        restarts, last_start = self.starts.get(unit, (0, -math.inf))
+        if now - last_start > RESTART_STABLE_S:
+            restarts = 0
+        self.starts[unit] = (restarts + 1, now)
+        return True
+
+    def count(self, unit: str) -> int:
+        return self.starts[unit][0]
