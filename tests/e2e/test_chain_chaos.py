@@ -1,5 +1,5 @@
 """A chain's death never fails a request: the service as real processes (one decode pod, a
-2-rank chain, supervised as `baton up` supervises it), 16 long prompts sent at once through
+2-rank chain, supervised as `baton up` supervises it), 8 or 16 long prompts sent at once through
 the chain, and one chain rank killed with SIGKILL at a moment of the burst: while most of
 them wait at rank 0, while the chain computes and pushes the first ones, or when the last
 ones are in flight. Every request ends served with the fault-free tokens (greedy, KV
@@ -37,7 +37,7 @@ from e2e_cluster import (
 )
 
 pytestmark = pytest.mark.slow
-NUM_PROMPTS = 16
+NUM_PROMPTS = 8  # a burst; twice as many where the kill waits for first tokens (see CASES)
 MAX_TOKENS = 12
 # A killed chain restarts and registers within this long, even on a machine running a second
 # test suite beside this one (loading the model is most of it); pinned requests wait as long.
@@ -58,7 +58,8 @@ def cluster(tmp_path_factory):
 
 # The first tokens a client sees lag the chain's pushes (on a loaded machine by several
 # prompts): with bursts of 8, kills after 4 and after 2 first tokens were each seen to come
-# when the chain had pushed them all, so a burst is 16 prompts, a second of the chain's work.
+# when the chain had pushed them all, so a case that waits for first tokens sends 16, a
+# second of the chain's work.
 CASES = [  # (the rank killed, after how many first tokens, the requests' prefill_route)
     ("prefill-1", 0, "auto"),  # the tail, with every request queued or in the chain
     ("prefill-0", 2, "auto"),  # rank 0, with a few pushed and the rest queued or computing
@@ -70,16 +71,19 @@ CASES = [  # (the rank killed, after how many first tokens, the requests' prefil
 
 @pytest.fixture(scope="module")
 def prompts():
-    """For each case, 16 prompts of 750-900 tokens of real Python source (each case its own:
-    a prompt served before sits in the decode pod's prefix cache, and the cache-aware route
-    would not send it to the chain again), and their fault-free tokens."""
+    """For each case, 8 or 16 prompts of 750-900 tokens of real Python source (each case its
+    own, each prompt from its own offset: a prompt served before sits in the decode pod's
+    prefix cache, and the cache-aware route would not send it to the chain again), and their
+    fault-free tokens."""
     reference = MonolithicReference()
     source = reference.tokenizer.encode(Path(os.__file__).read_text())
-    sets = [[source[(case * NUM_PROMPTS + i) * 100:][:750 + 10 * i] for i in range(NUM_PROMPTS)]
-            for case in range(len(CASES))]
+    sizes = [2 * NUM_PROMPTS if kill_after else NUM_PROMPTS for _, kill_after, _ in CASES]
+    starts = [sum(sizes[:case]) for case in range(len(CASES))]
+    sets = [[source[(starts[case] + i) * 100:][:750 + 10 * i] for i in range(size)]
+            for case, size in enumerate(sizes)]
     results = reference.engine.generate([p for prompts in sets for p in prompts], greedy(MAX_TOKENS))
     tokens = [result.token_ids for result in results]
-    return [(prompts, tokens[case * NUM_PROMPTS:(case + 1) * NUM_PROMPTS])
+    return [(prompts, tokens[starts[case]:starts[case] + len(prompts)])
             for case, prompts in enumerate(sets)]
 
 
