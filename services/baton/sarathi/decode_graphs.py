@@ -2,9 +2,8 @@
 
 Why: on a GPU an eager decode step is a few hundred small kernels, each launched from
 Python; for a small or mid-sized model the launches, not the bytes of the weights, set
-the step time (an H100 ran ``random-50m``'s batch-32 step in ~6 ms, ~0.8 ms of it GPU
-work: docs/benchmarks/engine-gpu.md). A CUDA graph records a step's kernels once and
-replays them with one launch.
+the step time (docs/runtime.md, "On a GPU"). A CUDA graph records a step's kernels once
+and replays them with one launch.
 
 How (after vLLM's model runner): a graph is captured for each (batch, width) bucket the
 first time a step falls in it. The batch is rounded up to a power of two; the block-table
