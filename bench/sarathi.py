@@ -312,7 +312,7 @@ def render(results: dict, prefix: str) -> str:
                  else f"{results['threads']} threads, {results['dtype']}")
     header = report_header(f"SARATHI decode engine{' on a GPU' if on_gpu else ''}: throughput and "
                            f"time between tokens", "bench/sarathi.py", prefix, results)
-    sections = [(f"{header}{precision}; each (workload, policy) ran {results['repeats']} "
+    sections = [(f"{header}\n{precision}; each (workload, policy) ran {results['repeats']} "
                  f"times, policies interleaved, the fastest run kept.\n")]
     costs = [IterationCosts(**c) for c in results["costs"]]
     balanced_runs: list[RunStats] = []

@@ -30,10 +30,10 @@ def _decode_gain(costs: IterationCosts) -> str:
 
 def table(results: list[RunStats]) -> str:
     rows = []
-    baseline = {(id(r.workload)): r for r in results if r.policy == "separate"}
+    baseline = {r.workload.key: r for r in results if r.policy == "separate"}
     for r in results:
         w = r.workload
-        base = baseline[id(w)]
+        base = baseline[w.key]
         rows.append([r.policy, w.batch, w.prompt_len, w.decode_len, f"{w.ratio:.0f}", w.budget,
                      f"{r.decode_tps:.0f}", f"{r.decode_tps / base.decode_tps:.2f}x",
                      f"{r.end_to_end_tps:.0f}", f"{r.end_to_end_tps / base.end_to_end_tps:.2f}x",
