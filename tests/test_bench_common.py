@@ -78,3 +78,36 @@ def test_every_report_names_its_command_commit_and_machine_and_keeps_its_raw_res
         "the CPU model and its instruction sets"
     raw = re.search(r"\[([\w.-]+-results\.json\.gz)\]", text)
     assert raw and (report.parent / raw[1]).is_file(), "the raw results beside it"
+
+
+def _rendered(report: str) -> str:
+    """``report`` as its script renders it now from the committed raw results."""
+    sys.path[:0] = [str(ROOT / "bench" / "peer")]
+    import autoscale
+    import kv_pipelining
+    import kv_transfer
+    import pd_model
+    import prefix
+    import report as peer_report
+    import results as peer_results
+    import route_ttft
+    import shared_prefix
+
+    renders = {
+        "autoscale.md": lambda: autoscale.render(common.load_results("autoscale")),
+        "kv-pipelining.md": lambda: kv_pipelining.report(common.load_results("kv-pipelining")),
+        "kv_transfer.md": lambda: kv_transfer.report(common.load_results("kv-transfer")),
+        "pd-model.md": lambda: pd_model.report(*map(common.load_results,
+                                                   ("pd-model", "route-ttft", "kv-transfer"))),
+        "prefix.md": lambda: prefix.render(common.load_results("prefix")),
+        "peer.md": lambda: peer_report.render(peer_results.load()),
+        "peer-prefix.md": lambda: shared_prefix.render(peer_results.load(shared_prefix.RESULTS_PATH)),
+        "route-ttft.md": lambda: route_ttft.report(common.load_results("route-ttft")),
+    }
+    return renders[report]()
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=lambda path: path.name)
+def test_every_report_is_what_its_script_renders_from_the_committed_raw_results(report):
+    assert _rendered(report.name) == report.read_text(), \
+        f"{report.name} is stale: render it again with its script's --render"
