@@ -48,7 +48,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         mask = None if sees_all else visibility_mask(query_positions, key_positions, sliding_window)
         return _attend_grouped(q, k, v, mask)
     # [1, heads, len, D]: CPU SDPA takes its fused kernels only for 4-D inputs (3-D falls back
-    # to the slow math path: 6-10x at 2k tokens).
+    # to the slow math path).
     qh = q.transpose(0, 1)[None]
     if num_queries == num_keys and not window_matters and q.device.type == "cpu":
         # A whole prompt: the fused causal kernel reads the KV heads in place (enable_gqa,

@@ -144,8 +144,7 @@ class DecodeGraphs:
         self.replayed_steps += 1
         if any(observer is not None for observer in observers):
             observe_decode(observers, buffers.queries[:count], positions)
-        # a copy, on the device (33 MB take ~10 µs on an H100): the static buffer is the next
-        # replay's
+        # a copy, on the device (cheap there): the static buffer is the next replay's
         return buffers.logits[:count].clone()
 
     def capture_all(self) -> int:
@@ -201,8 +200,8 @@ class DecodeGraphs:
     def _fill(self, buffers: _Buffers, claimed: ClaimedDecode, token_ids: list[int],
               positions: list[int], scratch: int, width: int) -> None:
         """Write the step into the static inputs, padded to the bucket: one host buffer (filled
-        with numpy: at batch 64 and 16 layers, Python lists took ~0.5 ms a step), one copy to
-        the device."""
+        with numpy, not Python lists, which cost a step's worth of time at batch 64), one copy
+        to the device."""
         batch, count, layers = buffers.batch, len(claimed.seq_ids), self.model.config.num_hidden_layers
         if buffers.copied is not None:
             buffers.copied.synchronize()  # the last step's copy has read the staging buffer
