@@ -160,7 +160,7 @@ def report_header(title: str, script: str, name: str, results: dict,
         "",
         (f"Measured by {measured} at commit `{commit_text[0]}`{' ' + commit_text[1] if len(commit_text) > 1 else ''}, "
          f"started {run['started']}; rendered from the raw results [{raw}]({raw}) by "
-         f"`python {script} --render`."),
+         f"`{command or 'python ' + script} --render`."),
         "",
         f"Machine: {describe_machine(run['machine'])}.",
         "",
