@@ -45,8 +45,8 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent / "peer"))
-from common import REPORT_DIR, machine_description, markdown_table
-from results import load, provenance, save  # the peer benchmark's: byte-stable gzipped JSON
+from common import REPORT_DIR, markdown_table, report_header, run_record
+from results import load, save  # the peer benchmark's: byte-stable gzipped JSON
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_NAME = "autoscale-results.json.gz"
@@ -284,8 +284,7 @@ def run(setup: Setup, log_path: Path, planner_trace: Path | None = None) -> dict
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer
     streams = make_streams(setup, tokenizer)
-    started = provenance()
-    machine = machine_description()
+    record = run_record()
     began_s = time.monotonic()
     baton = BatonUp(setup, free_port(), log_path, planner_trace)
     try:
@@ -305,7 +304,7 @@ def run(setup: Setup, log_path: Path, planner_trace: Path | None = None) -> dict
     reference = reference_tokens(streams)
     durations = {"start_s": origin_s - began_s, "load_s": load_done_s - origin_s,
                  "reference_s": time.monotonic() - load_done_s}
-    return {"provenance": started, "machine": machine, "setup": asdict(setup),
+    return {"run": record, "setup": asdict(setup),
             "command": "baton up " + " ".join(setup.flags()),
             "durations_s": {name: round(value, 1) for name, value in durations.items()},
             "samples": sampler.samples, "scale_events": events,
@@ -382,11 +381,16 @@ def _gap_times(stream: dict):
         yield gap, t
 
 
+def _in_flight(results: dict, t: float) -> list[dict]:
+    """The streams started and not yet ended at ``t`` s."""
+    return [s for s in results["streams"]
+            if s["start_ms"] / 1000 <= t < (s["end_ms"] or math.inf) / 1000]
+
+
 def _event_rows(results: dict) -> list[list[object]]:
     rows = []
     for t, before, after, verb, pods in results["scale_events"]:
-        in_flight = [s for s in results["streams"]
-                     if s["start_ms"] / 1000 <= t < (s["end_ms"] or math.inf) / 1000]
+        in_flight = _in_flight(results, t)
         rows.append([f"{t:.0f}", f"{before} -> {after}", f"{verb} {pods}", len(in_flight),
                      sum(not s["identical"] for s in in_flight)])
     return rows
@@ -398,27 +402,22 @@ def render(results: dict) -> str:
     completed = [s for s in streams if not s["error"]]
     downs = [e for e in results["scale_events"] if e[3] == "draining"]
     ups = [e for e in results["scale_events"] if e[3] == "starting"]
-    provenance_line = (f"commit `{results['provenance']['commit'][:10]}`"
-                       f"{' (with uncommitted changes)' if results['provenance']['dirty'] else ''}, "
-                       f"{results['provenance']['started']}; {results['machine']}")
     summary = markdown_table(["", ""], [
         ["requests sent / completed", f"{len(streams)} / {len(completed)}"],
         ["scale-ups / scale-downs", f"{len(ups)} / {len(downs)}"],
+        ["streams in flight at a scale-down", f"{sum(len(_in_flight(results, e[0])) for e in downs)}"],
         ["streams moved to another pod (gateway migrations)",
          f"{sum(s['moved'] for s in streams)} ({results['gateway_migrations']:.0f})"],
         ["streams identical to the fault-free reference", f"{sum(s['identical'] for s in streams)}"],
         ["tokens lost (failed requests included)", f"{sum(s['lost'] for s in streams)}"],
         ["tokens repeated", f"{sum(s['repeated'] for s in streams)}"]])
     return "\n\n".join([
-        "# Autoscaling on one machine",
+        report_header("Autoscaling on one machine", "bench/autoscale.py", "autoscale", results).rstrip(),
         ("Does `baton up --autoscale` follow a load ramp up and down within its targets, and "
-        "does a decode pod it removes cost any client a token? Produced by "
-        "`python bench/autoscale.py` (rendered from [autoscale-results.json.gz]"
-         "(autoscale-results.json.gz) by "
-        "`python bench/autoscale.py --render`)."),
-        (f"Run: {provenance_line}. It took {results['durations_s']['start_s']:.0f} s to start, "
-        f"{results['durations_s']['load_s']:.0f} s of load (and stopping), "
-        f"{results['durations_s']['reference_s']:.0f} s for the reference."),
+         "does a decode pod it removes cost any client a token?"),
+        (f"It took {results['durations_s']['start_s']:.0f} s to start, "
+         f"{results['durations_s']['load_s']:.0f} s of load (and stopping), "
+         f"{results['durations_s']['reference_s']:.0f} s for the reference."),
         (f"Service: `{results['command']}` (loopback only). Load: open-loop Poisson arrivals "
         f"through the OpenAI API: {phases}; prompts "
         f"of {setup['prompt_tokens'][0]}-{setup['prompt_tokens'][1]} tokens cut from the "

@@ -1,6 +1,6 @@
 """Model runtime speed: baton vs Hugging Face transformers on the same weights.
 
-Writes docs/benchmarks/engine.md: prefill tokens/s at 512 and 2048 tokens,
+Writes docs/benchmarks/engine.md (from engine-results.json.gz beside it): prefill tokens/s at 512 and 2048 tokens,
 decode tokens/s at batch 1, 8 and 32, side by side in one run, on the shipped
 model and on the ~50M-parameter random-weight preset; and the batch-1 decode
 step against the memory-bandwidth bound (bytes read per step / copy bandwidth).
@@ -21,7 +21,15 @@ from baton.kv import DenseKV, KVPool
 from baton.model import decode_step, load_checkpoint, prefill, save_checkpoint
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
-from common import machine_description, markdown_table, median_time, write_report
+from common import (
+    load_results,
+    markdown_table,
+    median_time,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
 PREFILL_LENGTHS = (512, 2048)
 DECODE_BATCHES = (1, 8, 32)
@@ -171,78 +179,14 @@ def bench_model(label: str, directory: Path, bandwidth: float) -> tuple[list[lis
     return rows, bound_row
 
 
-NOTES = """
-## Reading the numbers
 
-* Where oneDNN is missing (the packed weights below need it), which orientation
-  a few-row matmul takes is measured per process
-  (`baton.model.linear.weight_major_pays`): on AMD EPYC's MKL, ``(W @ x.T).T``
-  streams the weights 2-6x faster than ``x @ W.T`` for up to 4 rows (this
-  report's earlier runs there: batch-1 decode of `random-50m` at 2.12x
-  transformers); on an Intel Xeon it is 2x slower and `F.linear` is kept.
-* The bound divides bytes *read* by the bandwidth of a copy, which reads and
-  writes every byte. A pure read stream runs faster than that, so a step
-  can come in at or under the bound. The copy itself varies with the load of
-  this shared machine (34-54 GB/s between runs on the AMD machine, 16-28 GB/s
-  on the Intel one), and the ratio with it.
-* The shipped model is small enough (7.6 M parameters, 4 layers) that a step
-  is ~1,100 small tensor operations (views included) whose dispatch costs
-  more than reading the 15 MB of weights. Its batch-1 step is bound by per-operation overhead, not
-  by memory.
-* Where baton's lead comes from (CPU): decode attention reads the paged KV
-  blocks where they lie (`paged_decode_attention`, no gather into padded
-  tensors), prompt attention is a register-tiled causal kernel, the
-  projections run on weights packed once into oneDNN's layout (transformers'
-  fp32 `F.linear` goes through MKL, which reports its generic code path on this
-  AMD CPU: ~200 GFLOP/s against oneDNN's ~460 on the same 2 cores), and
-  norms, rotary embeddings and the MLP's gate are fused kernels. The kernels
-  and their measurements are in [docs/runtime.md](../runtime.md). The peer
-  benchmark ([peer.md](peer.md)) compares whole engines on a serving workload.
-"""
-
-
-GPU_NOTES = """
-## Reading the numbers
-
-* This is a GPU run: both runtimes in bfloat16 on one CUDA device, eager
-  PyTorch (no CUDA graphs, no compiled kernels) on both sides.
-* Models this small give a GPU too little work per operation: a decode step
-  is ~250 kernel launches of a few microseconds each, and a profile of
-  `random-50m` at batch 32 shows ~0.8 ms of GPU work in a ~6 ms step. Both
-  runtimes are bound by launch and Python overhead, not by memory, so the
-  batch-1 step is tens to hundreds of times the bandwidth bound. Decode here is
-  the model's eager step on both sides; the engine replays its decode-only
-  iterations from CUDA graphs, which `bench/gpu_decode.py` measures (its
-  report: `decode-gpu.md`). For models this small the bound stays out of
-  reach even then.
-* The first GPU run of this script had baton at 0.71-0.80x of transformers
-  for decode at batch 8 and 32. Three causes, all fixed: the block indices
-  went to the GPU in blocking copies (a stream synchronisation each, several
-  per layer); PyTorch chose cuDNN attention for the masked decode call, which
-  builds a plan for every new padded shape (~9 ms each, recurring as
-  sequences grow); and each layer walked every sequence's block table and
-  built its own mask. Now one pinned, non-blocking copy per step carries
-  every layer's indices, layers of the same shape share one attention bias,
-  and attention runs on flash or memory-efficient kernels: ~250 launches per
-  batch-32 step instead of ~400.
-* Prefill is ~1.45x faster than transformers here; we have not profiled
-  transformers to say where its extra time goes.
-* Runs on this machine vary by ±20%; compare rows of one run.
-"""
-
-
-def main() -> int:
+def measure(args: argparse.Namespace) -> dict:
     global DEVICE, DTYPE
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: both runtimes in bfloat16 on the GPU; writes engine-gpu.md")
-    args = parser.parse_args()
     DEVICE = torch.device(args.device)
     DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    machine = machine_description()
+    record = run_record()
     bandwidth = copy_bandwidth_bytes_per_s()
     models = []
     if (SHIPPED_MODEL_DIR / "model.safetensors").is_file():
@@ -257,31 +201,52 @@ def main() -> int:
         rows, bound_row = bench_model(label, directory, bandwidth)
         speed_rows += rows
         bound_rows.append(bound_row)
-    on_gpu = DEVICE.type == "cuda"
-    title = "Model runtime on a GPU" if on_gpu else "Model runtime"
-    precision = "GPU run, bfloat16" if on_gpu else f"{args.threads} threads; fp32"
-    bandwidth_source = "1 GiB device-to-device copy" if on_gpu else "256 MiB tensor copy"
-    report = f"""# {title}: baton vs transformers
+    return {"run": record, "device": DEVICE.type, "threads": args.threads,
+            "copy_bandwidth_bytes_per_s": bandwidth, "speed_rows": speed_rows,
+            "bound_rows": bound_rows}
 
-Machine: {machine}; {precision}. Both runtimes run the same
-weights in the same process (`python bench/engine.py`); for every row the two
-alternate for {ROUNDS} runs each after a warm-up, and each one's fastest run counts.
+
+def render(results: dict, name: str) -> str:
+    on_gpu = results["device"] == "cuda"
+    title = "Model runtime on a GPU" if on_gpu else "Model runtime"
+    precision = "GPU run, bfloat16" if on_gpu else f"{results['threads']} threads; fp32"
+    bandwidth = results["copy_bandwidth_bytes_per_s"]
+    bandwidth_source = "1 GiB device-to-device copy" if on_gpu else "256 MiB tensor copy"
+    header = report_header(f"{title}: baton vs transformers", "bench/engine.py", name, results)
+    return f"""{header}
+{precision}. Both runtimes run the same weights in the same process; for every row the
+two alternate for {ROUNDS} runs each after a warm-up, and each one's fastest run counts.
 Prefill: one prompt. Decode: {DECODE_STEPS} greedy steps after a
 {DECODE_PROMPT}-token prompt per sequence (ours: paged KV pool; transformers: its
 DynamicCache).
 
 {markdown_table(["model", "work", "baton tokens/s", "transformers tokens/s", "baton / transformers"],
-                speed_rows)}
+                results["speed_rows"])}
 
 ## Batch-1 decode against the memory-bandwidth bound
 
 A decode step at batch 1 must read every weight and the KV cache once.
 Measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s ({bandwidth_source}).
-Bound = bytes read per step / copy bandwidth.
+Bound = bytes read per step / copy bandwidth (a copy reads and writes every byte, so a
+step that only reads can come in under it).
 
-{markdown_table(["model", "bytes read per step", "bound", "baton step", "baton / bound"], bound_rows)}
-{GPU_NOTES if on_gpu else NOTES}"""
-    write_report("engine-gpu.md" if on_gpu else "engine.md", report)
+{markdown_table(["model", "bytes read per step", "bound", "baton step", "baton / bound"],
+                results["bound_rows"])}
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: both runtimes in bfloat16 on the GPU; writes engine-gpu.md")
+    parser.add_argument("--render", action="store_true",
+                        help="render the report again from the committed raw results")
+    args = parser.parse_args()
+    name = "engine-gpu" if args.device == "cuda" else "engine"
+    if not args.render:
+        save_results(name, measure(args))
+    write_report(f"{name}.md", render(load_results(name), name))
     return 0
 
 

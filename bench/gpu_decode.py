@@ -7,7 +7,7 @@ Writes docs/benchmarks/decode-gpu.md and decode-gpu-results.json.gz. The model i
 Face's format in bfloat16; both runtimes load it from that directory.
 
     python bench/gpu_decode.py                        # on a CUDA machine (make gpu-check)
-    python bench/gpu_decode.py --report-only          # the report again, from the results
+    python bench/gpu_decode.py --render               # the report again, from the results
     python bench/gpu_decode.py --device cpu --smoke   # the script itself, on a tiny model
 """
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import json
 import sys
 import tempfile
 import time
@@ -40,9 +38,14 @@ from baton.sarathi.scheduler import PrefillChunk, SchedulerOutput
 from baton.transfer.codec import CHUNK_BYTES
 from baton.transfer.device_copy import HostCopy, to_device, to_host
 from baton.transfer.received import ReceivedLayer
-from common import REPORT_DIR, machine_description, markdown_table, write_report
-
-RESULTS = REPORT_DIR / "decode-gpu-results.json.gz"
+from common import (
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
 CONFIG_SMOKE = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -299,14 +302,13 @@ def measure(args) -> dict:
     if args.smoke:
         globals().update(SMOKE_SIZES)
     config = CONFIG_SMOKE if args.smoke else PRESETS["random-1b"]
-    machine = machine_description()
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch) / "random-1b"
         parameters = make_checkpoint(config, directory, device)
         print(f"[model] {parameters / 1e9:.2f}B parameters in {directory}", flush=True)
         model = load_checkpoint(directory, dtype="bfloat16", device=device.type,
                                 with_tokenizer=False).model
-        results = {"machine": machine, "device": str(device), "parameters": parameters,
+        results = {"device": str(device), "parameters": parameters,
                    "config": model.config.to_hf_dict(), "smoke": args.smoke,
                    "weight_bytes": sum(p.nbytes for p in model.parameters()),
                    "copy_bandwidth": device_copy_bandwidth(device),
@@ -367,9 +369,10 @@ def report(results: dict) -> str:
         on_rows.append([label, f"{kv[key] * ms:.1f}", f"{rate / gb:.1f}",
                         f"{rate / pcie_rates['to_device_pinned']:.2f}"])
     label = "GPU run" if results["device"].startswith("cuda") else "CPU smoke run, not a figure"
-    return f"""# Decode on a GPU: CUDA graphs, the bandwidth bound, KV over PCIe
-
-Machine: {results['machine']}; {label}, bfloat16. Model: {results['parameters'] / 1e9:.2f}B
+    header = report_header("Decode on a GPU: CUDA graphs, the bandwidth bound, KV over PCIe",
+                           "bench/gpu_decode.py", "decode-gpu", results)
+    return f"""{header}
+{label}, bfloat16. Model: {results['parameters'] / 1e9:.2f}B
 parameters with random weights (Llama 3.2 1B's shape: {layers} layers, {kv_heads} KV heads of
 {head_dim}, a {config['vocab_size']:,}-token vocabulary), made by `bench/gpu_decode.py` in
 Hugging Face's format; both runtimes load it from there.
@@ -426,19 +429,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model and no report file: checks the script itself")
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
+                        help="render the report again from the committed raw results")
     args = parser.parse_args(argv)
-    if args.report_only:
-        results = json.loads(gzip.decompress(RESULTS.read_bytes()))
-    else:
+    if not args.render:
         if args.device == "cuda" and not torch.cuda.is_available():
             parser.error("no CUDA device here (--device cpu --smoke checks the script)")
-        results = measure(args)
+        record = run_record([__file__, *(sys.argv[1:] if argv is None else argv)])
+        results = {"run": record, **measure(args)}
         if args.smoke:
             print(report(results))
             return 0
-        RESULTS.write_bytes(gzip.compress(json.dumps(results).encode()))
-    write_report("decode-gpu.md", report(results))
+        save_results("decode-gpu", results)
+    write_report("decode-gpu.md", report(load_results("decode-gpu")))
     return 0
 
 

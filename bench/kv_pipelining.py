@@ -17,7 +17,7 @@ chain, each prompt new, 4 new tokens each, greedy. Modes alternate round by roun
 C B A). Every push's bytes are counted by the decode pod per data plane (its /metrics).
 
     .venv/bin/python bench/kv_pipelining.py --rounds 4
-    .venv/bin/python bench/kv_pipelining.py --report-only
+    .venv/bin/python bench/kv_pipelining.py --render
 
 Writes docs/benchmarks/kv-pipelining.md from docs/benchmarks/kv-pipelining-results.json.gz.
 """
@@ -25,7 +25,6 @@ Writes docs/benchmarks/kv-pipelining.md from docs/benchmarks/kv-pipelining-resul
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import shutil
@@ -38,10 +37,16 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_DIR, git, machine_description, markdown_table, write_report
+from common import (
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = REPORT_DIR / "kv-pipelining-results.json.gz"
 LENGTHS = (1024, 2048, 4096, 8192)
 BY_LAYER_NIXL = "by-layer, NIXL"
 # Each mode's flags for the chain's ranks and the decode pod.
@@ -138,9 +143,7 @@ def run_round(mode: str, model_dir: Path, requests_per_length: int, first_prompt
 
 
 def run(rounds: int, requests_per_length: int) -> dict:
-    results = {"commit": git("rev-parse", "HEAD"), "clean": not git("status", "--porcelain", "-uno"),
-               "machine": machine_description(),
-               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": []}
+    results = {"run": run_record(), "rounds": []}
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = make_model(Path(scratch) / PRESET)
         for number in range(rounds):
@@ -185,15 +188,10 @@ def report(results: dict) -> str:
                                           for plane, num in e["bytes_by_plane"].items() if num)
               for e in results["rounds"] if "bytes_by_plane" in e and e["round"] == 1]
     return "\n".join([
-        "# Layer-by-layer KV shipping: the chain's second token, by layer against after prefill",
-        "",
-        (f"Written by `bench/kv_pipelining.py` from "
-         f"[kv-pipelining-results.json.gz](kv-pipelining-results.json.gz): commit "
-         f"`{results['commit'][:12]}`{'' if results['clean'] else ' (with uncommitted changes)'}, "
-         f"started {results['started']}, finished {results['finished']}."),
-        "",
-        (f"Machine: {results['machine']}; load average {results['load_average_end']} at the end. "
-         "Nothing else ran."),
+        report_header("Layer-by-layer KV shipping: the chain's second token, by layer against "
+                      "after prefill", "bench/kv_pipelining.py", "kv-pipelining", results,
+                      f"python bench/kv_pipelining.py --rounds {max(e['round'] for e in results['rounds'])}"),
+        f"Finished {results['finished']}; load average {results['load_average_end']} at the end.",
         "",
         (f"Each round starts a fresh `LocalCluster` per mode (gateway, a 2-rank chain, one decode "
          f"pod; KV compression off) on `{PRESET}` (random weights; the pods ship "
@@ -223,7 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=2, help="requests per length a round")
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
+                        help="render the report again from the committed raw results")
     parser.add_argument("--measure", choices=tuple(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--first-prompt", type=int, default=0, help=argparse.SUPPRESS)
@@ -231,12 +230,9 @@ def main() -> None:
     if args.measure is not None:
         print(json.dumps(measure(args.measure, Path(args.model), args.requests, args.first_prompt)))
         return
-    if not args.report_only:
-        results = run(args.rounds, args.requests)
-        with gzip.open(RESULTS, "wt") as file:
-            json.dump(results, file)
-    with gzip.open(RESULTS, "rt") as file:
-        write_report("kv-pipelining.md", report(json.load(file)))
+    if not args.render:
+        save_results("kv-pipelining", run(args.rounds, args.requests))
+    write_report("kv-pipelining.md", report(load_results("kv-pipelining")))
 
 
 if __name__ == "__main__":

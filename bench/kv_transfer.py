@@ -21,7 +21,7 @@ Each push is end to end: encode, send, receive, verify, store in the pool. Goal 
 shipping at wire speed): gRPC at least half of raw TCP.
 
     .venv/bin/python bench/kv_transfer.py --rounds 8
-    .venv/bin/python bench/kv_transfer.py --report-only
+    .venv/bin/python bench/kv_transfer.py --render
 
 Writes docs/benchmarks/kv_transfer.md from docs/benchmarks/kv-transfer-results.json.gz.
 """
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
-import json
 import multiprocessing
 import os
 import socket
@@ -57,9 +55,15 @@ from baton.transfer.nixl import NixlAgent, NixlReader, NixlSource, Regions, nixl
 from baton.transfer.receiver import PoolLanding, receive_body, receive_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_DIR, git, machine_description, markdown_table, write_report
+from common import (
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
-RESULTS = REPORT_DIR / "kv-transfer-results.json.gz"
 LAYERS, KV_HEADS, HEAD_DIM, PROMPT = 16, 8, 128, 4096  # a 7B-class GQA layout, 16 layers
 PUSHES_PER_ROUND = 5
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
@@ -323,11 +327,10 @@ def run(rounds: int) -> dict:
     layers = pyramid_cache()
     encoded = encode_kv(layers, "bench", "bench", "r1")
     payload = memoryview(b"".join(encoded.chunks()))
-    results = {"commit": git("rev-parse", "HEAD"), "clean": not git("status", "--porcelain", "-uno"),
-               "machine": machine_description(), "torch_threads": torch.get_num_threads(),
+    results = {"run": run_record(), "torch_threads": torch.get_num_threads(),
                "grpcio": grpc.__version__, "total_bytes": encoded.header.total_bytes,
                "chunk_bytes": CHUNK_BYTES, "checksum": encoded.header.checksum_algorithm,
-               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": [],
+               "rounds": [],
                "nixl": nixl_missing() or "nixl 1.5.1 (UCX), UCX_TLS="
                        + os.environ.get("UCX_TLS", "unset (UCX's choice)")}
     paths = PATHS if nixl_missing() is None else PATHS[:-1]
@@ -416,15 +419,11 @@ def report(results: dict) -> str:
                           "run", OWN_GRPC, OWN_TCP))
     seconds = sum(sum(entry[path]) for entry in results["rounds"] for path in paths)
     return "\n".join([
-        "# KV transfer: gRPC PushKV and NIXL against raw TCP on loopback",
-        "",
-        (f"Written by `bench/kv_transfer.py` from [kv-transfer-results.json.gz]"
-         f"(kv-transfer-results.json.gz): commit `{results['commit'][:12]}`"
-         f"{'' if results['clean'] else ' (with uncommitted changes)'}, started "
-         f"{results['started']}, finished {results['finished']}."),
-        "",
-        (f"Machine: {results['machine']}; load average {results['load_average_end']} at the end; "
-         f"{results['torch_threads']} torch threads, grpcio {results['grpcio']}. Nothing else ran."),
+        report_header("KV transfer: gRPC PushKV and NIXL against raw TCP on loopback",
+                      "bench/kv_transfer.py", "kv-transfer", results,
+                      f"python bench/kv_transfer.py --rounds {len(results['rounds'])}"),
+        (f"Finished {results['finished']}; load average {results['load_average_end']} at the end; "
+         f"{results['torch_threads']} torch threads, grpcio {results['grpcio']}."),
         "",
         (f"Payload: one pyramid-shaped fp32 cache, {LAYERS} layers x {KV_HEADS} KV heads x head "
          f"dim {HEAD_DIM}, {PROMPT} tokens in layer 0 falling to {PROMPT // 2} in the last: "
@@ -475,14 +474,12 @@ def report(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
+                        help="render the report again from the committed raw results")
     args = parser.parse_args()
-    if not args.report_only:
-        results = run(args.rounds)
-        with gzip.open(RESULTS, "wt") as file:
-            json.dump(results, file)
-    with gzip.open(RESULTS, "rt") as file:
-        write_report("kv_transfer.md", report(json.load(file)))
+    if not args.render:
+        save_results("kv-transfer", run(args.rounds))
+    write_report("kv_transfer.md", report(load_results("kv-transfer")))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ this tree's rounds). The GPU projection uses the same equations with the inputs 
 names (datasheet figures and stated assumptions, not measurements).
 
     .venv/bin/python bench/pd_model.py --measure
-    .venv/bin/python bench/pd_model.py --report-only
+    .venv/bin/python bench/pd_model.py --render
 
 Writes docs/benchmarks/pd-model.md from docs/benchmarks/pd-model-results.json.gz.
 """
@@ -34,22 +34,23 @@ Writes docs/benchmarks/pd-model.md from docs/benchmarks/pd-model-results.json.gz
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.runahead.break_even import Link, chain_ttft_s, kv_bytes_per_token
-from common import REPORT_DIR, machine_description, markdown_table, write_report
+from common import (
+    load_results,
+    markdown_table,
+    recorded_run,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 from kv_transfer import OWN_GRPC, OWN_TCP  # the rows a tail and a pod see: each its own process
 
-RESULTS = REPORT_DIR / "pd-model-results.json.gz"
-SERVED = REPORT_DIR / "route-ttft-results.json.gz"
-TRANSFER = REPORT_DIR / "kv-transfer-results.json.gz"
 LENGTHS = (128, 256, 384, 512, 640, 768, 896, 1024)
 RANKS = 2
 GOAL_ERROR = 0.20  # predicted within 20% of measured
@@ -87,17 +88,10 @@ def measure(repeats: int) -> dict:
     element = torch.empty(0, dtype=dtype).element_size()
     per_token = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
                                    config.head_dim, element)
-    return {"commit": _git("rev-parse", "HEAD"), "machine": machine_description(),
-            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "local_threads": threads, "chain_ranks": RANKS, "table": table.name,
+    return {"run": run_record(), "local_threads": threads, "chain_ranks": RANKS, "table": table.name,
             "dtype": source.dtype,
             "kv_bytes_per_token": int(per_token),
             "prefill_local_s": local, "prefill_chain_s": chain}
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], check=True,
-                          capture_output=True, text=True).stdout.strip()
 
 
 def _interpolate(points: dict[int, float], length: float) -> float:
@@ -229,16 +223,12 @@ def report(results: dict, served: dict, transfer: dict) -> str:
     dtype = results.get("dtype", "float32")  # results of before it was recorded were fp32's
     precision = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
     return "\n".join([
-        "# Where disaggregation pays: predicted against measured time to first token",
-        "",
-        (f"Written by `bench/pd_model.py` from [pd-model-results.json.gz](pd-model-results.json.gz) "
-         f"(commit `{results['commit'][:12]}`, {results['started']}), the served TTFTs of "
-         f"[route-ttft-results.json.gz](route-ttft-results.json.gz) (commit "
-         f"`{served['commit'][:12]}`, {served['started']}) and the PushKV rate of "
-         f"[kv-transfer-results.json.gz](kv-transfer-results.json.gz) (commit "
-         f"`{transfer['commit'][:12]}`, {transfer['started']})."),
-        "",
-        f"Machine: {results['machine']}. Nothing else ran.",
+        report_header("Where disaggregation pays: predicted against measured time to first token",
+                      "bench/pd_model.py", "pd-model", results),
+        (f"With the served TTFTs of [route-ttft-results.json.gz](route-ttft-results.json.gz) "
+         f"(commit `{recorded_run(served)['commit']}`, {recorded_run(served)['started']}) and "
+         f"the PushKV rate of [kv-transfer-results.json.gz](kv-transfer-results.json.gz) (commit "
+         f"`{recorded_run(transfer)['commit']}`, {recorded_run(transfer)['started']})."),
         "",
         "## The model",
         "",
@@ -269,9 +259,7 @@ def report(results: dict, served: dict, transfer: dict) -> str:
         "",
         (f"Break-even on this machine: "
          f"{f'a chain wins from {break_even} tokens' if break_even else 'none'} within the shipped "
-         f"model's {max(local)}-token context. Two ranks of one thread on two cores have no "
-         "cores to themselves, and `baton up`'s decode pod has both: the chain saves no compute "
-         "here and adds the KV transfer, so the gateway keeps these prompts local: the chain "
+         f"model's {max(local)}-token context. The chain "
          "advertises its break-even by the same rule, from its partition table's measured "
          "compute and its configured link (`chain.kv_link_gb_per_s`, `chain.extra_hop_ms`), "
          f"here {_table_break_even(results)} tokens."),
@@ -292,13 +280,9 @@ def report(results: dict, served: dict, transfer: dict) -> str:
         "",
         markdown_table(["chain GPUs", "link", "KV kept", "a chain wins from"], gpu_even),
         "",
-        ("The chain's bound assumes every GPU keeps its utilisation on its slice: a short "
-         "prompt keeps a GPU far from it, so the short break-evens above are lower bounds. "
-         "A remote prefill on one GPU never wins on TTFT alone (it computes what the decode GPU "
-         "would and adds the transfer): what it buys is a decode batch that no prefill stalls. "
-         f"PushKV over gRPC is CPU-bound ({bandwidth / 1e9:.2f} GB/s here, {grpc_efficiency:.2f} "
-         "of raw TCP), so on a 100G link the transfer decides; over RDMA the chain's compute "
-         "does."),
+        ("The chain's bound assumes every GPU keeps its utilisation on its slice, so the short "
+         "break-evens above are lower bounds. The gRPC rows take PushKV's rate as measured "
+         f"here ({bandwidth / 1e9:.2f} GB/s, {grpc_efficiency:.2f} of raw TCP)."),
         "",
     ])
 
@@ -307,16 +291,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure the prefill rates first")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
+                        help="render the report again from the committed raw results (the default "
+                             "without --measure)")
     args = parser.parse_args()
-    if args.measure and not args.report_only:
-        with gzip.open(RESULTS, "wt") as file:
-            json.dump(measure(args.repeats), file)
-    loaded = []
-    for path in (RESULTS, SERVED, TRANSFER):
-        with gzip.open(path, "rt") as file:
-            loaded.append(json.load(file))
-    write_report("pd-model.md", report(*loaded))
+    if args.measure and not args.render:
+        save_results("pd-model", measure(args.repeats))
+    write_report("pd-model.md", report(*map(load_results, ("pd-model", "route-ttft", "kv-transfer"))))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ that knows every pod's cache and sends each request to the right pod would find 
 best (no eviction: the pools are far from full here).
 
 Raw results: docs/benchmarks/prefix-results.json.gz; the report, docs/benchmarks/prefix.md,
-is rendered from that file alone (``--report-only``).
+is rendered from that file alone (``--render``).
 
 usage: python bench/prefix.py [--rounds 2]
 """
@@ -37,11 +37,8 @@ usage: python bench/prefix.py [--rounds 2]
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import random
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -56,9 +53,8 @@ from baton.local.spec import ClusterSpec
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer
-from common import REPORT_DIR, machine_description, write_report
+from common import load_results, report_header, run_record, save_results, write_report
 
-RESULTS_PATH = REPORT_DIR / "prefix-results.json.gz"
 BLOCK = 16  # the decode pods' KV block size (kv.block_size's default)
 NEW_TOKENS = 32
 SEED = 2026
@@ -268,15 +264,8 @@ def compact(runs: list[dict]) -> dict:
     return out
 
 
-def git_commit() -> str:
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                          check=False).stdout.strip()
-
-
 def measure(rounds: int) -> dict:
-    # the machine (its load average included) and the time as the run starts
-    machine, started = machine_description(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    record = run_record()  # the machine (its load average included) as the run starts
     tokenizer = Tokenizer.from_dir(SHIPPED_MODEL_DIR)
     texts = Texts(tokenizer, SEED)
     conversations, system_prompts = chat_conversations(texts), system_prompt_requests(texts)
@@ -286,18 +275,7 @@ def measure(rounds: int) -> dict:
         for name in order:
             print(f"round {index + 1}/{rounds}: {name}", flush=True)
             runs.append({"config": name, "round": index + 1, **run_config(name, conversations, system_prompts)})
-    return {"commit": git_commit(), "started": started, "machine": machine,
-            "load_average_end": round(os.getloadavg()[0], 1), "runs": compact(runs)}
-
-
-def save(results: dict) -> None:
-    with RESULTS_PATH.open("wb") as file, gzip.GzipFile(filename="", fileobj=file, mode="wb", mtime=0) as packed:
-        packed.write(json.dumps(results, separators=(",", ":")).encode())
-
-
-def load() -> dict:
-    with gzip.open(RESULTS_PATH, "rt") as handle:
-        return json.load(handle)
+    return {"run": record, "load_average_end": round(os.getloadavg()[0], 1), "runs": compact(runs)}
 
 
 # --- the report (from the raw results alone) ----------------------------------------------------
@@ -323,11 +301,10 @@ def summary(workload: dict) -> dict:
 
 def render(results: dict) -> str:
     runs = results["runs"]
-    lines = ["# Prefix cache and cache-aware routing", "",
-             (f"Written by `bench/prefix.py` from `prefix-results.json.gz` (one run: commit "
-             f"`{results['commit'][:12]}`, started {results['started']}). Machine: "
-             f"{results['machine']}; load average {results['load_average_end']:.1f} at the end "
-             f"(the run's own processes). Nothing else ran."), "",
+    rounds = max(run["round"] for run in runs)
+    lines = [report_header("Prefix cache and cache-aware routing", "bench/prefix.py", "prefix",
+                           results, f"python bench/prefix.py --rounds {rounds}"),
+             f"Load average {results['load_average_end']:.1f} at the end.", "",
              ("`baton up` with 2 decode pods and a 2-rank chain (chain for prompts of 512 tokens "
              "and more, break-even off), fp32, compression off, greedy, 32 new tokens a request. "
              "Each configuration a fresh cluster, the order flipping every round. See the "
@@ -420,11 +397,12 @@ def decisions(runs: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
+                        help="render the report again from the committed raw results")
     args = parser.parse_args()
-    if not args.report_only:
-        save(measure(args.rounds))
-    write_report("prefix.md", render(load()))
+    if not args.render:
+        save_results("prefix", measure(args.rounds))
+    write_report("prefix.md", render(load_results("prefix")))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ The route's own cost is each request's TTFT less the prefill compute its final s
 which takes the compute's spread between clusters out of the comparison.
 
     .venv/bin/python bench/route_ttft.py --baseline 956553d~1 --rounds 4
-    .venv/bin/python bench/route_ttft.py --report-only
+    .venv/bin/python bench/route_ttft.py --render
 
 Writes docs/benchmarks/route-ttft.md from docs/benchmarks/route-ttft-results.json.gz.
 """
@@ -19,7 +19,6 @@ Writes docs/benchmarks/route-ttft.md from docs/benchmarks/route-ttft-results.jso
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -30,10 +29,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPORT_DIR, git, machine_description, markdown_table, write_report
+from common import (
+    git,
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = REPORT_DIR / "route-ttft-results.json.gz"
 LENGTHS = (256, 512, 768)
 ROUTES = ("chain", "local")
 
@@ -95,9 +101,7 @@ def run_round(tree: Path, requests_per_cell: int, first_prompt: int) -> dict:
 
 def run(baseline: str, rounds: int, requests_per_cell: int) -> dict:
     baseline_commit = git("rev-parse", baseline)
-    results = {"commit": git("rev-parse", "HEAD"), "clean": not git("status", "--porcelain", "-uno"),
-               "baseline": baseline_commit, "machine": machine_description(),
-               "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": []}
+    results = {"run": run_record(), "baseline": baseline_commit, "rounds": []}
     with tempfile.TemporaryDirectory() as scratch:
         worktree = Path(scratch) / "baseline"
         git("worktree", "add", "--detach", str(worktree), baseline_commit)
@@ -161,15 +165,12 @@ def report(results: dict) -> str:
                         "this overhead P50 ms", "this - baseline ms"], overhead_rows),
     ]
     return "\n".join([
-        "# Time to first token by route: this commit against its baseline",
-        "",
-        (f"Written by `bench/route_ttft.py` from [route-ttft-results.json.gz](route-ttft-results.json.gz): "
-         f"commit `{results['commit'][:12]}`{'' if results['clean'] else ' (with uncommitted changes)'} "
-         f"against baseline `{results['baseline'][:12]}`, started {results['started']}, finished "
-         f"{results['finished']}."),
-        "",
-        (f"Machine: {results['machine']}; load average {results['load_average_end']} at the end. "
-         "Nothing else ran."),
+        report_header("Time to first token by route: this commit against its baseline",
+                      "bench/route_ttft.py", "route-ttft", results,
+                      f"python bench/route_ttft.py --baseline {results['baseline'][:12]} "
+                      f"--rounds {max(e['round'] for e in results['rounds'])}"),
+        (f"Baseline: commit `{results['baseline'][:12]}`. Finished {results['finished']}; load "
+         f"average {results['load_average_end']} at the end."),
         "",
         ("Each round starts a fresh `LocalCluster` (gateway, a 2-rank chain, one decode pod; KV "
          "compression off; the chain's break-even off) from one tree, then sends prompts one at a "
@@ -189,19 +190,17 @@ def main() -> None:
     parser.add_argument("--baseline", default="956553d~1", help="the commit to compare with")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=6, help="requests per route and length a round")
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
+                        help="render the report again from the committed raw results")
     parser.add_argument("--measure", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--first-prompt", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure is not None:
         print(json.dumps(measure(args.measure, args.first_prompt)))
         return
-    if not args.report_only:
-        results = run(args.baseline, args.rounds, args.requests)
-        with gzip.open(RESULTS, "wt") as file:
-            json.dump(results, file)
-    with gzip.open(RESULTS, "rt") as file:
-        write_report("route-ttft.md", report(json.load(file)))
+    if not args.render:
+        save_results("route-ttft", run(args.baseline, args.rounds, args.requests))
+    write_report("route-ttft.md", report(load_results("route-ttft")))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """KV-Runahead time to first token on this machine: one process vs TSP vs KV-Runahead.
 
-Writes docs/benchmarks/runahead.md and runahead.png: TTFT against prompt length
+Writes docs/benchmarks/runahead.md and runahead.png (from runahead-results.json.gz beside
+them): TTFT against prompt length
 for one process with 2 threads, TSP with 2 ranks, and KV-Runahead with even and
 with tuned slices (2 ranks, 1 thread each; tuned = the shipped partition
 table), on the ~50M-parameter random-weight preset and on the shipped model,
@@ -13,7 +14,6 @@ methods interleaved so that background load hits them alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,7 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.runahead import LocalChain, ModelSource, PartitionTable
 from baton.runahead.tuner import single_process_ttft
-from common import REPORT_DIR, machine_description, markdown_table, write_report
+from common import (
+    REPORT_DIR,
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
 RANKS = 2
 METHODS = ("one process, 2 threads", "TSP", "KV-Runahead even", "KV-Runahead tuned")
@@ -132,98 +140,72 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     print(f"wrote {path}")
 
 
+def measure(args: argparse.Namespace) -> dict:
+    record = run_record()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    table = PartitionTable.load(args.table)
+    models = {f"{args.preset} (random weights)": ModelSource(preset=args.preset)}
+    shipped = None
+    if (SHIPPED_MODEL_DIR / "config.json").is_file():
+        source = ModelSource(path=str(SHIPPED_MODEL_DIR))
+        shipped = {"name": SHIPPED_MODEL_DIR.name,
+                   "context": source.config().max_position_embeddings}
+        models[f"shipped model ({SHIPPED_MODEL_DIR.name})"] = source
+    by_model = {}
+    for name, source in models.items():
+        usable = [c for c in lengths if c <= source.config().max_position_embeddings]
+        print(f"== {name}: {usable}", flush=True)
+        by_model[name] = measure_model(source, usable, table, args.repeats)
+    return {"run": record, "repeats": args.repeats, "table": table.name,
+            "tuned_on": table.measured_on.get("model", "?"), "shipped": shipped,
+            "load_average_end": round(os.getloadavg()[0], 1), "models": by_model}
+
+
+def render(results: dict) -> str:
+    plot(results["models"], REPORT_DIR / "runahead.png")
+    shipped = results["shipped"]
+    shipped_note = (f"The shipped model's context is {shipped['context']} tokens: its rows stop "
+                    f"there." if shipped else "The shipped model was not found: its rows are missing.")
+    sections = [f"### {name}\n\n{table_text(rows)}" for name, rows in results["models"].items()]
+    goals = "\n".join(goal_text(name, rows) for name, rows in results["models"].items())
+    header = report_header("KV-Runahead: time to first token", "bench/runahead.py", "runahead",
+                           results)
+    return f"""{header}
+Load average {results['load_average_end']:.1f} at the end.
+
+* Every figure is the fastest of {results['repeats']} interleaved runs. Chain TTFT runs from
+  rank 0 receiving the request to the tail holding the first token's logits;
+  one process's TTFT is its `prefill()` call.
+* Chains: {RANKS} ranks, 1 thread each, gloo over loopback, fp32. Tuned slices come
+  from the partition table `{results['table']}` (tuned on `{results['tuned_on']}` by
+  `baton tune-partitions`), interpolated for lengths it does not list.
+* Lower bound: TTFT(1)/2 * (1/p + 1/p^2) with TTFT(1) = one process with one
+  thread (the resources of one rank), p = {RANKS}.
+* {shipped_note}
+
+![TTFT vs prompt length](runahead.png)
+
+{(chr(10) * 2).join(sections)}
+
+## Goal: tuned KV-Runahead >= {GOAL_VS_TSP}x TSP and >= {GOAL_VS_SINGLE}x one 2-thread process at C >= {GOAL_LENGTH // 1024}k
+
+{goals}
+"""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--preset", default="random-50m")
     parser.add_argument("--table", default="", help="partition table (default: the shipped one)")
+    parser.add_argument("--render", action="store_true",
+                        help="render the report again from the committed raw results")
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    table = PartitionTable.load(args.table)
-    start_load = os.getloadavg()[0]
-    machine = machine_description()
-
-    models = {f"{args.preset} (random weights)": ModelSource(preset=args.preset)}
-    shipped_note = ""
-    if (SHIPPED_MODEL_DIR / "config.json").is_file():
-        shipped = ModelSource(path=str(SHIPPED_MODEL_DIR))
-        limit = shipped.config().max_position_embeddings
-        models[f"shipped model ({SHIPPED_MODEL_DIR.name})"] = shipped
-        shipped_note = (f"The shipped model's context is {limit} tokens, so its rows stop there "
-                        f"(longer lengths are skipped).")
-    else:
-        shipped_note = f"The shipped model was not found at {SHIPPED_MODEL_DIR}: its rows are missing."
-
-    results = {}
-    for name, source in models.items():
-        usable = [c for c in lengths if c <= source.config().max_position_embeddings]
-        print(f"== {name}: {usable}", flush=True)
-        results[name] = measure_model(source, usable, table, args.repeats)
-    end_load = os.getloadavg()[0]
-    (REPORT_DIR / "runahead.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, REPORT_DIR / "runahead.png")
-
-    sections = [f"### {name}\n\n{table_text(rows)}" for name, rows in results.items()]
-    goals = "\n".join(goal_text(name, rows) for name, rows in results.items())
-    write_report("runahead.md", REPORT_TEMPLATE.format(
-        machine=machine, end_load=end_load, start_load=start_load, repeats=args.repeats,
-        table=table.name, tuned_on=table.measured_on.get("model", "?"), shipped_note=shipped_note,
-        sections="\n\n".join(sections), goals=goals))
+    if not args.render:
+        save_results("runahead", measure(args))
+    write_report("runahead.md", render(load_results("runahead")))
     return 0
-
-
-REPORT_TEMPLATE = """# KV-Runahead: time to first token
-
-Produced by `python bench/runahead.py` on a 2-core CPU.
-
-* Machine: {machine}; load average {end_load:.1f} at the end. Load above 2
-  means other processes competed for the 2 cores during the run.
-* Every figure is the fastest of {repeats} interleaved runs. Chain TTFT runs from
-  rank 0 receiving the request to the tail holding the first token's logits;
-  one process's TTFT is its `prefill()` call.
-* Chains: 2 ranks, 1 thread each, gloo over loopback, fp32. Tuned slices come
-  from the partition table `{table}` (tuned on `{tuned_on}` by
-  `baton tune-partitions`), interpolated for lengths it does not list.
-* Lower bound: TTFT(1)/2 * (1/p + 1/p^2) with TTFT(1) = one process with one
-  thread (the resources of one rank), p = 2.
-* {shipped_note}
-
-![TTFT vs prompt length](runahead.png)
-
-{sections}
-
-## Goal: tuned KV-Runahead >= {vs_tsp}x TSP and >= {vs_single}x one 2-thread process at C >= 4k
-
-{goals}
-
-## Reading the numbers
-
-* Traffic: KV-Runahead sends b_1 tokens of K,V per layer (b_1 > C/2 when tuned),
-  TSP all-gathers (p-1)*C = C; the last column shows both, as counted by the
-  ranks. On loopback with 2 ranks the difference is small in time: the gain over
-  TSP comes from rank 0 not waiting for rank 1 (the relay is one-way and
-  overlaps compute) and from load balancing, which TSP's even slices lack:
-  with even slices rank 1 attends to twice as many keys as rank 0 and sets the pace.
-* Against one process with 2 threads: both use the same 2 cores. The column
-  "speed-up over 1 thread" says how well each turns 2 cores into speed.
-  - A 2-thread process reaches ~1.6-1.8x. Its matmuls scale well; its long
-    causal attention less so.
-  - The 2-rank chain reaches ~2x, a little more at 4-8k. Each rank works on
-    a smaller slice, which suits the caches better, and the tail attends to
-    its prefix without a mask.
-  - What the chain can win over one process is the ratio of the two, ~1.15-1.3x
-    at 4-8k. The 1.5x goal would need one process to gain no more than ~1.35x
-    from its second thread. The paper compares against one GPU, which has no
-    second device to share the work.
-  - The chain pays for its pipeline: the tail cannot finish a layer before rank
-    0 has sent it, so it idles through rank 0's first layer. The tuner gives
-    rank 0 ~60% of the prompt, which balances that start against the tail's
-    longer attention.
-* Single runs on this machine vary by 10-20% from minute to minute. The
-  methods are interleaved and the fastest of each counts, but ratios between
-  rows of different lengths carry that noise too.
-""".replace("{vs_tsp}", str(GOAL_VS_TSP)).replace("{vs_single}", str(GOAL_VS_SINGLE))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.kv import DenseKV
 from baton.model import prefill
 from baton.runahead import LocalChain, ModelSource
-from common import machine_description, markdown_table, write_report
+from common import (
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
 LENGTHS = (1024, 2048, 4096, 8192)
 
@@ -37,14 +44,8 @@ def in_process_ttft(model, token_ids: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("runahead_gpu.py needs a CUDA device", file=sys.stderr)
-        return 2
-    machine = machine_description()
+def measure(repeats: int) -> dict:
+    record = run_record()
     source = ModelSource(preset="random-50m", dtype="bfloat16")
     model = source.load(torch.device("cuda"))
     generator = torch.Generator().manual_seed(0)
@@ -54,37 +55,53 @@ def main() -> int:
             ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator)
             in_process_ttft(model, ids), chain.prefill(ids, return_kv=False)  # warm-up
             best = {"in process": float("inf"), "runahead": float("inf"), "tsp": float("inf")}
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 best["in process"] = min(best["in process"], in_process_ttft(model, ids))
                 for mode in ("runahead", "tsp"):
                     best[mode] = min(best[mode], chain.prefill(ids, mode=mode, return_kv=False).ttft_s)
             result = chain.prefill(ids)  # with the KV, to check it against the in-process cache
             kv = DenseKV(model.config.num_hidden_layers)
             logits = prefill(model, ids.cuda(), torch.arange(length, device="cuda"), kv).cpu()
-            logit_diff = float((result.first_token_logits - logits).abs().max())
-            rows.append([length, *(f"{best[k] * 1e3:.1f}" for k in best),
-                         f"{best['runahead'] / best['in process']:.2f}x", f"{logit_diff:.1e}"])
+            rows.append({"length": length, "ttft_s": best,
+                         "max_logit_diff": float((result.first_token_logits - logits).abs().max())})
             print(f"C={length}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.items()),
                   flush=True)
+    return {"run": record, "repeats": repeats, "rows": rows}
+
+
+def render(results: dict) -> str:
+    rows = []
+    for row in results["rows"]:
+        best = row["ttft_s"]
+        rows.append([row["length"], *(f"{best[k] * 1e3:.1f}" for k in best),
+                     f"{best['runahead'] / best['in process']:.2f}x", f"{row['max_logit_diff']:.1e}"])
     table = markdown_table(["C", "in process (ms)", "chain, KV-Runahead (ms)", "chain, TSP (ms)",
                             "chain / in process", "max |logit diff| chain vs in process"], rows)
-    write_report("runahead-gpu.md", f"""# Prefill chain on a GPU (NCCL, one rank)
-
-GPU run. Machine: {machine}. `random-50m`, bfloat16, eager PyTorch;
-fastest of {args.repeats} interleaved runs after a warm-up (`python bench/runahead_gpu.py`).
-The chain's TTFT is taken as the chain reports it: from rank 0 receiving the
-request to the tail holding the first token's logits (synchronised).
+    header = report_header("Prefill chain on a GPU (NCCL, one rank)", "bench/runahead_gpu.py",
+                           "runahead-gpu", results)
+    return f"""{header}
+`random-50m`, bfloat16, eager PyTorch; fastest of {results['repeats']} interleaved runs after
+a warm-up. The chain's TTFT is taken as the chain reports it: from rank 0 receiving the
+request to the tail holding the first token's logits (synchronised). With one GPU a chain
+has one rank: the rows time the chain's own machinery over a plain prefill, and the logit
+difference compares its first-token logits with this process's prefill of the same prompt.
 
 {table}
+"""
 
-With a single GPU, a chain has one rank and no slice to hand on: these rows
-show the NCCL code path working and the cost of the chain's own machinery
-(the request header and token broadcast, the counter gather) over a plain
-prefill. The logit difference compares the chain's first-token logits with
-this process's prefill of the same prompt: the same kernels on the same
-inputs, so it should be exactly zero. Splitting a prompt over GPUs needs a
-machine with two or more.
-""")
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--render", action="store_true",
+                        help="render the report again from the committed raw results")
+    args = parser.parse_args()
+    if not args.render:
+        if not torch.cuda.is_available():
+            print("runahead_gpu.py needs a CUDA device", file=sys.stderr)
+            return 2
+        save_results("runahead-gpu", measure(args.repeats))
+    write_report("runahead-gpu.md", render(load_results("runahead-gpu")))
     return 0
 
 

@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +42,8 @@ from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.sarathi import Engine
 from baton.sarathi.budget import CANDIDATES, iteration_s, measure_token_budget
-from common import machine_description, write_report
+from common import load_results, report_header, run_record, save_results, write_report
 from sarathi_report import (
-    EXPLANATION,
-    GPU_EXPLANATION,
     ITERATION_INTRO,
     POLICIES,
     goal_check,
@@ -262,6 +261,93 @@ def grids(quick: bool, auto_budget: int, budget: int = 256,
     return {axis: workloads for axis, workloads in grid.items() if workloads}
 
 
+def measure(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    record = run_record()
+    on_gpu = args.device == "cuda"
+    dtype_name = args.dtype or ("bfloat16" if on_gpu else "float32")
+    dtype = getattr(torch, dtype_name)
+    main_label = args.model
+    models = [(main_label, random_model(main_label, dtype=dtype, device=args.device,
+                                        draw_on_device=main_label != "random-50m"))]
+    budget, per_token = 256, None  # the balanced point's budget: 256, or the device's for random-1b
+    if main_label != "random-50m":
+        budget, per_token = device_sized_budget(models[0][1])
+        print(f"[budget] device-sized budget for {main_label}: C={budget}", flush=True)
+    elif (SHIPPED_MODEL_DIR / "config.json").is_file():
+        models.append(("shipped", load_checkpoint("", dtype=dtype_name, device=args.device).model))
+    # The budget the engine picks by default (SARATHI's rule, measured on this machine).
+    auto_budget = measure_token_budget(models[0][1], SchedulerConfig().target_iteration_ms)
+    print(f"[budget] the engine's rule picks C={auto_budget} for {main_label}", flush=True)
+    started = time.perf_counter()
+    points = ((4, 256), (8, 256), (16, 256), (8, 128), (8, 512)) if budget == 256 else ((8, budget), (8, 256))
+    costs = [iteration_costs(models[0][1], b, c) for b, c in points]
+    for c in costs:
+        print(f"[iteration] B={c.batch} C={c.budget}: chunk {c.prefill_only_s * 1e3:.1f} ms, mixed "
+              f"{c.mixed_s * 1e3:.1f} ms, decodes alone {c.decode_only_s * 1e3:.1f} ms", flush=True)
+    sweeps = []
+    for label, model in models:
+        measured: dict[tuple, dict[str, RunStats]] = {}
+        grid = grids(args.quick, auto_budget, budget, model.config.max_position_embeddings)
+        if label == "shipped":
+            grid = {"ratio": grid["ratio"]}
+        for axis, workloads in grid.items():
+            runs = sweep(model, workloads, f"{label}/{axis}", args.repeats, measured)
+            sweeps.append({"model": label, "axis": axis, "runs": [asdict(r) for r in runs]})
+    return {"run": record, "device": args.device, "dtype": dtype_name, "threads": args.threads,
+            "repeats": args.repeats, "model": main_label, "budget": budget, "per_token_s": per_token,
+            "auto_budget": auto_budget, "target_iteration_ms": SchedulerConfig().target_iteration_ms,
+            "costs": [asdict(c) for c in costs], "sweeps": sweeps,
+            "elapsed_s": time.perf_counter() - started,
+            "load_average_end": round(os.getloadavg()[0], 1)}
+
+
+def _run_stats(entry: dict) -> RunStats:
+    return RunStats(**{**entry, "workload": Workload(**entry["workload"])})
+
+
+def render(results: dict, prefix: str) -> str:
+    on_gpu, main_label, budget = results["device"] == "cuda", results["model"], results["budget"]
+    precision = (f"GPU run, {results['dtype']}" if on_gpu
+                 else f"{results['threads']} threads, {results['dtype']}")
+    header = report_header(f"SARATHI decode engine{' on a GPU' if on_gpu else ''}: throughput and "
+                           f"time between tokens", "bench/sarathi.py", prefix, results)
+    sections = [(f"{header}\n{precision}; each (workload, policy) ran {results['repeats']} "
+                 f"times, policies interleaved, the fastest run kept.\n")]
+    costs = [IterationCosts(**c) for c in results["costs"]]
+    balanced_runs: list[RunStats] = []
+    for entry in results["sweeps"]:
+        label, axis = entry["model"], entry["axis"]
+        runs = [_run_stats(r) for r in entry["runs"]]
+        if label == main_label:
+            balanced_runs += [r for r in runs if r.workload.balanced
+                              and r.workload.key not in {b.workload.key for b in balanced_runs}]
+        if axis == "ratio":
+            png = plot(runs, lambda w: w.ratio, "P:D", f"{prefix}_{label}_ratio.png",
+                       f"{label}: B=8, C={budget}, P={runs[0].workload.prompt_len}")
+        elif axis == "chunk":
+            png = plot(runs, lambda w: w.budget, "token budget C (balanced P:D = C/(B-1))",
+                       f"{prefix}_{label}_chunk.png", f"{label}: B=8")
+        else:
+            png = plot(runs, lambda w: w.batch, "batch size B (balanced P:D = C/(B-1))",
+                       f"{prefix}_{label}_batch.png", f"{label}: C={budget}")
+        sections.append(f"## {label}: sweep over {axis}\n\n{table(runs)}\n\n![{axis}]({png})\n")
+    budget_line = (f"The engine's default budget rule (the largest whose iteration meets "
+                   f"{results['target_iteration_ms']:.0f} ms, `baton.sarathi.budget`) picks "
+                   f"**C={results['auto_budget']}** for {main_label} on this machine.\n\n")
+    if results["per_token_s"]:
+        budget_line += (f"The balanced point below takes the device-sized budget instead, "
+                        f"**C={budget}**: the smallest whose prompt tokens cost at most 1.1x the "
+                        f"cheapest per-token cost of any budget ("
+                        + ", ".join(f"C={c}: {s * 1e6:.1f}" for c, s in results["per_token_s"].items())
+                        + " µs per token).\n\n")
+    sections.insert(1, budget_line + goal_check(balanced_runs, costs, main_label, budget)
+                    + ITERATION_INTRO.replace("MODEL", main_label) + iteration_table(costs) + "\n")
+    sections.append(f"Total benchmark time: {results['elapsed_s']:.0f} s; load average "
+                    f"{results['load_average_end']:.1f} at the end.\n")
+    return "\n".join(sections)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
@@ -277,82 +363,17 @@ def main() -> None:
                         help="the model's dtype (default: float32 on a CPU, the reference run in "
                              "sarathi.md; bfloat16 on a GPU). A CPU run in bfloat16, the dtype "
                              "`auto` picks on CPUs with AVX512-BF16, is written to sarathi-bf16.md")
+    parser.add_argument("--render", action="store_true",
+                        help="render the report again from the committed raw results")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     on_gpu = args.device == "cuda"
     dtype_name = args.dtype or ("bfloat16" if on_gpu else "float32")
-    dtype = getattr(torch, dtype_name)
     prefix = "sarathi-gpu" if on_gpu else ("sarathi" if dtype_name == "float32" else "sarathi-bf16")
     if args.model != "random-50m":
         prefix += "-" + args.model.removeprefix("random-")
-    precision = f"GPU run, {dtype_name}" if on_gpu else f"{args.threads} threads, {dtype_name}"
-    flags = [flag for flag, given in (("--quick", args.quick), ("--device cuda", on_gpu),
-                                      (f"--model {args.model}", args.model != "random-50m"),
-                                      (f"--dtype {args.dtype}", args.dtype is not None)) if given]
-    header = (f"# SARATHI decode engine{' on a GPU' if on_gpu else ''}: throughput and time between "
-              f"tokens\n\n"
-              f"Machine: {machine_description()}, {precision}. "
-              f"Generated by `{' '.join(['bench/sarathi.py', *flags])}`; each (workload, "
-              f"policy) ran {args.repeats} times, policies interleaved, the fastest run kept.\n")
-    sections = [header]
-    main_label = args.model
-    models = [(main_label, random_model(main_label, dtype=dtype, device=args.device,
-                                        draw_on_device=main_label != "random-50m"))]
-    budget = 256  # the balanced point's token budget: 256, or the device's size for random-1b
-    if main_label != "random-50m":
-        budget, per_token = device_sized_budget(models[0][1])
-        print(f"[budget] device-sized budget for {main_label}: C={budget}", flush=True)
-    elif (SHIPPED_MODEL_DIR / "config.json").is_file():
-        models.append(("shipped", load_checkpoint("", dtype=dtype_name, device=args.device).model))
-    # The budget the engine picks by default (SARATHI's rule, measured on this machine).
-    auto_budget = measure_token_budget(models[0][1], SchedulerConfig().target_iteration_ms)
-    print(f"[budget] the engine's rule picks C={auto_budget} for {main_label}", flush=True)
-    started = time.perf_counter()
-    points = ((4, 256), (8, 256), (16, 256), (8, 128), (8, 512)) if budget == 256 else ((8, budget), (8, 256))
-    costs = [iteration_costs(models[0][1], b, c) for b, c in points]
-    for c in costs:
-        print(f"[iteration] B={c.batch} C={c.budget}: chunk {c.prefill_only_s * 1e3:.1f} ms, mixed "
-              f"{c.mixed_s * 1e3:.1f} ms, decodes alone {c.decode_only_s * 1e3:.1f} ms", flush=True)
-    balanced_runs: list[RunStats] = []
-    for label, model in models:
-        measured: dict[tuple, dict[str, RunStats]] = {}
-        grid = grids(args.quick, auto_budget, budget, model.config.max_position_embeddings)
-        if label == "shipped":
-            grid = {"ratio": grid["ratio"]}
-        for axis, workloads in grid.items():
-            results = sweep(model, workloads, f"{label}/{axis}", args.repeats, measured)
-            if label == main_label:
-                balanced_runs += [r for r in results if r.workload.balanced
-                                  and r.workload.key not in {b.workload.key for b in balanced_runs}]
-            if axis == "ratio":
-                png = plot(results, lambda w: w.ratio, "P:D", f"{prefix}_{label}_ratio.png",
-                           f"{label}: B=8, C={budget}, P={workloads[0].prompt_len}")
-            elif axis == "chunk":
-                png = plot(results, lambda w: w.budget, "token budget C (balanced P:D = C/(B-1))",
-                           f"{prefix}_{label}_chunk.png", f"{label}: B=8")
-            else:
-                png = plot(results, lambda w: w.batch, "batch size B (balanced P:D = C/(B-1))",
-                           f"{prefix}_{label}_batch.png", f"{label}: C={budget}")
-            sections.append(f"## {label}: sweep over {axis}\n\n{table(results)}\n\n![{axis}]({png})\n")
-    elapsed = time.perf_counter() - started
-    budget_line = (f"The engine's default budget rule (the largest whose iteration meets "
-                   f"{SchedulerConfig().target_iteration_ms:.0f} ms, `baton.sarathi.budget`) picks "
-                   f"**C={auto_budget}** for {main_label} on this machine; its balanced point is "
-                   f"in the table below and the chunk sweep.\n\n")
-    if main_label != "random-50m":
-        budget_line += (f"The balanced point below takes the device-sized budget instead, "
-                        f"**C={budget}**: the smallest whose prompt tokens cost at most 1.1x the "
-                        f"cheapest per-token cost of any budget "
-                        f"({', '.join(f'C={c}: {s * 1e6:.1f}' for c, s in per_token.items())} "
-                        f"µs per token).\n\n")
-    explanation = EXPLANATION if not on_gpu else GPU_EXPLANATION if main_label == "random-50m" else ""
-    sections.insert(1, budget_line + goal_check(balanced_runs, costs, main_label, budget)
-                    + ITERATION_INTRO.replace("MODEL", main_label) + iteration_table(costs) + "\n" + explanation)
-    load = os.getloadavg()[0]
-    # The benchmark's own 2 threads count; well above that, other jobs shared the CPU.
-    busy = " (other jobs shared the CPU)" if load > args.threads + 1 else ""
-    sections.append(f"Total benchmark time: {elapsed:.0f} s; load average {load:.1f} at the end{busy}.\n")
-    write_report(f"{prefix}.md", "\n".join(sections))
+    if not args.render:
+        save_results(prefix, measure(args))
+    write_report(f"{prefix}.md", render(load_results(prefix), prefix))
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ def _decode_gain(costs: IterationCosts) -> str:
 
 def table(results: list[RunStats]) -> str:
     rows = []
-    baseline = {(id(r.workload)): r for r in results if r.policy == "separate"}
+    baseline = {r.workload.key: r for r in results if r.policy == "separate"}
     for r in results:
         w = r.workload
-        base = baseline[id(w)]
+        base = baseline[w.key]
         rows.append([r.policy, w.batch, w.prompt_len, w.decode_len, f"{w.ratio:.0f}", w.budget,
                      f"{r.decode_tps:.0f}", f"{r.decode_tps / base.decode_tps:.2f}x",
                      f"{r.end_to_end_tps:.0f}", f"{r.end_to_end_tps / base.end_to_end_tps:.2f}x",
@@ -81,65 +81,6 @@ end-to-end ceiling, (chunk alone + decodes alone) / mixed, is what a perfectly
 balanced workload could gain over separate phases with these iteration costs.
 
 """
-
-EXPLANATION = """
-### Reading these numbers
-
-* Piggybacking works on this CPU as the paper says. Decodes that ride on a
-  chunk cost 2-3x less than the same decodes in an iteration of their own (the
-  table above): the linear layers read their weights once for both, and
-  few-row matmuls use this CPU poorly (8 rows reach ~60 GFLOP/s and
-  ~15 GB/s, against ~150 GFLOP/s for 256 rows).
-* The end-to-end gain is bounded by how much of the work the decodes are.
-  Even if piggybacked decodes were free, separate phases would spend only one
-  decode-only iteration more per chunk. On this CPU that iteration costs a
-  fifth to a third of a chunk's iteration, so the end-to-end ceiling column
-  stays near 1.1-1.25x, and the balanced workloads land at or below it. On a
-  GPU a decode-only iteration is memory-bound and costs nearly as much as a
-  whole chunk, which is where the paper's 1.33x end to end (and up to 10x
-  decode) comes from.
-* Chunking has a price of its own: compare two C=256 chunks with one C=512
-  chunk in the table. Smaller matmuls use the CPU a little less well, and
-  every chunk after the first attends again to the prompt's earlier chunks.
-* Workload runs are noisy. The machine's speed drifts by ±20% over minutes,
-  and a run's decode throughput is a small difference of two large times,
-  summed over a window; away from the balanced point the batch is often not
-  full, which the per-batch table does not see. Read the per-batch table for
-  the mechanism and the sweeps for the trend.
-* Time between tokens is where SARATHI wins without caveat: a decode never
-  waits longer than one iteration of at most C tokens, whereas `separate`
-  stalls every decode for whole prefill iterations and `orca` stretches the
-  decode iterations that carry a whole prompt.
-"""
-
-
-GPU_EXPLANATION = """
-## Reading the numbers (GPU run)
-
-* Models this small leave an H100 idle most of the time: an iteration is a
-  few hundred kernel launches, and its time (8-14 ms here) is set by
-  launching them and by the engine's Python, hardly by how many tokens it
-  carries: a 249-token chunk alone costs about as much as 7 decodes alone.
-  That is the regime SARATHI was designed for, for another reason (on a GPU a
-  chunk does not saturate the device either): decodes added to a chunk ride
-  on work that is paid for anyway. Both decode goals are met here, by one
-  batch (the table above) and over a workload's steady state.
-* End to end, SARATHI falls just short of 1.15x at the balanced point, below
-  the 1.4x its iteration costs allow. Its prompt throughput is capped by one
-  chunk of C-(B-1) tokens per iteration: ~250 tokens per ~12 ms, which is
-  why its end-to-end curve flattens at ~20k tokens/s once prompts dominate
-  (P:D 50 and 100), where the baselines, whose prefill iterations carry whole
-  prompts, pull ahead. When an iteration costs the same whatever its size,
-  fewer, bigger iterations win, so Orca's whole-prompt batches beat both here
-  (1.36x separate phases at the balanced point, with a lower P99 time between
-  tokens). A token budget sized for a GPU (SARATHI picks it from the tile
-  size and the device, far above 256 for these models) would lift that cap.
-* The figures say how baton's scheduling behaves when an iteration's cost
-  barely depends on its token count; they are not a prediction for a large
-  model, whose iterations are bound by weights read (decode) and by
-  arithmetic (prefill).
-"""
-
 
 def goal_check(runs: list[RunStats], costs: list[IterationCosts], label: str = "random-50m",
                budget: int = 256) -> str:

@@ -1,7 +1,7 @@
 """Serving: the local cluster against transformers and baton's monolithic engine, same requests.
 
-Writes docs/benchmarks/serve.md and serve.png. For each model (the shipped one and the
-~50M-parameter random-weight preset) one workload of mixed requests — mostly short
+Writes docs/benchmarks/serve.md and serve.png (from serve-results.json.gz). For each model
+(the shipped one and the ~50M-parameter random-weight preset) one workload of mixed requests — mostly short
 prompts, a quarter long enough for the prefill chain, output lengths spread — runs three
 ways, side by side in one run:
 
@@ -42,7 +42,15 @@ from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.sarathi.engine import Engine
-from common import REPORT_DIR, machine_description, markdown_table, write_report
+from common import (
+    REPORT_DIR,
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 
 CHAIN_THRESHOLD_TOKENS = 512
 SHORT_PROMPT_TOKENS = (16, 128)
@@ -237,8 +245,8 @@ def plot(all_results: dict[str, dict[str, dict]], path: Path) -> None:
     print(f"wrote {path}")
 
 
-def report(all_results: dict[str, dict[str, dict]], num_requests: int, workload_note: str,
-           machine: str, elapsed_s: float) -> str:
+def report(raw: dict) -> str:
+    all_results, num_requests = raw["models"], raw["num_requests"]
     sections, comparisons = [], []
     for label, results in all_results.items():
         cluster, engine, theirs = (results[name] for name in ("baton cluster", "baton engine",
@@ -257,31 +265,20 @@ def report(all_results: dict[str, dict[str, dict]], num_requests: int, workload_
         chain = results["baton cluster"].get("chain_requests", 0)
         sections.append(f"### {label}\n\n{table}\n\nThe cluster sent {chain} of {num_requests} "
                         f"requests through the chain.\n")
+    plot(all_results, REPORT_DIR / "serve.png")
     return "\n".join([
-        "# Serving: baton's cluster vs transformers vs the monolithic engine", "",
-        ("Written by `bench/serve.py` (`make bench`); figures from one run, every system on the "
-         "same requests side by side. The load average below says whether other jobs shared "
-         "the machine; on a shared machine treat differences under ~20% as noise."),
-        "",
-        f"Machine: {machine}. Whole run: {elapsed_s / 60:.1f} min.", "",
-        f"Workload: {workload_note}", "",
+        report_header("Serving: baton's cluster vs transformers vs the monolithic engine",
+                      "bench/serve.py", "serve", raw),
+        f"Whole run: {raw['elapsed_s'] / 60:.1f} min.", "",
+        f"Workload: {raw['workload']}", "",
         *sections,
         "![serving](serve.png)", "",
-        "## Reading the numbers", "",
+        "## Summary", "",
         *comparisons,
-        ("* transformers runs the requests one after another, as `model.generate` does: its "
-         "TTFT grows with the queue ahead of each request."),
-        ("* The monolithic engine batches every request in one process (SARATHI: all decodes "
-         "plus one prefill chunk per iteration), on one thread. Batching is what buys its "
-         "throughput and TTFT; the price is time between tokens: with up to 64 sequences in "
-         "one iteration each step costs far more than transformers' single-sequence steps."),
-        ("* The cluster runs gateway, two chain ranks and one decode pod as processes with one "
-         "thread each on the same two cores: it pays gRPC, KV shipping (compression off) and "
-         "process switches, and it can use both cores where the in-process systems use one, so "
-         "it is not a CPU-equal comparison. On an oversubscribed machine two-thread OpenMP "
-         "collapses (a first run with two threads per in-process system was 5-25x slower), "
-         "hence one thread per process everywhere."),
-        "* KV transfer over gRPC against raw TCP on this machine: see `kv_transfer.md`.", ""])
+        ("* transformers runs the requests one after another, as `model.generate` does; the "
+         "monolithic engine batches every request in one process on one thread; the cluster "
+         "runs gateway, two chain ranks and one decode pod as processes with one thread each."),
+        ""])
 
 
 def main() -> int:
@@ -289,9 +286,18 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="shipped,random-50m")
+    parser.add_argument("--render", action="store_true",
+                        help="render the report again from the committed raw results")
     args = parser.parse_args()
+    if not args.render:
+        save_results("serve", measure(args))
+    write_report("serve.md", report(load_results("serve")))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
-    machine = machine_description()
+    record = run_record()
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, with_tokenizer=True).tokenizer
     requests = make_workload(tokenizer, args.requests, args.seed)
     num_long = sum(len(r.prompt_ids) >= CHAIN_THRESHOLD_TOKENS for r in requests)
@@ -310,10 +316,8 @@ def main() -> int:
                 save_checkpoint(random_model(name), directory, dtype=torch.float32)
                 shutil.copy(SHIPPED_MODEL_DIR / "tokenizer.json", directory / "tokenizer.json")
             all_results[label] = bench_model(label, directory, requests)
-    plot(all_results, REPORT_DIR / "serve.png")
-    write_report("serve.md", report(all_results, len(requests), workload_note, machine,
-                                    time.perf_counter() - started))
-    return 0
+    return {"run": record, "num_requests": len(requests), "workload": workload_note,
+            "models": all_results, "elapsed_s": time.perf_counter() - started}
 
 
 if __name__ == "__main__":

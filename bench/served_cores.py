@@ -17,7 +17,7 @@ So the decode pod's own costs (gRPC, its event loop, streaming every step, the h
 share the engine's core, and nothing else does. The peer workload's first 64 requests (64 new
 tokens each, greedy, end-of-sequence ignored), fresh processes, the two sides interleaved
 for ``--rounds`` rounds, their order flipping every round, each waiting for a quiet
-machine. Writes docs/benchmarks/served-cores.md.
+machine. Writes docs/benchmarks/served-cores.md from served-cores-results.json.gz beside it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
-from common import machine_description, markdown_table, write_report
+from common import (
+    load_results,
+    markdown_table,
+    report_header,
+    run_record,
+    save_results,
+    write_report,
+)
 from peer.report import throughput as rate
 from peer.run import WORK_DIR, prepare_shipped_model
 from peer.workload import make_workload
@@ -101,11 +108,11 @@ process (a fresh cluster) and waits for a quiet machine; the two sides alternate
 """
 
 
-def report(rounds: dict[str, list[dict]], description: str, load_end: float) -> str:
-    purpose = " ".join(__doc__.split("\n\n")[1].split())
-    lines = ["# The service with a core of its own", "",
-             f"Written by `bench/served_cores.py`. {purpose}", "", SETUP,
-             f"Machine: {description}; load average {load_end:.1f} at the end.", ""]
+def report(results: dict) -> str:
+    rounds = results["rounds"]
+    lines = [report_header("The service with a core of its own", "bench/served_cores.py",
+                           "served-cores", results),
+             SETUP, f"Load average {results['load_average_end']:.1f} at the end.", ""]
     summary = []
     for dtype, runs in rounds.items():
         per_round = []
@@ -126,7 +133,7 @@ def report(rounds: dict[str, list[dict]], description: str, load_end: float) -> 
                             f"{min(ratios):.2f}-{max(ratios):.2f}x"])
         lines += [cpu_table(runs), ""]
     lines += ["## Summary: served throughput as a share of the engine's", "",
-              markdown_table(["dtype", "client", "median", "range"], summary), "", READING]
+              markdown_table(["dtype", "client", "median", "range"], summary)]
     return "\n".join(lines) + "\n"
 
 
@@ -143,25 +150,6 @@ def cpu_table(runs: list[dict]) -> str:
             + markdown_table(["run", *roles], rows))
 
 
-READING = """### Reading these numbers
-
-* The decode pod's core carries the engine and the pod's own serving work: the gRPC
-  server, the event loop that turns every step into a message per stream, the heartbeat.
-  The pod spends a roughly constant ~40-60 µs of CPU a token more than the engine alone,
-  in either dtype, so the faster bf16 engine keeps a smaller share of its speed.
-* Its engine also waits for the GIL whenever the pod's loop thread runs Python, which
-  costs time rather than CPU (docs/runtime.md, "Served": the offline engine beside a
-  thread running 0.5 ms bursts of Python every 2.5 ms lost ~12%).
-* The other core does not leave the engine alone either: on this machine two independent
-  one-thread prefills (random-50m, 5,304 tokens) took 2.01-2.17 s each side by side against
-  1.86-1.92 s alone (shared cache and memory; a pure-Python loop on the other core costs
-  the engine nothing measurable).
-* The peer benchmark's served rows (peer.md) share both cores among the client, the
-  gateway and the engine, as a same-machine comparison with vLLM must; there the client
-  and the gateway alone take more CPU per token than 0.9x of the engine would leave them.
-"""
-
-
 def one_round(model_dir: Path, workload: Path, dtype: str, index: int) -> dict:
     """The engine and the service, back to back (the order flips every round)."""
     stem = f"cores-{dtype}-{index}"
@@ -176,18 +164,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--render", action="store_true",
+                        help="render the report again from the committed raw results")
     args = parser.parse_args()
+    if args.render:
+        write_report("served-cores.md", report(load_results("served-cores")))
+        return
     if len(os.sched_getaffinity(0)) < 2:  # skipped, not failed: `make bench` goes on
         print("served_cores.py: skipped, it needs 2 CPUs (one for the engine, one for the rest)")
         return
     model_dir, workload = prepare_shipped_model(), prepare_workload()
-    description = machine_description()
+    record = run_record()
     rounds: dict[str, list[dict]] = {dtype: [] for dtype in args.dtypes.split(",")}
     for index in range(args.rounds):
         print(f"round {index + 1}/{args.rounds}", flush=True)
         for dtype, runs in rounds.items():
             runs.append(one_round(model_dir, workload, dtype, index))
-    write_report("served-cores.md", report(rounds, description, os.getloadavg()[0]))
+    save_results("served-cores", {"run": record, "rounds": rounds,
+                                  "load_average_end": round(os.getloadavg()[0], 1)})
+    write_report("served-cores.md", report(load_results("served-cores")))
 
 
 if __name__ == "__main__":

@@ -80,10 +80,3 @@ def test_a_request_that_differs_in_fp32_fails_the_run():
     check_identical("same", expected, list(expected))  # no error
     with pytest.raises(RuntimeError, match="1 of 2 requests differ .* request 1"):
         check_identical("offline round 1", expected, [expected[0], raw.digest([3, 5])])
-
-
-def test_notes_appear_only_with_the_run_they_were_written_for(results):
-    notes = "<!-- results: 0123456789abcdef -->\n## What falls short\n\nthe cause"
-    assert "the cause" in report.render(results, notes)
-    other = report.render(results, notes.replace("0123456789abcdef", "fedcba9876543210"))
-    assert "the cause" not in other and "written for another run" in other

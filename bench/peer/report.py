@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from common import markdown_table
+from common import markdown_table, report_header
 
 SYSTEMS = ("vllm", "baton")
 NAMES = {"vllm": "vLLM", "baton": "baton"}
@@ -38,9 +38,8 @@ def ratios(values: list[float]) -> str:
     return f"**{statistics.median(values):.2f}x** ({listed})"
 
 
-def render(results: dict, notes: str = "") -> str:
-    """peer.md from the raw results, with ``notes`` (the analysis of this run, written by hand:
-    causes of what falls short) when they name this run's commit on their first line."""
+def render(results: dict) -> str:
+    """peer.md from the raw results alone."""
     lines = header(results)
     lines += sweep_section(results)
     lines += offline_section(results)
@@ -48,37 +47,19 @@ def render(results: dict, notes: str = "") -> str:
         lines += served_section(results)
         lines += kept_section(results)
     lines += goals_section(results)
-    lines += notes_section(results["commit"], notes, "peer-notes.md")
     return "\n".join(lines) + "\n"
-
-
-def notes_section(commit: str, notes: str, name: str) -> list[str]:
-    """The notes (file ``name``), if they were written for the run of ``commit`` (first line
-    ``<!-- results: COMMIT -->``); notes of another run would explain figures that are not
-    these."""
-    if not notes:
-        return []
-    first, _, body = notes.partition("\n")
-    if first.strip() != f"<!-- results: {commit} -->":
-        return [f"(The notes in {name} were written for another run and are left out.)", ""]
-    return [body.strip(), ""]
 
 
 def header(results: dict) -> list[str]:
     workload = results["workload"]
     environment = ", ".join(f"`{k}={v}`" for k, v in sorted(results["vllm_environment"].items()))
-    dirty = " (with uncommitted changes)" if results["dirty"] else ""
     load = results.get("load_average_end") or [float("nan")]
     return [
-        "# baton against vLLM", "",
-        (f"Every table below comes from one run of `bench/peer/run.py` at commit "
-        f"`{results['commit'][:12]}`{dirty}, started {results['started']}, finished "
-        f"{results.get('finished', '(did not finish)')}; rendered from "
-        "[peer-results.json.gz](peer-results.json.gz) alone. How it works and how to run it: "
-        "[bench/peer/README.md](../../bench/peer/README.md)."), "",
-        (f"Machine: {results['machine']}; load average {load[0]:.1f} at the end. Nothing else "
-        "ran; each run waited for a quiet machine and records the CPU time other processes "
-        "used while it was timed (the every-round tables)."), "",
+        report_header("baton against vLLM", "bench/peer/run.py", "peer", results),
+        (f"Finished {results.get('finished', '(did not finish)')}; load average {load[0]:.1f} "
+         "at the end. Each run waited for a quiet machine and records the CPU time other "
+         "processes used while it was timed (the every-round tables). How it works and how to "
+         "run it: [bench/peer/README.md](../../bench/peer/README.md)."), "",
         "## How both systems run", "",
         (f"* **Workload**: {workload['sets']} sets of {workload['requests']} prompts of 50-900 "
         "tokens cut from the Python standard library (seed "

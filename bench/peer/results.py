@@ -13,8 +13,6 @@ import gzip
 import hashlib
 import json
 import math
-import subprocess
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,17 +51,6 @@ def served_run(result: dict) -> dict:
             "text_digests": [digest(text) for text in result["texts"]],
             "errors": result["errors"], "others_cpu_s": round(result["others_cpu_s"], 2),
             "cpu_by_role_s": {role: round(s, 2) for role, s in result["cpu_by_role_s"].items()}}
-
-
-def provenance() -> dict:
-    """The commit this run measures (and whether the tree had changes), and when it started."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain",
-                                                                   "--untracked-files=no")),
-            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def save(results: dict, path: Path = RESULTS_PATH) -> Path:

@@ -23,7 +23,7 @@ measures and how long it takes. In order:
    every stream's text must equal the reference's, or the run fails.
 
 The raw results go to docs/benchmarks/peer-results.json.gz (``results.py``), then
-peer.md is rendered from that file alone (``--report-only`` renders it again).
+peer.md is rendered from that file alone (``--render`` renders it again).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import results as raw
-from common import machine_description, write_report
+from common import run_record, write_report
 from report import render, throughput
 from vllm_setup import ensure_peer_venv, vllm_environment
 from workload import Workload, make_workload
@@ -56,7 +56,6 @@ BUDGETS = (2048, 4096, 8192, 16384)
 MAX_SEQS = (64, 128, 256)  # the sweep's second knob: sequences running at once
 SET_SIZE = 256  # requests of one run
 RATE_FRACTIONS = (0.25, 0.5)  # the Poisson rates, as fractions of the slower engine's request rate
-NOTES_PATH = ROOT / "docs" / "benchmarks" / "peer-notes.md"  # the published run's analysis
 
 
 @dataclass(frozen=True)
@@ -149,11 +148,6 @@ def run_served(system: str, peer_python: Path, model_dir: Path, workload: Path, 
     return run_logged(command, None, out, timeout_s=3600)
 
 
-def read_notes() -> str:
-    """The hand-written analysis of the published run (``peer-notes.md``), if any."""
-    return NOTES_PATH.read_text() if NOTES_PATH.exists() else ""
-
-
 def check_identical(what: str, expected: list[str], got: list[str]) -> None:
     """Raises when any of ``got`` differs from ``expected`` (in fp32 every request must agree)."""
     differing = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
@@ -174,11 +168,11 @@ def main() -> None:
                         help="the sweep's numbers of sequences running at once, at the best budget")
     parser.add_argument("--requests", type=int, default=SET_SIZE,
                         help="requests of every run (fewer: a quick check, not a figure)")
-    parser.add_argument("--report-only", action="store_true",
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
                         help="render peer.md again from docs/benchmarks/peer-results.json.gz")
     args = parser.parse_args()
-    if args.report_only:
-        write_report("peer.md", render(raw.load(), read_notes()))
+    if args.render:
+        write_report("peer.md", render(raw.load()))
         return
     # A quick check is no figure: its results and report stay in runs/peer/.
     results_path = raw.RESULTS_PATH if args.requests >= SET_SIZE else WORK_DIR / "quick-results.json.gz"
@@ -188,7 +182,7 @@ def main() -> None:
     plan_scenarios = scenarios((1.0, 2.0))  # the names; the rates come after the offline rounds
     sets = prepare_workload(len(plan_scenarios), args.requests)
     workload_info = json.loads(sets[0].read_text())
-    results = {**raw.provenance(), "machine": machine_description(),
+    results = {"run": run_record(),
                "load_average_start": os.getloadavg(), "threads": THREADS,
                "workload": {"requests": args.requests, "sets": len(sets),
                             "new_tokens": workload_info["new_tokens"], "seed": workload_info["seed"],
@@ -278,7 +272,7 @@ def main() -> None:
     results["load_average_end"] = os.getloadavg()
     raw.save(results, results_path)
     if results_path == raw.RESULTS_PATH:
-        write_report("peer.md", render(raw.load(), read_notes()))
+        write_report("peer.md", render(raw.load()))
     else:
         (WORK_DIR / "quick-peer.md").write_text(render(raw.load(results_path)))
         print(f"wrote {WORK_DIR / 'quick-peer.md'} (a quick check, not a figure)")

@@ -15,7 +15,7 @@ work that never repeats?
   against off, interleaved the same way, identical tokens required.
 
 Raw results: docs/benchmarks/peer-prefix-results.json.gz; the report,
-docs/benchmarks/peer-prefix.md, is rendered from that file alone (``--report-only``).
+docs/benchmarks/peer-prefix.md, is rendered from that file alone (``--render``).
 
 usage: python bench/peer/shared_prefix.py [--rounds 3] [--dtypes float32,bfloat16]
 """
@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import results as raw
-from common import machine_description, write_report
-from report import notes_section, percentile, ratios, throughput
+from common import report_header, run_record, write_report
+from report import percentile, ratios, throughput
 from run import WORK_DIR, check_identical, prepare_shipped_model, run_offline
 from vllm_setup import ensure_peer_venv
 from workload import Workload, make_shared_prefix_workload, make_workload
@@ -39,8 +39,6 @@ from workload import Workload, make_shared_prefix_workload, make_workload
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_PATH = ROOT / "docs" / "benchmarks" / "peer-prefix-results.json.gz"
 REPORT_NAME = "peer-prefix.md"
-# The hand-written causes of what falls short in the published run (named by its commit)
-NOTES_PATH = ROOT / "docs" / "benchmarks" / "peer-prefix-notes.md"
 NUM_REQUESTS = 256
 DEFAULTS = {"token_budget": 0, "max_seqs": 0}  # each system's own defaults, caches on
 CACHE_OFF = {**DEFAULTS, "prefix_cache": False}
@@ -67,7 +65,7 @@ def measure(rounds: int, dtypes: list[str]) -> dict:
     peer_python = ensure_peer_venv()
     model_dir = prepare_shipped_model()
     shared, no_reuse = prepare_workloads()
-    results = {"provenance": raw.provenance(), "machine": machine_description(),
+    results = {"run": run_record(),
                "workloads": {"shared": describe(shared), "no_reuse": describe(no_reuse)},
                "shared": [], "no_reuse": []}
     for dtype in dtypes:
@@ -113,16 +111,11 @@ def off_cells(runs: dict, baton: dict) -> str:
     return f"{throughput(off):,.0f} | {throughput(baton) / throughput(off):.2f}x |"
 
 
-def render(results: dict, notes: str = "") -> str:
-    provenance = results["provenance"]
+def render(results: dict) -> str:
     shared, no_reuse = results["workloads"]["shared"], results["workloads"]["no_reuse"]
     lines = [
-        "# baton and vLLM where prompts share prefixes",
-        "",
-        ("Written by `bench/peer/shared_prefix.py` from `peer-prefix-results.json.gz` (one run: "
-        f"commit `{provenance['commit'][:12]}`{' with local changes' if provenance['dirty'] else ''}, "
-        f"started {provenance['started']}). Machine: {results['machine']}."),
-        "",
+        report_header("baton and vLLM where prompts share prefixes", "bench/peer/shared_prefix.py",
+                      "peer-prefix", results),
         (f"* **Shared prefixes**: {shared['requests']} requests, {shared['prompt_tokens']:,} prompt "
         f"tokens ({shared['min_prompt']}-{shared['max_prompt']} each): 4 groups of 8 documents "
         "of 660-700 tokens, each asked 8 questions of 40-140 tokens, interleaved, "
@@ -173,7 +166,6 @@ def render(results: dict, notes: str = "") -> str:
                      f"{same}/{len(on['token_digests'])} |")
     lines += ["", (f"On / off, median: {ratios(on_off)}; goal >= {GOAL_NO_REUSE}x "
               f"{'met' if statistics.median(on_off) >= GOAL_NO_REUSE else 'missed'}."), ""]
-    lines += notes_section(provenance["commit"], notes, NOTES_PATH.name)
     return "\n".join(lines)
 
 
@@ -181,14 +173,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="float32")
-    parser.add_argument("--report-only", action="store_true",
+    parser.add_argument("--render", "--report-only", dest="render", action="store_true",
                         help="render the report from the committed raw results")
     args = parser.parse_args()
-    if not args.report_only:
+    if not args.render:
         WORK_DIR.mkdir(parents=True, exist_ok=True)
         raw.save(measure(args.rounds, args.dtypes.split(",")), RESULTS_PATH)
-    notes = NOTES_PATH.read_text() if NOTES_PATH.exists() else ""
-    write_report(REPORT_NAME, render(raw.load(RESULTS_PATH), notes))
+    write_report(REPORT_NAME, render(raw.load(RESULTS_PATH)))
 
 
 if __name__ == "__main__":

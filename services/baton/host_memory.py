@@ -5,10 +5,8 @@
 glibc's malloc serves every allocation above its mmap threshold (128 KiB, rising
 to at most 32 MiB as it adapts) with a fresh ``mmap`` and returns it to the
 kernel on free, so each forward's large intermediates (a 4096-token chunk's MLP
-activations are ~20 MiB) are page-faulted in anew, page by page: on the
-development machines that made a prefill's MLP block take 28 ms instead of 16.
-Raising the mmap and trim thresholds serves them from the heap, where freed
-memory is reused. vLLM's CPU backend gets the same by preloading tcmalloc.
+activations are ~20 MiB) would be page-faulted in anew, page by page. Raising the
+mmap and trim thresholds serves them from the heap, where freed memory is reused. vLLM's CPU backend gets the same by preloading tcmalloc.
 
 The setting is process-wide and harmless elsewhere; it is applied once, when
 the first model is built, and only where glibc's ``mallopt`` exists.
@@ -17,8 +15,7 @@ The KV pool is read at random: a decode step walks every running sequence's
 blocks, each a few KiB somewhere in hundreds of MiB. In 4 KiB pages every block
 is a page of its own and a TLB miss; Linux backs a region with 2 MiB pages only
 where it is asked to (``transparent_hugepage`` is ``madvise`` on Debian, Ubuntu
-and most cloud images). On the development machines (AMD EPYC) the paged decode
-kernel reads the cache 7-10% faster from huge pages (docs/runtime.md).
+and most cloud images). What either costs or saves: docs/runtime.md.
 """
 
 from __future__ import annotations

@@ -211,16 +211,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await stream.first_taken(FIRST_TOKEN_LEAD_S)
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
-        worker = await self._worker(context, ("gateway",), "Generate")
-        try:
-            stream = await self.open_stream(worker, request)
-        except Exception as e:  # noqa: BLE001
-            await abort_with(context, e)
-        async for message in self._relay(worker, stream, context):
+        async for message in self._stream(request, context, "Generate"):
             yield message
 
     async def Attach(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
-        worker = await self._worker(context, ("gateway",), "Attach")
+        async for message in self._stream(request, context, "Attach"):
+            yield message
+
+    async def _stream(self, request, context, method: str) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """Generate and Attach: ``open_stream`` tells the two requests apart, the relay is one."""
+        worker = await self._worker(context, ("gateway",), method)
         try:
             stream = await self.open_stream(worker, request)
         except Exception as e:  # noqa: BLE001

@@ -48,12 +48,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
         mask = None if sees_all else visibility_mask(query_positions, key_positions, sliding_window)
         return _attend_grouped(q, k, v, mask)
     # [1, heads, len, D]: CPU SDPA takes its fused kernels only for 4-D inputs (3-D falls back
-    # to the slow math path: 6-10x at 2k tokens).
+    # to the slow math path).
     qh = q.transpose(0, 1)[None]
     if num_queries == num_keys and not window_matters and q.device.type == "cpu":
         # A whole prompt: the fused causal kernel reads the KV heads in place (enable_gqa,
-        # 1.1-1.3x faster than copying them out to every query head, torch 2.13 on CPU; on
-        # CUDA the flash kernels take equal head counts, so the copy stays there).
+        # faster on a CPU than copying them out to every query head; on CUDA the flash
+        # kernels take equal head counts, so the copy stays there).
         out = F.scaled_dot_product_attention(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)
@@ -71,8 +71,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: t
 
 
 # Up to this many new tokens over a cached prefix (a decode, a SARATHI chunk, a short
-# chain slice), GQA groups the query heads instead of copying K/V to every head: 2-4x
-# faster below 32 queries on CPU, ~1.1x up to 512; beyond that the split kernel wins.
+# chain slice), GQA groups the query heads instead of copying K/V to every head (faster
+# on a CPU up to here); beyond that the split kernel wins.
 MAX_GROUPED_QUERIES = 512
 
 
@@ -119,8 +119,8 @@ def _attend_prefix_then_own(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor
 
     An explicit [T, S] mask costs its materialisation and makes the kernel visit every
     block; here the prefix is attended without a mask and the own slice with
-    ``is_causal``, which skips the blocks above the diagonal. On this CPU that is
-    1.3-1.8x faster for a chain tail's slice. Inputs [1, H, len, D]; returns [1, H, T, D].
+    ``is_causal``, which skips the blocks above the diagonal. Inputs [1, H, len, D];
+    returns [1, H, T, D].
     """
     out_prefix, lse_prefix = _SPLIT_KERNEL(qh, kh[:, :, :prefix], vh[:, :, :prefix])[:2]
     out_own, lse_own = _SPLIT_KERNEL(qh, kh[:, :, prefix:], vh[:, :, prefix:], is_causal=True)[:2]

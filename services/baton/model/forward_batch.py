@@ -79,7 +79,7 @@ class DecodeBatch:
 
 
 # On CUDA, PyTorch may pick cuDNN's attention for a masked call, and cuDNN builds an
-# execution plan for every new shape (~9 ms each on an H100). A decode batch's padded
+# execution plan for every new shape (milliseconds each). A decode batch's padded
 # key span grows by a block every few steps, so that cost would recur all through
 # generation; flash and memory-efficient attention have no per-shape setup.
 _GPU_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,

@@ -1,46 +1,23 @@
 """Linear layers that pick the matmul orientation for the batch: ``Linear`` and ``linear()``.
 
-A decode step multiplies a handful of rows (one per running sequence) by every
-weight matrix. Written as ``x @ W.T`` (``F.linear``), few rows go through MKL's
-small-M kernels, which on the development machines' CPUs (AMD EPYC) stream the
-weight at 5-10 GB/s, a third of copy bandwidth; 2 rows even take longer than 8.
-The same product written weight-major, ``(W @ x.T).T``, runs the kernel over
-W's rows and streams the weight at ~20 GB/s: a batch-1 decode step of
-``random-50m`` falls from ~19 ms to ~10.5 ms, about the bandwidth bound.
+A decode step multiplies a handful of rows (one per running sequence) by every weight
+matrix, and a BLAS's small-M kernels may stream the weight far below the machine's copy
+bandwidth. The same product written weight-major, ``(W @ x.T).T``, runs the kernel over
+W's rows instead. Which is faster depends on the CPU and its BLAS, so it is measured once
+per process (``weight_major_pays``) and the weight-major form is used only where it pays,
+for at most ``MAX_ROWS_WEIGHT_MAJOR`` rows (``MAX_ROWS_VOCABULARY`` for a projection of
+``VOCABULARY_OUTPUTS`` or more). One row is doubled to two: a [K, 1] right-hand side takes
+MKL's matrix-vector path. Both orientations compute the same dot products; only the
+summation order differs. CUDA tensors always take ``F.linear`` (cuBLAS picks its kernels).
 
-The rule, from measurements on those CPUs (both orientations, 1 to 2048
-rows, the shapes of ``random-50m``): weight-major for at most 4 rows (2-6x
-faster), and for a vocabulary-sized projection (at least 8192 outputs) up to
-64 rows (1.3-1.4x); ``F.linear`` otherwise: from ~6 rows the two are within
-noise of each other, and for a prefill the transposed result's copy costs
-more than the kernel saves. One row is doubled to two, because a [K, 1]
-right-hand side drops MKL to its matrix-vector path, which is as slow as the
-small-M one. Both orientations compute the same dot products; only the
-summation order inside the kernel differs (fp32 rounding).
-
-The gain is the CPU's and its BLAS's, not a law: on an Intel Xeon (torch 2.13)
-the weight-major form is 2x *slower* at batch 1 (``random-50m``: 17.5 ms a
-step against 8.6 ms). So whether it pays is measured once per process
-(``weight_major_pays``, ~20 ms) and the rule above applies only where it does.
-
-CUDA tensors always take ``F.linear``: cuBLAS picks its own kernels.
-
-bf16, fp16 and fp32 weights on a CPU are packed once into oneDNN's blocked layout
-(``WeightPack``; a bf16 or fp16 weight as fp32 where oneDNN packs only fp32, see
-``pack_dtype``), as vLLM's CPU backend and inductor's freezing do: ``F.linear``
-reorders a bf16 weight for the AMX/AVX512 kernels on every call (the packed copy
-gives bit-identical results there), and in fp32 oneDNN's packed kernels beat MKL's,
-the weight-major form included (fp32 results then agree with ``F.linear`` to
-rounding, another summation order). The figures are in docs/runtime.md, "Memory and
-kernels on the CPU". The packed copy costs one more copy of the weights, and its op
-has no backward, so a forward that trains takes the plain kernels; the weight-major
-rule above serves those and CPUs without oneDNN.
-
-On a CPU with AVX2 but not AVX-512, a decode batch (up to ``MAX_FEW_ROWS`` rows) takes
-baton's own kernel instead (``few_rows_linear``, services/baton/kernels/avx2_linear.cpp):
-there oneDNN's packed kernels read the weights at ~10 GB/s at one row, and the kernel
-reads them 3.5-4x faster (2x at 8 rows, 1.3x at 16). Its fp32 results agree with
-``F.linear`` to rounding.
+On a CPU, weights are packed once into oneDNN's blocked layout (``WeightPack``; a bf16 or
+fp16 weight as fp32 where oneDNN packs only fp32, ``pack_dtype``), as vLLM's CPU backend
+does, because ``F.linear`` re-lays a bf16 weight out on every call. The packed op has no
+backward, so a forward that trains takes the plain kernels. On a CPU with AVX2 but not
+AVX-512 a decode batch (up to ``MAX_FEW_ROWS`` rows) takes baton's ``few_rows_linear``,
+which reads the weights faster than oneDNN does there; its fp32 results agree with
+``F.linear`` to rounding. The figures: docs/runtime.md ("Memory and kernels on the CPU",
+"On CPUs with AVX2 only").
 """
 
 from __future__ import annotations

@@ -52,12 +52,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def cpu_has_fast_bfloat16() -> bool:
     """Does this CPU multiply bf16 in hardware (AVX512-BF16, or AMX)? oneDNN's bf16 matmuls
-    then run several times fp32's (3-3.5x with AVX512-BF16 on the development machine, 7.4x
-    with AMX); a CPU without either emulates bf16 at about fp32's speed, for an 8-bit
-    mantissa. Read off the instruction set rather than timed: every process of a deployment
-    must pick the same dtype (a chain's KV reaches the decode pods in its own, and a pod
-    refuses another), and a timing taken while the other processes start can fall either
-    side of any threshold (3 concurrent probes measured 2.2x to 5.2x here)."""
+    then run several times fp32's; a CPU without either emulates bf16 at about fp32's
+    speed, for an 8-bit mantissa. Read off the instruction set rather than timed: every
+    process of a deployment must pick the same dtype (a chain's KV reaches the decode pods
+    in its own, and a pod refuses another), and a timing taken while the other processes
+    start can fall either side of any threshold (docs/runtime.md, "Precision")."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

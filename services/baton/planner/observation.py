@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from baton.planner.scrape import ClusterScrape, PodScrape
+from baton.planner.samples import ClusterScrape, PodScrape
 
 # The series read here; tests check each against the definitions in baton.metrics.
 GATEWAY_PROMPT_TOKENS = "baton_gateway_prompt_tokens"

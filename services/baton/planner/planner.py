@@ -35,7 +35,7 @@ from baton.config import PlannerConfig
 from baton.planner import sizing
 from baton.planner.model import PerformanceModel
 from baton.planner.observation import GATEWAY_TTFT, Observation, distribution, merge, observe
-from baton.planner.scrape import ClusterScrape, chain_order
+from baton.planner.samples import ClusterScrape, chain_order
 
 SNAPSHOT_VERSION = 1
 

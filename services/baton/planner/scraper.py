@@ -12,7 +12,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from baton.planner.scrape import ClusterScrape, PodScrape, parse_pod
+from baton.planner.samples import ClusterScrape, PodScrape, parse_pod
 
 log = logging.getLogger(__name__)
 

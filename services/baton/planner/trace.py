@@ -25,7 +25,7 @@ from typing import IO
 from baton.config import PlannerConfig
 from baton.planner.observation import PLANNER_SERIES
 from baton.planner.planner import Decision, Planner, Replicas
-from baton.planner.scrape import ClusterScrape, PodScrape
+from baton.planner.samples import ClusterScrape, PodScrape
 
 TRACE_VERSION = 1
 

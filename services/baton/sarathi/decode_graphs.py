@@ -2,9 +2,8 @@
 
 Why: on a GPU an eager decode step is a few hundred small kernels, each launched from
 Python; for a small or mid-sized model the launches, not the bytes of the weights, set
-the step time (an H100 ran ``random-50m``'s batch-32 step in ~6 ms, ~0.8 ms of it GPU
-work: docs/benchmarks/engine-gpu.md). A CUDA graph records a step's kernels once and
-replays them with one launch.
+the step time (docs/runtime.md, "On a GPU"). A CUDA graph records a step's kernels once
+and replays them with one launch.
 
 How (after vLLM's model runner): a graph is captured for each (batch, width) bucket the
 first time a step falls in it. The batch is rounded up to a power of two; the block-table
@@ -146,8 +145,7 @@ class DecodeGraphs:
         self.replayed_steps += 1
         if any(observer is not None for observer in observers):
             observe_decode(observers, buffers.queries[:count], positions)
-        # a copy, on the device (33 MB take ~10 µs on an H100): the static buffer is the next
-        # replay's
+        # a copy, on the device (cheap there): the static buffer is the next replay's
         return buffers.logits[:count].clone()
 
     def capture_all(self) -> int:
@@ -203,8 +201,8 @@ class DecodeGraphs:
     def _fill(self, buffers: _Buffers, claimed: ClaimedDecode, token_ids: list[int],
               positions: list[int], scratch: int, width: int) -> None:
         """Write the step into the static inputs, padded to the bucket: one host buffer (filled
-        with numpy: at batch 64 and 16 layers, Python lists took ~0.5 ms a step), one copy to
-        the device."""
+        with numpy, not Python lists, which cost a step's worth of time at batch 64), one copy
+        to the device."""
         batch, count, layers = buffers.batch, len(claimed.seq_ids), self.model.config.num_hidden_layers
         if buffers.copied is not None:
             buffers.copied.synchronize()  # the last step's copy has read the staging buffer

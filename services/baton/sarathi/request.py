@@ -66,7 +66,7 @@ class Sequence:
 
     def token_at(self, index: int) -> int:
         """``token_ids[index]`` without building the whole list (each decode reads one token
-        a step; joining a long prompt and its output for it cost ~3 µs a sequence)."""
+        a step, and joining a long prompt and its output for it costs a copy per sequence)."""
         num_prompt = len(self.prompt_ids)
         return self.prompt_ids[index] if index < num_prompt else self.output_ids[index - num_prompt]
 

@@ -61,7 +61,7 @@ class ApiKeys:
 
     def _reload(self) -> None:
         try:
-            current = files.generation(str(self.path))
+            current = files.change_fingerprint(str(self.path))
             if self._seen == current:
                 return
             keys = _parse(self.path.read_text())

@@ -58,13 +58,13 @@ class Mtls:
                 Path(self.config.cert).read_bytes())
 
     def generation(self) -> tuple:
-        """Changes when any of the files changes; read at most every ``ROTATION_CHECK_S``
-        (callers ask on every call they open)."""
+        """The files' ``change_fingerprint``: moves when any of them changes; read at most
+        every ``ROTATION_CHECK_S`` (callers ask on every call they open)."""
         if not self.enabled:
             return ()
         now = time.monotonic()
         if now - self._checked_at >= ROTATION_CHECK_S:
-            self._generation, self._checked_at = files.generation(
+            self._generation, self._checked_at = files.change_fingerprint(
                 self.config.ca, self.config.cert, self.config.key), now
         return self._generation
 
@@ -106,11 +106,11 @@ def reloading_server_credentials(key: str, cert: str, ca: str = "") -> grpc.Serv
             [(Path(key).read_bytes(), Path(cert).read_bytes())],
             root_certificates=Path(ca).read_bytes() if ca else None)
 
-    seen = [files.generation(*paths)]
+    seen = [files.change_fingerprint(*paths)]
 
     def fetch():
         try:
-            current = files.generation(*paths)
+            current = files.change_fingerprint(*paths)
             if current == seen[0]:
                 return None
             fresh = configuration()
