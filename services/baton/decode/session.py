@@ -6,8 +6,8 @@ its own) and cancels them; every open request runs as a task that reads its
 same abort when it is cancelled) and drops each message into the session's outbox. The
 call sends the outbox whenever it has something: the tasks an engine step wakes all run
 before the call's writer does, so one step's tokens for every request leave as one
-message (per-token messages cost ~25 us of CPU on each side of the wire, which on a
-busy node is CPU the engine loses).
+message (a message per token costs CPU on each side of the wire, which on a busy node is
+CPU the engine loses).
 
 A request that fails answers one ``SessionStep`` with the status its own call would
 have ended with; the others go on. The session ends when the caller's commands end and

@@ -28,8 +28,7 @@ import torch
 from baton.host_to_device import to_device
 
 # What one more group costs (its gathers, mask and kernel call per layer), in bytes of
-# padding it saves: on the development CPUs a group's fixed cost is ~50 µs and a byte of
-# K/V costs ~0.2 ns to gather and attend.
+# padding it saves (measured: docs/runtime-log.md).
 GROUP_OVERHEAD_BYTES = 256 * 1024
 
 
@@ -102,7 +101,7 @@ SPARE_BLOCKS = 4
 class BatchTables:
     """The block tables of one ungrouped decode batch, kept between steps and patched in
     place: while the batch holds the same sequences, a step only writes the blocks that
-    sequences gained (a few per step at batch 64, where rebuilding meant ~10k ints). For
+    sequences gained (a few per step at batch 64, where rebuilding meant thousands of ints). For
     CPU tensors only (a GPU may still be reading the last step's table)."""
 
     def __init__(self, seq_ids: list[str], per_sequence: list[list], num_layers: int) -> None:
@@ -113,7 +112,7 @@ class BatchTables:
         self.tensors = []
         for layer, counts in enumerate(self.counts):
             width = max(counts, default=0) + SPARE_BLOCKS
-            # one tensor from padded lists: a tensor per row cost ~9 ms a step at batch 256
+            # one tensor from padded lists: a tensor per row costs a Python call each
             rows = [tables[layer].blocks + [0] * (width - len(tables[layer].blocks))
                     for tables in per_sequence]
             self.tensors.append(torch.tensor(rows, dtype=torch.long).view(len(seq_ids), width))

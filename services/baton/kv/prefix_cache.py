@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-HASH_BYTES = 16  # blake2b-128: collisions are out of reach; ~1 µs a 16-token block
+HASH_BYTES = 16  # blake2b-128: collisions are out of reach, and it is cheap beside a block's KV
 JOURNAL_LENGTH = 65536  # store/evict events kept for routers to read (older ones are dropped)
 
 

@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
 NIXL_READ_TIMEOUT_S = 60.0  # a NIXL read of pushed bytes (the pod's configuration sets its own)
 # A landing that comes once more than this has arrived is given back: copying what came
-# before into the blocks would hold the event loop (~10 ms for 64 MiB on the development
-# machines); the pool copies it at admission instead, on the engine's thread.
+# before into the blocks would hold the event loop for milliseconds; the pool copies it at
+# admission instead, on the engine's thread.
 LANDING_CATCH_UP_BYTES = 64 << 20
 
 

@@ -22,7 +22,7 @@ from baton.transfer.device_copy import HostCopy, layers_to_host, to_host
 from baton.transfer.handoff import FirstToken, KVHandoff
 from baton.transfer.nixl import NIXL, NixlAgent, NixlSource
 
-PUSH_TIMEOUT_S = 120.0  # one cache over gRPC; at ~1 GB/s even a large cache takes seconds
+PUSH_TIMEOUT_S = 120.0  # one cache over gRPC: even a large one takes seconds
 
 
 class Shipment:
@@ -207,7 +207,8 @@ class Pushes:
              prepare: Callable[[int, LayerKV], LayerKV] | None = None,
              shipper: concurrent.futures.Executor | None = None) -> Shipment:
         """A request's shipment, its PushKV call opened now: the call's setup (a stream, the
-        pod's handler) costs ~2 ms, which the chain's compute hides when it is opened before."""
+        pod's handler) costs milliseconds, which the chain's compute hides when it is opened
+        before."""
         method = framing.stub_push_kv(self._channel(request.decode_address))
         source = (NixlSource(self.nixl) if self.nixl is not None
                   and request.decode_kv_transport == NIXL else None)
