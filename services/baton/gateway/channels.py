@@ -26,19 +26,19 @@ class Channels:
         self.mtls = mtls or Mtls(MtlsConfig())
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sessions: dict[str, DecodeSession] = {}
-        self._generation = self.mtls.generation()
+        self._fingerprint = self.mtls.fingerprint()
         self._closing: set[asyncio.Task] = set()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        generation = self.mtls.generation()
-        if generation != self._generation:
+        fingerprint = self.mtls.fingerprint()
+        if fingerprint != self._fingerprint:
             for channel in self._channels.values():  # closed once their calls end
                 task = asyncio.ensure_future(channel.close(grace=RETIRED_CHANNEL_GRACE_S))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
             for session in self._sessions.values():
                 session.retire()
-            self._channels, self._sessions, self._generation = {}, {}, generation
+            self._channels, self._sessions, self._fingerprint = {}, {}, fingerprint
         if address not in self._channels:
             self._channels[address] = self.mtls.channel(address, CHANNEL_OPTIONS, aio=True)
         return self._channels[address]

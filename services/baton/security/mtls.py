@@ -13,7 +13,7 @@ not its address: every internal certificate carries the DNS name ``INTERNAL_SERV
 and channels check that name (``grpc.ssl_target_name_override``).
 
 Rotation without a restart: servers re-read the files at the next handshake once they
-changed (``grpc.dynamic_ssl_server_credentials``); clients compare ``generation()`` and
+changed (``grpc.dynamic_ssl_server_credentials``); clients compare ``fingerprint()`` and
 open new channels when it moved.
 
 Plaintext only when asked (``mtls.insecure``): a service started without certificates and
@@ -46,7 +46,7 @@ ROTATION_CHECK_S = 1.0  # how often callers look at the files for a rotation
 class Mtls:
     def __init__(self, config: MtlsConfig) -> None:
         self.config = config
-        self._generation: tuple = ()
+        self._fingerprint: tuple = ()
         self._checked_at = -math.inf
 
     @property
@@ -57,16 +57,16 @@ class Mtls:
         return (Path(self.config.ca).read_bytes(), Path(self.config.key).read_bytes(),
                 Path(self.config.cert).read_bytes())
 
-    def generation(self) -> tuple:
+    def fingerprint(self) -> tuple:
         """The files' ``change_fingerprint``: moves when any of them changes; read at most
         every ``ROTATION_CHECK_S`` (callers ask on every call they open)."""
         if not self.enabled:
             return ()
         now = time.monotonic()
         if now - self._checked_at >= ROTATION_CHECK_S:
-            self._generation, self._checked_at = files.change_fingerprint(
+            self._fingerprint, self._checked_at = files.change_fingerprint(
                 self.config.ca, self.config.cert, self.config.key), now
-        return self._generation
+        return self._fingerprint
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Credentials that require a client certificate from the CA and pick up rotated

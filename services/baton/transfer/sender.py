@@ -201,7 +201,7 @@ class Pushes:
         self.nixl = nixl
         self.model_id, self.revision = model_id, revision
         self._channels: dict[str, grpc.Channel] = {}
-        self._generation = mtls.generation()
+        self._fingerprint = mtls.fingerprint()
 
     def open(self, details: bytes, request: PrefillRequest,
              prepare: Callable[[int, LayerKV], LayerKV] | None = None,
@@ -216,10 +216,10 @@ class Pushes:
                         self.revision, source, shipper)
 
     def _channel(self, address: str) -> grpc.Channel:
-        generation = self.mtls.generation()
-        if generation != self._generation:
+        fingerprint = self.mtls.fingerprint()
+        if fingerprint != self._fingerprint:
             self.close()
-            self._channels, self._generation = {}, generation
+            self._channels, self._fingerprint = {}, fingerprint
         if address not in self._channels:
             self._channels[address] = self.mtls.channel(address, CHANNEL_OPTIONS)
         return self._channels[address]
