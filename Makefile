@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup kernels redis nixl run test proto lint bench bench-peer gpu-check helm-lint image image-check clean
+.PHONY: help setup kernels redis nixl run test proto schema lint bench bench-peer gpu-check helm-lint image image-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -46,6 +46,9 @@ test: setup nixl ## run the test suite (NIXL's tests too: it is installed for th
 
 proto: $(STAMP) ## regenerate services/baton/api from proto/
 	$(PY) -m baton.api.generate
+
+schema: $(STAMP) ## regenerate the CRD, values.schema.json and values.yaml's defaults from baton.config
+	$(PY) -m baton_operator.schema
 
 lint: $(STAMP) ## ruff over the code
 	$(VENV)/bin/ruff check services operator tests bench

@@ -6,11 +6,14 @@ or by a client that skips validation, must still end in a `Degraded`
 condition that names the bad value, never in a crash loop. Every engine
 setting is checked by building the very configuration dataclasses the
 services validate themselves with (`baton.config`), so the operator and the
-services cannot disagree about what is valid.
+services cannot disagree about what is valid. Which spec key holds which
+setting is one table (``baton_operator.fields``), from which the CRD's schema is
+generated too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +30,8 @@ from baton.config import (
     SchedulerConfig,
     StreamConfig,
 )
+
+from baton_operator.fields import spec_values
 
 REDIS_MODES = ("managed", "external")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -148,6 +153,19 @@ def _build(where: str, cls: type, **values: Any) -> Any:
         raise InvalidSpec(f"spec.{where}: {e}") from e
 
 
+def _values(spec: dict, cls: type) -> dict[str, Any]:
+    """The settings of ``cls`` the spec gives (``baton_operator.fields``), by field name."""
+    try:
+        return spec_values(spec, cls)
+    except TypeError as e:
+        raise InvalidSpec(str(e)) from e
+
+
+def _settings(spec: dict, where: str, cls: type, **extra: Any) -> Any:
+    """``cls`` built from the settings the spec gives for it; ``extra`` overrides them."""
+    return _build(where, cls, **{**_values(spec, cls), **extra})
+
+
 def _count(section: dict, where: str, key: str, default: int, minimum: int = 0) -> int:
     value = section.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -166,8 +184,7 @@ def _read_model(spec: dict) -> ModelSource:
         raise InvalidSpec("spec.model.source.pvc.claimName is required when pvc is given")
     if host_path and not host_path.startswith("/"):
         raise InvalidSpec(f"spec.model.source.hostPath must be absolute, got {host_path!r}")
-    config = _build("model", ModelSourceConfig, revision=model.get("revision"),
-                    dtype=model.get("dtype"))
+    config = _settings(spec, "model", ModelSourceConfig)
     return ModelSource(claim_name=pvc.get("claimName", ""), sub_path=pvc.get("subPath", ""),
                        host_path=host_path, config=config)
 
@@ -188,9 +205,7 @@ def _read_redis(spec: dict) -> RedisSpec:
 
 def _read_prefill(spec: dict) -> PrefillSpec:
     prefill = _section(spec, "prefill")
-    chain = _build("prefill", ChainConfig, ranks=prefill.get("ranksPerChain"),
-                   mode=prefill.get("mode"), kv_link_gb_per_s=prefill.get("kvLinkGBPerSecond"),
-                   extra_hop_ms=prefill.get("extraHopMs"))
+    chain = _settings(spec, "prefill", ChainConfig)
     return PrefillSpec(chains=_count(prefill, "prefill", "chains", PrefillSpec.chains),
                        chain=chain, partition_table=prefill.get("partitionTable", ""),
                        resources=prefill.get("resources") or {})
@@ -200,36 +215,24 @@ def _read_decode(spec: dict) -> DecodeSpec:
     decode = _section(spec, "decode")
     return DecodeSpec(
         replicas=_count(decode, "decode", "replicas", DecodeSpec.replicas),
-        kv=_build("decode", KVPoolConfig, memory_mib=decode.get("kvMemoryMiB"),
-                  block_size=decode.get("kvBlockSize"), prefix_cache=decode.get("prefixCache")),
-        scheduler=_build("decode", SchedulerConfig, token_budget=decode.get("tokenBudget"),
-                         max_running=decode.get("maxRunning"), policy=decode.get("policy"),
-                         cuda_graphs=decode.get("cudaGraphs")),
-        stream=_build("decode", StreamConfig, interval_ms=decode.get("streamIntervalMs")),
+        kv=_settings(spec, "decode", KVPoolConfig),
+        scheduler=_settings(spec, "decode", SchedulerConfig),
+        stream=_settings(spec, "decode", StreamConfig),
         resources=decode.get("resources") or {})
 
 
-def _read_pyramid(spec: dict) -> PyramidConfig:
-    compression = _section(spec, "compression")
-    return _build("compression", PyramidConfig, enabled=compression.get("enabled"),
-                  keep_ratio=compression.get("keepRatio"),
-                  recent_ratio=compression.get("recentRatio"),
-                  num_sinks=compression.get("numSinks"),
-                  min_context=compression.get("minContext"))
-
-
-def _read_http(gateway: dict) -> HttpConfig:
+def _read_http(spec: dict, gateway: dict) -> HttpConfig:
     http = gateway.get("http") or {}
     enabled = http.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InvalidSpec(f"spec.gateway.http.enabled must be true or false, got {enabled!r}")
-    port = _count(http, "gateway.http", "port", HttpConfig.port, minimum=1)
-    return _build("gateway.http", HttpConfig, port=port if enabled else 0)
+    _count(http, "gateway.http", "port", HttpConfig.port, minimum=1)  # 0 is `enabled: false`
+    config = _settings(spec, "gateway.http", HttpConfig)
+    return config if enabled else dataclasses.replace(config, port=0)
 
 
 def _read_gateway(spec: dict) -> GatewaySpec:
     gateway = _section(spec, "gateway")
-    routing = _section(spec, "routing")
     service_type = gateway.get("serviceType", GatewaySpec.service_type)
     if service_type not in SERVICE_TYPES:
         raise InvalidSpec(f"spec.gateway.serviceType {service_type!r} is not one of {SERVICE_TYPES}")
@@ -244,15 +247,8 @@ def _read_gateway(spec: dict) -> GatewaySpec:
         tls_secret_name=(gateway.get("tls") or {}).get("secretName", ""),
         api_keys_secret_name=api_keys.get("secretName", ""),
         api_keys_secret_key=api_keys_key,
-        http=_read_http(gateway),
-        routing=_build("routing", GatewayRoutingConfig,
-                       policy=routing.get("policy"),
-                       prefill_threshold_tokens=routing.get("prefillThresholdTokens"),
-                       chain_break_even=routing.get("chainBreakEven"),
-                       chain_max_queued_tokens=routing.get("chainMaxQueuedTokens"),
-                       migration_limit=routing.get("migrationLimit"),
-                       chain_failure=routing.get("chainFailure"),
-                       reroute_wait_s=routing.get("rerouteWaitSeconds")),
+        http=_read_http(spec, gateway),
+        routing=_settings(spec, "routing", GatewayRoutingConfig),
         resources=gateway.get("resources") or {})
 
 
@@ -280,22 +276,11 @@ def _read_autoscaling(spec: dict) -> AutoscalingSpec:
     enabled = autoscaling.get("enabled", False)
     if not isinstance(enabled, bool):
         raise InvalidSpec(f"spec.autoscaling.enabled must be true or false, got {enabled!r}")
-    decode = autoscaling.get("decode") or {}
-    prefill = autoscaling.get("prefill") or {}
-    interval_s = autoscaling.get("intervalSeconds")
+    interval_s = _values(spec, PlannerConfig).get("interval_s")
     # The history a decision reads spans several scrapes whatever their interval.
     window_s = max(PlannerConfig.window_s, 4 * interval_s) if isinstance(
         interval_s, (int, float)) else None
-    planner = _build("autoscaling", PlannerConfig,
-                     ttft_p90_s=autoscaling.get("ttftP90Seconds"),
-                     itl_p90_s=autoscaling.get("itlP90Seconds"),
-                     min_decode_pods=decode.get("minReplicas"),
-                     max_decode_pods=decode.get("maxReplicas"),
-                     min_prefill_chains=prefill.get("minChains"),
-                     max_prefill_chains=prefill.get("maxChains"),
-                     interval_s=interval_s, window_s=window_s,
-                     scale_up_cooldown_s=autoscaling.get("scaleUpCooldownSeconds"),
-                     scale_down_cooldown_s=autoscaling.get("scaleDownCooldownSeconds"))
+    planner = _settings(spec, "autoscaling", PlannerConfig, window_s=window_s)
     return AutoscalingSpec(enabled=enabled, planner=planner)
 
 
@@ -338,7 +323,7 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         model=_read_model(spec),
         prefill=_read_prefill(spec),
         decode=_read_decode(spec),
-        pyramid=_read_pyramid(spec),
+        pyramid=_settings(spec, "compression", PyramidConfig),
         redis=_read_redis(spec),
         gateway=_read_gateway(spec),
         gpu=_read_gpu(spec),
@@ -346,6 +331,6 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         autoscaling=_read_autoscaling(spec),
         node_selector=dict(spec.get("nodeSelector") or {}),
         tolerations=list(spec.get("tolerations") or []),
-        kv_transport=_build("kvTransport", KVTransportConfig, kind=spec.get("kvTransport")),
+        kv_transport=_settings(spec, "kvTransport", KVTransportConfig),
         ucx_env=_read_ucx_env(spec),
     )

@@ -1,17 +1,22 @@
 """Turning typed configuration dataclasses into CLI flags and environment variables.
 
 Every setting of baton lives in one nested dataclass tree (`baton.config`). Each
-field carries its help text in ``field(metadata={"help": ...})`` and each class
-validates itself in ``__post_init__``. This module derives the command-line
-flags (``--scheduler-token-budget``) and the environment variables
-(``BATON_SCHEDULER_TOKEN_BUDGET``) from that tree, so that a flag, an env var, a
-Helm value and the code can never disagree about a name or a default.
+field is declared with ``setting(default, help, choices=..., minimum=...)``: its help
+text, and the choices and bounds it takes, which ``@settings`` checks for every class
+before the class's own ``__post_init__`` runs (that one keeps only the rules that tie
+fields together). This module derives the command-line flags
+(``--scheduler-token-budget``) and the environment variables
+(``BATON_SCHEDULER_TOKEN_BUDGET``) from that tree, and the operator's schema
+generator (``baton_operator.schema``) the CRD and the chart's values from it, so that a
+flag, an env var, a Helm value and the code can never disagree about a name, a range
+or a default.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -22,14 +27,85 @@ T = TypeVar("T")
 ENV_PREFIX = "BATON_"
 
 
-def setting(default: Any, help: str, **kwargs: Any) -> Any:
-    """A dataclass field with a help string (the one place a setting is documented)."""
-    metadata = {"help": help}
-    if "choices" in kwargs:
-        metadata["choices"] = kwargs.pop("choices")
+BOUNDS = ("minimum", "maximum", "exclusive_minimum", "exclusive_maximum")
+
+
+def setting(default: Any, help: str, *, choices: Any = None, **kwargs: Any) -> Any:
+    """A dataclass field with a help string (the one place a setting is documented).
+
+    ``choices`` (a tuple, or a ``baton.registry.Registry`` of a family) and the bounds
+    ``minimum``/``maximum`` (inclusive) and ``exclusive_minimum``/``exclusive_maximum``
+    are checked by ``@settings`` and become the CLI's choices and the CRD's enum and range.
+    """
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    for bound in BOUNDS:
+        if bound in kwargs:
+            metadata[bound] = kwargs.pop(bound)
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def settings(section: str = ""):
+    """``@dataclass`` for a configuration class whose declared choices and bounds are checked
+    (``check_declared``) before its own ``__post_init__``. ``section`` starts every error
+    message (``scheduler token_budget must be ...``): the name the class goes by in a service."""
+
+    def decorate(cls: type[T]) -> type[T]:
+        own = cls.__dict__.get("__post_init__")
+
+        def __post_init__(self) -> None:
+            check_declared(self)
+            if own is not None:
+                own(self)
+
+        cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+        cls.__settings_section__ = section  # type: ignore[attr-defined]
+        return dataclasses.dataclass(cls)
+
+    return decorate
+
+
+def is_settings(cls: type) -> bool:
+    """Whether ``cls`` was declared with ``@settings`` (its declarations are enforced)."""
+    return dataclasses.is_dataclass(cls) and "__settings_section__" in cls.__dict__
+
+
+def _bounds_text(metadata: typing.Mapping[str, Any]) -> str:
+    low = metadata.get("minimum", metadata.get("exclusive_minimum"))
+    high = metadata.get("maximum", metadata.get("exclusive_maximum"))
+    low_open, high_open = "exclusive_minimum" in metadata, "exclusive_maximum" in metadata
+    if low is not None and high is not None:
+        if not low_open and not high_open:
+            return f"in {low}..{high}"
+        return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"{'<' if high_open else '<='} {high}"
+
+
+def _within(value: Any, metadata: typing.Mapping[str, Any]) -> bool:
+    """Inside the bounds, and finite (a bound never admits NaN or infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    checks = (("minimum", lambda b: value >= b), ("maximum", lambda b: value <= b),
+              ("exclusive_minimum", lambda b: value > b), ("exclusive_maximum", lambda b: value < b))
+    return all(check(metadata[bound]) for bound, check in checks if bound in metadata)
+
+
+def check_declared(config: Any) -> None:
+    """Raise ``ValueError`` naming the first field outside its declared choices or bounds."""
+    section = getattr(type(config), "__settings_section__", "")
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        label = f"{section} {f.name}" if section else f.name
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{label} {value!r} is not one of {choices}")
+        if any(bound in f.metadata for bound in BOUNDS) and not _within(value, f.metadata):
+            raise ValueError(f"{label} must be {_bounds_text(f.metadata)}, got {value}")
 
 
 def _flag_name(prefix: str, name: str) -> str:
@@ -150,6 +226,11 @@ def flag_names(cls: type, prefix: str = "") -> list[str]:
         else:
             names.append(_flag_name(prefix, f.name))
     return names
+
+
+def choices_of(cls: type, name: str) -> tuple:
+    """The choices a setting declares (for a flag outside the tree that sets it)."""
+    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["choices"]
 
 
 def require(condition: bool, message: str) -> None:

@@ -18,9 +18,9 @@ import json
 import os
 import sys
 
-from baton.config import DTYPES, KVPoolConfig, SchedulerConfig
+from baton.config import KVPoolConfig, ModelSourceConfig, SchedulerConfig
 from baton.configtree import add_arguments as add_config_arguments
-from baton.configtree import from_arguments
+from baton.configtree import choices_of, from_arguments
 
 
 def _token_ids(text: str) -> list[int]:
@@ -36,16 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face checkpoint directory (default: the shipped model)")
     parser.add_argument("--prompt-ids", action="append", type=_token_ids, default=[],
                         metavar="IDS", help="a prompt as comma-separated token ids (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    # Unset sampling flags take SamplingParams' defaults (the API's), read in `run` (torch);
+    # only the temperature differs: a terminal command is greedy unless asked.
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens to generate per prompt (default: the API's)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
+    parser.add_argument("--top-p", type=float, default=None, help="1 = off (default)")
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     parser.add_argument("--json", action="store_true",
                         help='print {"token_ids": [...], "text": "..."} per prompt, one line each')
-    parser.add_argument("--dtype", choices=DTYPES, default=os.environ.get("BATON_MODEL_DTYPE", "auto"),
+    parser.add_argument("--dtype", choices=choices_of(ModelSourceConfig, "dtype"),
+                        default=os.environ.get("BATON_MODEL_DTYPE", ModelSourceConfig.dtype),
                         help="compute dtype (as --model-dtype of the services; env BATON_MODEL_DTYPE)")
     parser.add_argument("--chain-ranks", type=int, default=0, metavar="P",
                         help="prefill through a local KV-Runahead chain of P processes (0 = off)")
@@ -67,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--chain-ranks must be >= 0, got {args.chain_ranks}")
     from baton.model.sampling import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                            ignore_eos=args.ignore_eos)
+    given = {"max_tokens": args.max_tokens, "top_k": args.top_k, "top_p": args.top_p}
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, stop=args.stop,
+                            ignore_eos=args.ignore_eos,
+                            **{name: value for name, value in given.items() if value is not None})
     if args.server:
         return _generate_on_server(args, prompts, params)
     if args.tls_ca:

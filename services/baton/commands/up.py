@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from baton import configtree
-from baton.config import KV_TRANSPORTS, PlannerConfig, ServerConfig
+from baton.config import (
+    ChainConfig,
+    GatewayRoutingConfig,
+    HttpConfig,
+    KVTransportConfig,
+    PlannerConfig,
+    ServerConfig,
+    StreamConfig,
+)
+from baton.configtree import choices_of
 
 if TYPE_CHECKING:
     from baton.local.spec import ClusterSpec
@@ -46,17 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory for every process (default: the shipped model)")
     parser.add_argument("--decode-workers", type=int, default=1, choices=(1, 2),
                         help="decode pods to start")
-    parser.add_argument("--chain-ranks", type=int, default=2,
-                        help="ranks of the one prefill chain (0 = no chain)")
+    parser.add_argument("--chain-ranks", type=int, default=ChainConfig.ranks,
+                        help="ranks of the one prefill chain (0 = no chain; default: %(default)s)")
     parser.add_argument("--redis", default="", metavar="URL",
                         help="use this Redis for routing (default: start a private redis-server)")
     parser.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="the gateway's address (port 0 = any free port)")
-    parser.add_argument("--http-port", type=int, default=8000,
-                        help="the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0 = off)")
-    parser.add_argument("--prefill-threshold-tokens", type=int, default=512,
+    parser.add_argument("--http-port", type=int, default=HttpConfig.port,
+                        help="the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0 = off; "
+                             "default: %(default)s)")
+    parser.add_argument("--prefill-threshold-tokens", type=int,
+                        default=GatewayRoutingConfig.prefill_threshold_tokens,
                         help="prompts at least this long go through the chain, once they also "
-                             "reach its break-even (see --no-chain-break-even)")
+                             "reach its break-even (see --no-chain-break-even; default: "
+                             "%(default)s)")
     parser.add_argument("--no-chain-break-even", dest="chain_break_even", action="store_false",
                         help="route by --prefill-threshold-tokens alone; by default the chain takes "
                              "only prompts from the length its partition table measured it to "
@@ -68,14 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-threads", type=int, default=None,
                         help="torch threads of each decode pod (default: --threads when given, "
                              "else this machine's cores shared among the decode pods)")
-    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+    parser.add_argument("--stream-interval-ms", type=float, default=StreamConfig.interval_ms,
                         help="the decode pods' --stream-interval-ms: hold each stream's messages "
                              "this far apart, the tokens meanwhile going as one (0 = every step)")
     parser.add_argument("--decode-grace-s", type=float, default=ServerConfig.grace_s,
                         help="seconds a decode pod that is stopped (or retired by --autoscale) "
                              "gives its streams; the gateway moves the unfinished ones to another "
                              "pod by replaying their tokens")
-    parser.add_argument("--kv-transport", default="grpc", choices=KV_TRANSPORTS,
+    parser.add_argument("--kv-transport", default=KVTransportConfig.kind,
+                        choices=choices_of(KVTransportConfig, "kind"),
                         help="how the chain ships KV to the decode pods: grpc = on the PushKV "
                              "stream; nixl = NIXL (UCX) for the bytes (`make nixl` installs it)")
     parser.add_argument("--demo", action="store_true",

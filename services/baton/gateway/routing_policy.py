@@ -1,8 +1,9 @@
 """Where a request goes: the routing-policy interface, its result type and the registry.
 
 Design (after Sarathi-Serve's scheduler registry): a policy is a subclass of
-``RoutingPolicy`` registered under a name by ``@register_policy``; a new policy is one new
-file in ``baton/gateway/policies/``. A policy sees only the routing snapshot (the workers'
+``RoutingPolicy`` registered under a name by ``@register_policy`` (``baton.registry``; the
+names are declared in ``baton.config.GATEWAY_POLICIES``); a new policy is one new file in
+``baton/gateway/policies/`` and its name there. A policy sees only the routing snapshot (the workers'
 heartbeat records, possibly stale while Redis is down) and the gateway's own in-flight
 counts, which cover the requests it sent since the workers' last heartbeat. It answers with
 a ``RouteDecision`` or raises ``NoLiveWorkers`` (gRPC UNAVAILABLE) or ``WorkersFull``
@@ -12,11 +13,10 @@ a ``RouteDecision`` or raises ``NoLiveWorkers`` (gRPC UNAVAILABLE) or ``WorkersF
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from baton.config import GatewayRoutingConfig
+from baton.config import GATEWAY_POLICIES, GatewayRoutingConfig
 from baton.errors import ResourceExhausted, Unavailable
 from baton.routing import RoutingSnapshot, WorkerInfo
 
@@ -86,22 +86,9 @@ class RoutingPolicy(abc.ABC):
                 if worker.model_id == self.model_id and worker.rank == 0]
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {}
-
-
-def register_policy(name: str):
-    def register(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
-        POLICIES[name] = cls
-        return cls
-
-    return register
+POLICIES = GATEWAY_POLICIES  # name -> RoutingPolicy subclass
+register_policy = POLICIES.register
 
 
 def create_policy(config: GatewayRoutingConfig, model_id: str) -> RoutingPolicy:
-    try:
-        importlib.import_module(f"baton.gateway.policies.{config.policy.replace('-', '_')}")
-    except ModuleNotFoundError:
-        pass  # reported below with the known names
-    if config.policy not in POLICIES:
-        raise ValueError(f"gateway policy {config.policy!r} is not registered; known: {sorted(POLICIES)}")
-    return POLICIES[config.policy](config, model_id)
+    return POLICIES.get(config.policy)(config, model_id)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from baton.config import KVTransportConfig, PlannerConfig, ServerConfig, StreamConfig
+from baton.config import (
+    ChainConfig,
+    GatewayRoutingConfig,
+    KVTransportConfig,
+    PlannerConfig,
+    ServerConfig,
+    StreamConfig,
+)
 
 MAX_DECODE_WORKERS = 8
 
@@ -14,15 +21,15 @@ MAX_DECODE_WORKERS = 8
 class ClusterSpec:
     model_path: str = ""  # empty = the shipped model
     decode_workers: int = 1
-    chain_ranks: int = 2  # 0 = no chain: every prompt is prefilled on a decode pod
+    chain_ranks: int = ChainConfig.ranks  # 0 = no chain: every prompt is prefilled on a decode pod
     redis_url: str = ""  # empty = start a redis-server for this cluster
     gateway_listen: str = "127.0.0.1:0"
     gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
-    prefill_threshold_tokens: int = 512
+    prefill_threshold_tokens: int = GatewayRoutingConfig.prefill_threshold_tokens
     # The gateway's chain_break_even: a chain takes only prompts from the length its partition
     # table measured it to pay (on one small machine that is past the shipped model's context,
     # so prompts stay on the decode pod unless pinned); False = the threshold alone decides.
-    chain_break_even: bool = True
+    chain_break_even: bool = GatewayRoutingConfig.chain_break_even
     threads_per_process: int = 1  # torch threads of every chain rank
     # torch threads of each decode pod; 0 = this machine's cores shared among the decode pods.
     # A decode pod works through every phase of every request (it prefills the short prompts,
@@ -30,7 +37,7 @@ class ClusterSpec:
     # the pod gets the cores: one thread left it using half of a 2-core machine whenever the
     # chain was idle.
     decode_threads: int = 0
-    stream_interval_ms: float = 0.0  # the decode pods' --stream-interval-ms (0 = every step)
+    stream_interval_ms: float = StreamConfig.interval_ms  # the decode pods' --stream-interval-ms
     mtls: bool = True  # a private CA and a certificate per role; False: --mtls-insecure
     heartbeat_s: float = 0.5
     worker_ttl_s: float = 2.0
@@ -40,7 +47,7 @@ class ClusterSpec:
     # count to start with); None = they stay as decode_workers made them.
     autoscale: PlannerConfig | None = None
     decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
-    kv_transport: str = "grpc"  # the chain's and the decode pods' --kv-transport-kind
+    kv_transport: str = KVTransportConfig.kind  # the chain's and the decode pods' --kv-transport-kind
 
     def threads_of(self, role: str) -> int:
         """Torch threads of one process of ``role`` (the gateway runs no torch work)."""

@@ -28,7 +28,7 @@ import grpc
 from baton.api import convert
 from baton.api.requests import PrefillRequest, PrefillStarted
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from baton.config import MtlsConfig
+from baton.config import MtlsConfig, ServerConfig
 from baton.errors import Aborted, AlreadyExists, PermissionDenied, ResourceExhausted, Unavailable
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
@@ -84,7 +84,8 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     def __init__(self, model_config: ModelConfig, model_id: str,
                  num_ranks: int, mode: str, table: PartitionTable | None,
-                 metrics: PrefillMetrics, timeout_s: float, max_queued_requests: int = 1024,
+                 metrics: PrefillMetrics, timeout_s: float,
+                 max_queued_requests: int = ServerConfig.max_queued_requests,
                  mtls: Mtls | None = None) -> None:
         self.mtls = mtls or Mtls(MtlsConfig())
         # Set once the routing store is open: raises PermissionDenied for an address that is

@@ -66,7 +66,7 @@ class PromptCompressor:
         self.window = recent_window(config, prompt_length)
         self.window_start = prompt_length - self.window
         self.budgets = layer_budgets(config, num_layers, prompt_length)
-        _, self.by_attention = BUDGET_POLICIES[config.policy]
+        self.by_attention = BUDGET_POLICIES.get(config.policy).by_attention
         self.needs_scores = self.by_attention and any(b < prompt_length for b in self.budgets)
         self._scores: list[torch.Tensor | None] = [None] * num_layers  # [P] per layer, by position
         self._compressed: dict[int, LayerKV] = {}  # compress_layer's, by layer

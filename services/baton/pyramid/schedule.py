@@ -18,8 +18,9 @@ paper's minimum context: short contexts are not worth pruning).
 
 The baselines of the benchmark share the floor and the keep-all rule:
 "uniform" gives every layer keep_ratio x P, "local" does the same but keeps
-only the most recent tokens (StreamingLLM). A policy is one entry of
-``BUDGET_POLICIES``, under a name from ``baton.config.PYRAMID_POLICIES``.
+only the most recent tokens (StreamingLLM). A policy is a ``BudgetPolicy`` registered in
+``BUDGET_POLICIES`` (``baton.config.PYRAMID_POLICIES``, a ``baton.registry.Registry``)
+under one of the names declared there.
 
 The generation phase uses a steeper, non-compounded schedule: of each batch of
 tokens that leaves the recent window, layer l keeps the fraction
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from baton.config import PYRAMID_POLICIES, PyramidConfig
 
@@ -97,27 +99,22 @@ def uniform_budgets(config: PyramidConfig, num_layers: int, prompt_length: int) 
     return _apply_min_context(config, budgets, prompt_length)
 
 
-BudgetPolicy = Callable[[PyramidConfig, int, int], list[int]]
+class BudgetPolicy(NamedTuple):
+    budgets: Callable[[PyramidConfig, int, int], list[int]]  # (config, layers, prompt) -> per layer
+    by_attention: bool  # select kept tokens by recent-query attention (else by recency)
 
-# policy -> (budgets per layer, select by recent-query attention (True) or by recency (False))
-BUDGET_POLICIES: dict[str, tuple[BudgetPolicy, bool]] = {
-    "pyramid": (pyramid_budgets, True),
-    "uniform": (uniform_budgets, True),
-    "local": (uniform_budgets, False),
-}
-# The configuration names the policies (its choices and validation, read before any engine
-# module loads); this table is their implementation, and the two cannot drift apart.
-if tuple(BUDGET_POLICIES) != PYRAMID_POLICIES:
-    raise ImportError(f"pyramid policies {tuple(BUDGET_POLICIES)} differ from the configuration's "
-                      f"{PYRAMID_POLICIES}")
+
+BUDGET_POLICIES = PYRAMID_POLICIES  # name -> BudgetPolicy
+BUDGET_POLICIES.register("pyramid")(BudgetPolicy(pyramid_budgets, by_attention=True))
+BUDGET_POLICIES.register("uniform")(BudgetPolicy(uniform_budgets, by_attention=True))
+BUDGET_POLICIES.register("local")(BudgetPolicy(uniform_budgets, by_attention=False))
 
 
 def layer_budgets(config: PyramidConfig, num_layers: int, prompt_length: int) -> list[int]:
     """Per-layer budgets of the configured policy (everything when compression is off)."""
     if not config.enabled or config.keep_ratio >= 1.0:
         return [prompt_length] * num_layers
-    budgets, _ = BUDGET_POLICIES[config.policy]
-    return budgets(config, num_layers, prompt_length)
+    return BUDGET_POLICIES.get(config.policy).budgets(config, num_layers, prompt_length)
 
 
 def generation_keep_counts(config: PyramidConfig, num_layers: int) -> list[int]:

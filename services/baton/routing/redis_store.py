@@ -26,6 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from baton.config import RoutingConfig
 from baton.routing.store import (
     MAX_PREFIX_EVENTS,
     PrefixEvent,
@@ -53,7 +54,8 @@ def _unavailable_on_redis_errors(method: Callable[..., T]) -> Callable[..., T]:
 
 
 class RedisStore(RoutingStore):
-    def __init__(self, url: str, namespace: str = "baton", timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, namespace: str = RoutingConfig.namespace,
+                 timeout_s: float = RoutingConfig.redis_timeout_s) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"routing redis_url {url!r} is not a redis://, rediss:// or "
                              f"unix:// URL")

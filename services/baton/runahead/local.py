@@ -21,7 +21,7 @@ from typing import Self
 import torch
 import torch.multiprocessing as mp
 
-from baton.config import ChainConfig
+from baton.config import ChainConfig, ModelSourceConfig
 from baton.runahead.errors import ChainError
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, ChainResult, ModelSource, make_request
@@ -95,7 +95,7 @@ class LocalChain:
     """p local processes serving prefill requests; use as a context manager."""
 
     def __init__(self, model_source: ModelSource, ranks: int, table: PartitionTable | None = None,
-                 timeout_s: float = 60.0, backend: str = "auto",
+                 timeout_s: float = ChainConfig.timeout_s, backend: str = ChainConfig.backend,
                  make_observer: Callable[[int], CompressingObserver] | None = None,
                  start_timeout_s: float = 300.0) -> None:
         self.model_source = model_source
@@ -222,9 +222,10 @@ class LocalChain:
         self.close()
 
 
-def prefill_with_local_chain(model_path: str, token_ids, ranks: int, mode: str = "runahead",
+def prefill_with_local_chain(model_path: str, token_ids, ranks: int, mode: str = ChainConfig.mode,
                              table: PartitionTable | None = None,
-                             timeout_s: float = 60.0, dtype: str = "auto") -> ChainResult:
+                             timeout_s: float = ChainConfig.timeout_s,
+                             dtype: str = ModelSourceConfig.dtype) -> ChainResult:
     """Prefill one prompt on a fresh local chain (``baton generate --chain-ranks P``).
 
     The result's ``first_token_logits`` and ``layers`` (the full cache, original

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.config import SchedulerConfig
 from baton.kv.decode_step import ClaimedDecode, DecodeGroup, DecodeStep
 from baton.kv.pool import KVPool, KVPoolExhausted
 from baton.model.forward_batch import DecodeBatch, DecodeObserver, observe_decode
@@ -92,8 +93,10 @@ class DecodeGraphs:
     the longest sequence (tokens in its widest layer) replayed. ``capture``: record graphs
     (default: on a CUDA device); False runs the same static step eagerly."""
 
-    def __init__(self, model: CausalLM, pool: KVPool, max_batch: int = 256,
-                 max_context: int = 8192, capture: bool | None = None) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool,
+                 max_batch: int = SchedulerConfig.cuda_graph_max_batch,
+                 max_context: int = SchedulerConfig.cuda_graph_max_context,
+                 capture: bool | None = None) -> None:
         self.model = model
         self.pool = pool
         self.max_batch = max_batch

@@ -2,8 +2,9 @@
 
 Design (after Sarathi-Serve's ``scheduler_registry``): a policy is a subclass
 of ``Scheduler`` that implements ``schedule()``, registered under a name by
-``@register_policy``; a new policy is one new file in
-``baton/sarathi/policies/``. Policies decide *what* runs; ``KVManager`` decides
+``@register_policy`` (``baton.registry``; the names are declared in
+``baton.config.SCHEDULER_POLICIES``); a new policy is one new file in
+``baton/sarathi/policies/`` and its name there. Policies decide *what* runs; ``KVManager`` decides
 whether the pool can hold it; ``ModelRunner`` runs it. Between them travels a
 ``SchedulerOutput``: the prefill chunks (first in the flat batch) and the
 decodes of one iteration.
@@ -15,11 +16,10 @@ Queues: ``waiting`` (arrival order; preempted sequences go back to its front),
 from __future__ import annotations
 
 import abc
-import importlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from baton.config import SchedulerConfig
+from baton.config import SCHEDULER_POLICIES, SchedulerConfig
 from baton.sarathi.memory import KVManager, reset_for_recompute
 from baton.sarathi.request import Sequence, Status
 
@@ -57,23 +57,12 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
-POLICIES: dict[str, type[Scheduler]] = {}
-
-
-def register_policy(name: str):
-    def register(cls: type[Scheduler]) -> type[Scheduler]:
-        POLICIES[name] = cls
-        return cls
-
-    return register
+POLICIES = SCHEDULER_POLICIES  # name -> Scheduler subclass
+register_policy = POLICIES.register
 
 
 def create_scheduler(config: SchedulerConfig, memory: KVManager) -> Scheduler:
-    importlib.import_module(f"baton.sarathi.policies.{config.policy}")
-    if config.policy not in POLICIES:
-        raise ValueError(f"scheduler policy {config.policy!r} is not registered; "
-                         f"known: {sorted(POLICIES)}")
-    return POLICIES[config.policy](config, memory)
+    return POLICIES.get(config.policy)(config, memory)
 
 
 class Scheduler(abc.ABC):

@@ -1,0 +1,51 @@
+"""baton's one configuration tree.
+
+Every knob of every engine and service is a field here, with its help text, its
+choices and bounds (checked by ``@settings``) and its remaining validation. CLI flags
+(``--scheduler-token-budget``), environment variables (``BATON_SCHEDULER_TOKEN_BUDGET``),
+the operator's container arguments, the CRD's schema and the Helm values all derive from
+these names (see ``baton.configtree`` and ``baton_operator.schema``). The families of
+swappable parts are declared here too (``baton.registry``), so a setting's choices are
+known without loading any engine.
+
+One module per role: model and KV pool, scheduler and PyramidInfer, chain and KV
+transport, serving (server, streams, routing store, mTLS, HTTP, keys), gateway routing,
+planner, training; ``services`` assembles each service's tree.
+"""
+
+from baton.config.chain import (
+    CHAIN_BACKENDS,
+    KV_SHIPPING,
+    KV_TRANSPORTS,
+    RUNAHEAD_MODES,
+    ChainConfig,
+    KVTransportConfig,
+)
+from baton.config.gateway import CHAIN_FAILURE_POLICIES, GATEWAY_POLICIES, GatewayRoutingConfig
+from baton.config.model import DEVICES, DTYPES, KVPoolConfig, ModelSourceConfig
+from baton.config.planner import PlannerConfig
+from baton.config.scheduler import (
+    PYRAMID_POLICIES,
+    SCHEDULER_POLICIES,
+    PyramidConfig,
+    SchedulerConfig,
+)
+from baton.config.services import DecodeServiceConfig, GatewayServiceConfig, PrefillServiceConfig
+from baton.config.serving import (
+    AuthConfig,
+    HttpConfig,
+    MtlsConfig,
+    RoutingConfig,
+    ServerConfig,
+    StreamConfig,
+)
+from baton.config.train import TrainConfig
+
+__all__ = [
+    "CHAIN_BACKENDS", "CHAIN_FAILURE_POLICIES", "DEVICES", "DTYPES", "GATEWAY_POLICIES",
+    "KV_SHIPPING", "KV_TRANSPORTS", "PYRAMID_POLICIES", "RUNAHEAD_MODES", "SCHEDULER_POLICIES",
+    "AuthConfig", "ChainConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
+    "GatewayServiceConfig", "HttpConfig", "KVPoolConfig", "KVTransportConfig", "ModelSourceConfig",
+    "MtlsConfig", "PlannerConfig", "PrefillServiceConfig", "PyramidConfig", "RoutingConfig",
+    "SchedulerConfig", "ServerConfig", "StreamConfig", "TrainConfig",
+]

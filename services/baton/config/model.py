@@ -1,0 +1,33 @@
+"""The model a process serves, and the paged KV pool it keeps."""
+
+from __future__ import annotations
+
+from baton.configtree import setting, settings
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@settings("model")
+class ModelSourceConfig:
+    path: str = setting("", "Hugging Face checkpoint directory; empty means the shipped model")
+    revision: str = setting("", "revision label checked against pushed KV caches; empty = directory name")
+    dtype: str = setting("auto", "compute dtype: auto = bfloat16 on CUDA, and on a CPU whose bf16 "
+                        "matmuls measure faster (AVX512-BF16/AMX), else float32", choices=DTYPES)
+    device: str = setting("auto", "auto = cuda when available, else cpu", choices=DEVICES)
+    threads: int = setting(0, "torch intra-op threads on CPU; 0 leaves torch's default", minimum=0)
+
+
+@settings("kv")
+class KVPoolConfig:
+    block_size: int = setting(16, "tokens per KV block", minimum=1)
+    num_blocks: int = setting(0, "KV blocks in the pool; 0 derives it from memory_mib", minimum=0)
+    memory_mib: int = setting(512, "memory for the KV pool when num_blocks is 0, in MiB", minimum=1)
+    unclaimed_lease_s: float = setting(30.0, "a decode pod frees KV a chain pushed when no Attach claims "
+                                       "it within this long (the caller is gone)", exclusive_minimum=0)
+    max_pending_pushes: int = setting(64, "KV uploads a decode pod receives at once; more get "
+                                      "RESOURCE_EXHAUSTED (each holds a receive buffer)", minimum=1)
+    prefix_cache: bool = setting(True, "keep the KV of prompts' full blocks after their request ends "
+                                 "and reuse it for later prompts that start with the same tokens "
+                                 "(same tenant, model revision and KV dtype); evicted least "
+                                 "recently used when the pool needs room")

@@ -1,0 +1,59 @@
+"""Each service's whole configuration: the sections its flags come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.config.chain import ChainConfig, KVTransportConfig
+from baton.config.gateway import GatewayRoutingConfig
+from baton.config.model import KVPoolConfig, ModelSourceConfig
+from baton.config.scheduler import PyramidConfig, SchedulerConfig
+from baton.config.serving import (
+    AuthConfig,
+    HttpConfig,
+    MtlsConfig,
+    RoutingConfig,
+    ServerConfig,
+    StreamConfig,
+)
+
+
+@dataclass
+class DecodeServiceConfig:
+    """`baton decode`: a SARATHI decode worker."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    kv: KVPoolConfig = field(default_factory=KVPoolConfig)
+    kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pyramid: PyramidConfig = field(default_factory=PyramidConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    mtls: MtlsConfig = field(default_factory=MtlsConfig)
+
+
+@dataclass
+class PrefillServiceConfig:
+    """`baton prefill`: one rank of a KV-Runahead prefill chain."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    chain: ChainConfig = field(default_factory=ChainConfig)
+    kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
+    pyramid: PyramidConfig = field(default_factory=PyramidConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    mtls: MtlsConfig = field(default_factory=MtlsConfig)
+
+
+@dataclass
+class GatewayServiceConfig:
+    """`baton gateway`: the client-facing router."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    gateway: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    mtls: MtlsConfig = field(default_factory=MtlsConfig)
