@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import pytest
-from baton.config import GATEWAY_POLICIES, PYRAMID_POLICIES, SCHEDULER_POLICIES
+from baton.config import GATEWAY_POLICIES, KV_TRANSPORTS, PYRAMID_POLICIES, SCHEDULER_POLICIES
 from baton.registry import Registry
 
-FAMILIES = [SCHEDULER_POLICIES, GATEWAY_POLICIES, PYRAMID_POLICIES]
+FAMILIES = [SCHEDULER_POLICIES, GATEWAY_POLICIES, PYRAMID_POLICIES, KV_TRANSPORTS]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.family)

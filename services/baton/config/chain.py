@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from baton.configtree import require, setting, settings
+from baton.registry import Registry
 
-# The PushKV stream itself, and NIXL (baton.transfer.nixl).
-KV_TRANSPORTS = ("grpc", "nixl")
+# The PushKV stream itself, and NIXL (baton.transfer.nixl): what each opens, baton.transfer.planes.
+KV_TRANSPORTS = Registry("kv transport", ("grpc", "nixl"), home="baton.transfer.planes")
 RUNAHEAD_MODES = ("runahead", "tsp")
 KV_SHIPPING = ("by-layer", "after-prefill")
 CHAIN_BACKENDS = ("auto", "gloo", "nccl")

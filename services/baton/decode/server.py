@@ -42,7 +42,8 @@ from baton.serving import (
     run_until_signalled,
 )
 from baton.transfer import framing
-from baton.transfer.nixl import NIXL, NixlAgent, NixlReader
+from baton.transfer.nixl import NixlReader
+from baton.transfer.planes import open_plane
 from baton.transfer.receiver import Incarnation, NixlPlane, kv_spec
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,9 @@ class DecodeServer:
         self.metrics = DecodeMetrics(self.registry)
         self.mtls = Mtls(config.mtls)
         transport = config.kv_transport
-        # Refuses to start when NIXL is asked for and missing.
-        nixl = (NixlPlane(NixlReader(NixlAgent("decode", listen_host(config.server.listen))),
-                          transport.nixl_read_timeout_s)
-                if transport.kind == NIXL else None)
+        agent = open_plane(transport.kind, "decode", listen_host(config.server.listen))
+        nixl = (NixlPlane(NixlReader(agent), transport.nixl_read_timeout_s)
+                if agent is not None else None)
         self.servicer = DecodeServicer(config.kv.max_pending_pushes, self.mtls,
                                        config.stream.interval_ms / 1000, nixl)
         self.grpc = AsyncGrpcServer(config.server, self._register, [SERVICE_NAME],

@@ -21,7 +21,7 @@ import grpc
 from baton.api import convert
 from baton.api.requests import GenerationStep
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from baton.config import MtlsConfig
+from baton.config import KVPoolConfig, MtlsConfig
 from baton.decode.answers import failure_answer
 from baton.decode.errors import RequestLeaving, RequestNotFound
 from baton.decode.session import PodSession
@@ -97,7 +97,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Serves one ``DecodeWorker``; UNAVAILABLE until ``ready(worker, spec, loop)`` and after
     ``drain()``."""
 
-    def __init__(self, max_pending_pushes: int = 64, mtls: Mtls | None = None,
+    def __init__(self, max_pending_pushes: int = KVPoolConfig.max_pending_pushes, mtls: Mtls | None = None,
                  stream_interval_s: float = 0.0, nixl: NixlPlane | None = None) -> None:
         """``nixl``: how pushed bytes are read over NIXL (None: pushes come over gRPC only)."""
         self.mtls = mtls or Mtls(MtlsConfig())

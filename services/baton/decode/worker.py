@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from baton.api.requests import DecodeRequest, Route
+from baton.config import KVPoolConfig, ServerConfig
 from baton.decode.errors import RequestExists, RequestLeaving
 from baton.decode.leases import AttachLeases, Recent
 from baton.decode.load import LoadReport
@@ -41,12 +42,12 @@ log = logging.getLogger(__name__)
 # A plan with nothing to run (every sequence waits for KV) waits for a request or an abort,
 # and at most this long: a step then plans again, as a guard should anything else free KV.
 BLOCKED_WAIT_S = 0.01
-DEFAULT_LEASE_S = 30.0  # how long a pushed request waits for its Attach (kv.unclaimed_lease_s)
 
 
 class DecodeWorker(PushedRequests):
     def __init__(self, engine: Engine, address: str, metrics: DecodeMetrics,
-                 lease_s: float = DEFAULT_LEASE_S, max_queued_requests: int = 1024) -> None:
+                 lease_s: float = KVPoolConfig.unclaimed_lease_s,
+                 max_queued_requests: int = ServerConfig.max_queued_requests) -> None:
         self.engine = engine
         self.lease_s = lease_s
         self.max_queued_requests = max_queued_requests

@@ -43,7 +43,7 @@ from baton.serving import (
     release_version,
     run_until_signalled,
 )
-from baton.transfer.nixl import NIXL, NixlAgent
+from baton.transfer.planes import open_plane
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,8 @@ class PrefillServer:
                                  self.config.pyramid, self.metrics, lambda: self.rank.details,
                                  on_ready, on_fail, self.mtls, self.by_layer,
                                  lambda: self.rank.model.dtype,
-                                 # Refuses to start when NIXL is asked for and missing.
-                                 nixl=(NixlAgent("prefill", listen_host(self.config.server.listen))
-                                       if self.config.kv_transport.kind == NIXL else None),
+                                 nixl=open_plane(self.config.kv_transport.kind, "prefill",
+                                                 listen_host(self.config.server.listen)),
                                  kv_device=lambda: self.rank.model.device)
         else:
             self.sink = RankSink(on_ready, on_fail)

@@ -30,6 +30,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from baton.config import KVTransportConfig
 from baton.errors import check_incarnation
 from baton.kv.dense import LayerKV
 from baton.kv.landing import LandedLayer, Landing
@@ -46,7 +47,7 @@ from baton.transfer.received import ReceivedLayer
 log = logging.getLogger(__name__)
 
 STALL_S = 30.0  # the longest a pushing peer may go without sending the next message
-NIXL_READ_TIMEOUT_S = 60.0  # a NIXL read of pushed bytes (the pod's configuration sets its own)
+NIXL_READ_TIMEOUT_S = KVTransportConfig.nixl_read_timeout_s  # a NIXL read of pushed bytes
 # A landing that comes once more than this has arrived is given back: copying what came
 # before into the blocks would hold the event loop for milliseconds; the pool copies it at
 # admission instead, on the engine's thread.
