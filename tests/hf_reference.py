@@ -21,6 +21,10 @@ VARIANTS = {
               "num_key_value_heads": 1, "tie_word_embeddings": True},
     "mistral": {"architecture": "MistralForCausalLM", "num_attention_heads": 8,
                 "num_key_value_heads": 2, "sliding_window": 4096},
+    # an explicit head_dim that is not hidden_size / heads, as Qwen3's checkpoints have
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True,
+              "rope": {"rope_type": "default", "rope_theta": 1000000.0}},
 }
 
 
@@ -60,6 +64,7 @@ EQUIVALENCE_CASES = [
     ("llama3", 8, 4), ("llama3", 8, 2),
     ("qwen2", 4, 2), ("qwen2", 4, 1),
     ("mistral", 8, 2), ("mistral", 8, 8),
+    ("qwen3", 4, 2), ("qwen3", 8, 1),
 ]
 
 

@@ -150,3 +150,18 @@ def test_a_hung_rank_makes_its_neighbours_give_up_after_the_timeout(checkpoint):
         assert time.monotonic() - started < 3 + 10
     finally:
         chain.close()  # kills the stopped rank
+
+
+def test_a_qwen3_chain_equals_single_process_prefill(tmp_path):
+    """Per-head q/k norms and an explicit head_dim go down a chain unchanged."""
+    config = tiny_config("qwen3")
+    model = random_model(config, seed=5)
+    save_checkpoint(model, tmp_path, dtype=torch.float32)
+    token_ids = torch.randint(0, config.vocab_size, (45,), generator=torch.Generator().manual_seed(5))
+    kv = DenseKV(config.num_hidden_layers)
+    logits = prefill(model, token_ids, torch.arange(45), kv)
+    with LocalChain(ModelSource(path=str(tmp_path), dtype="float32"), 2, timeout_s=20) as chain:
+        result = chain.prefill(token_ids, [0, 26, 45])
+    assert (result.first_token_logits - logits).abs().max() < TOLERANCE
+    for got, want in zip(result.layers, kv.complete_layers(), strict=True):
+        assert (got.k - want.k).abs().max() < TOLERANCE and (got.v - want.v).abs().max() < TOLERANCE

@@ -1,7 +1,7 @@
 """The architecture of a Llama-family checkpoint, read from its ``config.json``.
 
-Supports Hugging Face's LlamaForCausalLM, MistralForCausalLM and
-Qwen2ForCausalLM, both the transformers-4 layout (``rope_theta`` +
+Supports Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
+Qwen3ForCausalLM (per-head q/k RMSNorm, an explicit head_dim), both the transformers-4 layout (``rope_theta`` +
 ``rope_scaling``) and the transformers-5 layout (``rope_parameters``).
 """
 
@@ -18,7 +18,10 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# Families that normalise each head's queries and keys (RMSNorm over head_dim) before RoPE.
+QK_NORM_FAMILIES = ("qwen3",)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,6 +39,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     attention_bias: bool = False  # q/k/v biases (always on for Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     sliding_window: int | None = None  # Mistral: a key older than this many positions is masked
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     bos_token_id: int | None = None
@@ -102,7 +106,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.family == "llama":
+        if self.family in ("llama", "qwen3"):
             data["attention_bias"] = self.attention_bias
         if self.family == "mistral":
             data["sliding_window"] = self.sliding_window
@@ -136,8 +140,9 @@ class ModelConfig:
         sliding = None
         if family == "mistral":
             sliding = data.get("sliding_window")
-        if family == "qwen2" and data.get("use_sliding_window"):
-            raise CheckpointError(source, "use_sliding_window", "Qwen2 sliding-window attention is not supported")
+        if family in ("qwen2", "qwen3") and data.get("use_sliding_window"):
+            raise CheckpointError(source, "use_sliding_window",
+                                  f"{architecture}'s sliding-window attention is not supported")
         try:
             return cls(
                 vocab_size=data["vocab_size"],
@@ -152,6 +157,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
                 architecture=architecture,
                 attention_bias=True if family == "qwen2" else bool(data.get("attention_bias", False)),
+                qk_norm=family in QK_NORM_FAMILIES,
                 sliding_window=sliding,
                 rope=rope,
                 bos_token_id=data.get("bos_token_id"),

@@ -42,6 +42,10 @@ class SelfAttention(nn.Module):
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv: FusedLinear | None = None
+        if config.qk_norm:  # Qwen3: each head's queries and keys normalised before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def fuse(self) -> None:
         """One matmul for q, k and v (see ``CausalLM.fuse_projections``)."""
@@ -52,7 +56,8 @@ class SelfAttention(nn.Module):
         n = x.shape[0]
         if self.qkv is not None:
             fused = self.qkv.output(x)
-            if cpu_kernels.elementwise_fits(fused) and self.head_dim % 32 == 0:
+            if (cpu_kernels.elementwise_fits(fused) and self.head_dim % 32 == 0
+                    and not self.qk_norm):
                 # RoPE in place on the q and k heads of the fused output, one pass
                 cpu_kernels.kernels().rotary_(fused, cos.view(n, -1), sin.view(n, -1),
                                               self.num_heads + self.num_kv_heads, self.head_dim)
@@ -66,6 +71,8 @@ class SelfAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
