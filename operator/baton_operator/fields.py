@@ -71,7 +71,7 @@ def section(path: str, config: type, *names: str, prefix: str = "",
 
 
 SPEC_FIELDS: list[SpecField] = [
-    *section("model", ModelSourceConfig, "revision", "dtype"),
+    *section("model", ModelSourceConfig, "revision", "dtype", "served_model_name"),
     *section("prefill", ChainConfig, "ranks", "mode", "kv_link_gb_per_s", "extra_hop_ms",
              keys={"ranks": "ranksPerChain"}, schema={"ranks": {"maximum": 64}}),
     *section("decode", SchedulerConfig, "token_budget", "max_running", "policy", "cuda_graphs"),

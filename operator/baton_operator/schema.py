@@ -58,8 +58,12 @@ def default_of(spec_field: SpecField) -> Any:
 def setting_schema(spec_field: SpecField) -> dict:
     """The OpenAPI v3.0 schema of one setting, as the CRD states it."""
     f = spec_field.field
-    schema: dict[str, Any] = {
-        "type": OPENAPI_TYPES[typing.get_type_hints(spec_field.config)[spec_field.name]]}
+    annotation = typing.get_type_hints(spec_field.config)[spec_field.name]
+    if typing.get_origin(annotation) is list:  # a list of scalars
+        (item,) = typing.get_args(annotation)
+        schema: dict[str, Any] = {"type": "array", "items": {"type": OPENAPI_TYPES[item]}}
+    else:
+        schema = {"type": OPENAPI_TYPES[annotation]}
     if "choices" in f.metadata:
         schema["enum"] = list(f.metadata["choices"])
     for side in ("minimum", "maximum"):

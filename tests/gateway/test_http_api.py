@@ -40,10 +40,10 @@ def checkpoint(tmp_path_factory):
 class Gateway:
     def __init__(self, checkpoint, keys_file: str = "", max_streams: int = 4096,
                  wait_s: float = 0.3, store=None, stall_s: float = 30.0,
-                 metrics_textfile: str = "") -> None:
+                 metrics_textfile: str = "", served_model_name: tuple[str, ...] = ()) -> None:
         config = GatewayServiceConfig(
             server=ServerConfig(listen="127.0.0.1:0", max_streams=max_streams, max_message_mib=1),
-            model=ModelSourceConfig(path=str(checkpoint)),
+            model=ModelSourceConfig(path=str(checkpoint), served_model_name=list(served_model_name)),
             gateway=GatewayRoutingConfig(reroute_wait_s=wait_s, stall_s=stall_s),
             http=HttpConfig(port=free_port(), metrics_textfile=metrics_textfile),
             auth=AuthConfig(api_keys_file=keys_file))
@@ -289,3 +289,20 @@ def test_a_chat_body_reads_text_parts_and_the_token_limit_aliases():
         assert error.value.param == "messages" and words in str(error.value)
     with pytest.raises(BadParameter, match="logprobs"):
         chat_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True})
+
+
+def test_served_model_names_are_listed_and_answered_and_any_other_name_is_404(checkpoint):
+    """A model mounted at a directory of any name (the operator mounts every checkpoint at
+    /models/current) is served under the names it is given, the first reported."""
+    named = Gateway(checkpoint, served_model_name=("acme/coder-7b", "coder"))
+    try:
+        client = openai.OpenAI(base_url=named.url + "/v1", api_key="none", max_retries=0)
+        assert [model.id for model in client.models.list().data] == ["acme/coder-7b", "coder"]
+        assert client.models.retrieve("coder").id == "coder"
+        for other in (checkpoint.name, "acme/other"):
+            with pytest.raises(openai.NotFoundError, match="acme/coder-7b"):
+                client.models.retrieve(other)
+            with pytest.raises(openai.NotFoundError, match=f"unknown model '{other}'"):
+                client.completions.create(model=other, prompt="def f(", max_tokens=2)
+    finally:
+        named.close()

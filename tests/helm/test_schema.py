@@ -57,6 +57,8 @@ def _another_value(spec_field: SpecField):
         candidates = [not default]
     elif isinstance(default, str):
         candidates = ["r1"]
+    elif isinstance(default, list):
+        candidates = [[*default, "r1", "r2"]]
     else:
         candidates = [default + 1, default + 2, default * 2, default / 2, default - 1]
     for value in candidates:

@@ -12,6 +12,9 @@ DEVICES = ("auto", "cpu", "cuda")
 class ModelSourceConfig:
     path: str = setting("", "Hugging Face checkpoint directory; empty means the shipped model")
     revision: str = setting("", "revision label checked against pushed KV caches; empty = directory name")
+    served_model_name: list[str] = setting([], "the names clients call the model by (the OpenAI "
+                                           "API's model field); the first is the one reported; "
+                                           "empty = the checkpoint directory's name")
     dtype: str = setting("auto", "compute dtype: auto = bfloat16 on CUDA, and on a CPU whose bf16 "
                         "matmuls measure faster (AVX512-BF16/AMX), else float32", choices=DTYPES)
     device: str = setting("auto", "auto = cuda when available, else cpu", choices=DEVICES)

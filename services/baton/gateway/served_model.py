@@ -34,6 +34,7 @@ class ServedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     directory: Path
+    names: tuple[str, ...] = ()  # every name it answers to; info.id, the first, is reported
 
     @classmethod
     def load(cls, source: ModelSourceConfig) -> ServedModel:
@@ -43,16 +44,18 @@ class ServedModel:
         if not directory.is_dir():
             raise ValueError(f"model directory {str(directory)!r} does not exist")
         config = ModelConfig.from_file(directory / "config.json")
-        info = ModelInfo(id=directory.name, revision=source.revision or directory.name,
+        names = tuple(source.served_model_name) or (directory.name,)
+        info = ModelInfo(id=names[0], revision=source.revision or directory.name,
                          vocab_size=config.vocab_size,
                          max_model_len=config.max_position_embeddings,
                          num_layers=config.num_hidden_layers)
         return cls(info=info, tokenizer=Tokenizer.from_dir(directory), config=config,
-                   directory=directory)
+                   directory=directory, names=names)
 
     def check_name(self, name: str) -> None:
-        if name and name != self.info.id:
-            raise UnknownModel(f"unknown model {name!r}; this gateway serves {self.info.id!r}")
+        if name and name not in (self.names or (self.info.id,)):
+            served = ", ".join(repr(served) for served in self.names or (self.info.id,))
+            raise UnknownModel(f"unknown model {name!r}; this gateway serves {served}")
 
     def prompt_ids(self, request: GenerateRequest) -> tuple[int, ...]:
         """The request's prompt as token ids, checked against the vocabulary and the context."""

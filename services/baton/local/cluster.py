@@ -177,6 +177,8 @@ class LocalCluster:
                      "--server-grace-s", str(self.spec.decode_grace_s)]
         if self.spec.model_path:
             args += ["--model-path", self.spec.model_path]
+        if self.spec.served_model_names:
+            args += ["--model-served-model-name", ",".join(self.spec.served_model_names)]
         mtls = self.mtls_for(role)
         args += (["--mtls-ca", mtls.ca, "--mtls-cert", mtls.cert, "--mtls-key", mtls.key]
                  if mtls.cert else ["--mtls-insecure", "true"])

@@ -20,6 +20,7 @@ MAX_DECODE_WORKERS = 8
 @dataclass
 class ClusterSpec:
     model_path: str = ""  # empty = the shipped model
+    served_model_names: list[str] = field(default_factory=list)  # empty = the directory's name
     decode_workers: int = 1
     chain_ranks: int = ChainConfig.ranks  # 0 = no chain: every prompt is prefilled on a decode pod
     redis_url: str = ""  # empty = start a redis-server for this cluster

@@ -189,17 +189,19 @@ class OpenAIServer:
         return web.Response(body=generate_latest(self.registry) + extra,
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _model_card(self) -> dict:
+    def _model_card(self, name: str = "") -> dict:
         info = self.model.info
-        return {"id": info.id, "object": "model", "created": 0, "owned_by": "baton",
+        return {"id": name or info.id, "object": "model", "created": 0, "owned_by": "baton",
                 "root": info.id, "max_model_len": info.max_model_len}
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        names = self.model.names or (self.model.info.id,)
+        return web.json_response({"object": "list", "data": [self._model_card(name) for name in names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        self.model.check_name(request.match_info["model_id"])
-        return web.json_response(self._model_card())
+        name = request.match_info["model_id"]
+        self.model.check_name(name)
+        return web.json_response(self._model_card(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, completion_request)
