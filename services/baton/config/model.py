@@ -10,8 +10,12 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @settings("model")
 class ModelSourceConfig:
-    path: str = setting("", "Hugging Face checkpoint directory; empty means the shipped model")
-    revision: str = setting("", "revision label checked against pushed KV caches; empty = directory name")
+    path: str = setting("", "a Hugging Face checkpoint directory, or a repo id (org/name) found in "
+                        "the local Hugging Face cache or downloaded into it; empty means the "
+                        "shipped model")
+    revision: str = setting("", "a repo id's branch, tag or commit (default main); for a "
+                            "directory, the label pushed KV caches are checked against (empty: "
+                            "its name)")
     served_model_name: list[str] = setting([], "the names clients call the model by (the OpenAI "
                                            "API's model field); the first is the one reported; "
                                            "empty = the checkpoint directory's name")

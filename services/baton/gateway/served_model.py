@@ -19,8 +19,8 @@ from baton.api.requests import (
 from baton.config import ModelSourceConfig
 from baton.errors import NotFound
 from baton.model.config import ModelConfig
+from baton.model.hub import resolve_model
 from baton.model.limits import check_prompt
-from baton.model.loader import SHIPPED_MODEL_DIR
 from baton.model.tokenizer import Tokenizer
 
 
@@ -40,12 +40,11 @@ class ServedModel:
     def load(cls, source: ModelSourceConfig) -> ServedModel:
         """Read a checkpoint directory's config and tokenizer (empty path = the shipped model);
         raises ValueError naming a missing directory."""
-        directory = Path(source.path) if source.path else SHIPPED_MODEL_DIR
-        if not directory.is_dir():
-            raise ValueError(f"model directory {str(directory)!r} does not exist")
+        files = resolve_model(source.path, source.revision)
+        directory = files.directory
         config = ModelConfig.from_file(directory / "config.json")
-        names = tuple(source.served_model_name) or (directory.name,)
-        info = ModelInfo(id=names[0], revision=source.revision or directory.name,
+        names = tuple(source.served_model_name) or (files.name,)
+        info = ModelInfo(id=names[0], revision=files.revision,
                          vocab_size=config.vocab_size,
                          max_model_len=config.max_position_embeddings,
                          num_layers=config.num_hidden_layers)

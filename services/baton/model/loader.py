@@ -18,10 +18,9 @@ from safetensors.torch import save_file
 from baton.dtypes import DTYPES
 from baton.model.config import ModelConfig
 from baton.model.errors import CheckpointError
+from baton.model.hub import resolve_model
 from baton.model.llama import CausalLM
 from baton.model.tokenizer import Tokenizer
-
-SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "baton-pystdlib"
 
 
 @dataclass
@@ -106,10 +105,10 @@ def load_weights(model: CausalLM, directory: Path) -> None:
 
 def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "auto",
                     revision: str = "", with_tokenizer: bool = True) -> LoadedModel:
-    """Load a checkpoint directory (empty path = the shipped model) onto a device."""
-    directory = Path(path) if path else SHIPPED_MODEL_DIR
-    if not directory.is_dir():
-        raise CheckpointError(str(directory), "directory", "does not exist")
+    """Load a checkpoint (a directory, empty for the shipped model, or a Hugging Face repo
+    id: ``baton.model.hub``) onto a device."""
+    files = resolve_model(path, revision)
+    directory = files.directory
     config = ModelConfig.from_file(directory / "config.json")
     target = resolve_device(device)
     with torch.device("meta"):
@@ -120,8 +119,8 @@ def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "a
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().fuse_projections()
     tokenizer = Tokenizer.from_dir(directory) if with_tokenizer else None
-    return LoadedModel(model, config, tokenizer, model_id=directory.name,
-                       revision=revision or directory.name, path=directory)
+    return LoadedModel(model, config, tokenizer, model_id=files.name, revision=files.revision,
+                       path=directory)
 
 
 def save_checkpoint(model: CausalLM, directory: Path, dtype: torch.dtype = torch.float16) -> None:

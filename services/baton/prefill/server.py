@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -27,7 +26,7 @@ from baton.config import PrefillServiceConfig
 from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
 from baton.metrics import PrefillMetrics, serve_metrics
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import resolve_model
 from baton.prefill.frontend import PrefillFrontend
 from baton.prefill.tail import TailSink
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
@@ -80,8 +79,8 @@ class PrefillServer:
         self.metrics = PrefillMetrics(self.registry)
         self.model_source = ModelSource(path=config.model.path, dtype=config.model.dtype)
         self.model_config = self.model_source.config()
-        directory = Path(config.model.path or SHIPPED_MODEL_DIR)
-        self.model_id, self.revision = directory.name, config.model.revision or directory.name
+        files = resolve_model(config.model.path, config.model.revision)
+        self.model_id, self.revision = files.name, files.revision
         self.mtls = Mtls(config.mtls)
         self.broken = threading.Event()  # the chain failed or stopped: the process should end
         self.heartbeat: Heartbeat | None = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -46,9 +45,9 @@ class ModelSource:
     def config(self) -> ModelConfig:
         if self.preset:
             return PRESETS[self.preset]
-        from baton.model.loader import SHIPPED_MODEL_DIR
+        from baton.model.hub import resolve_model
 
-        return ModelConfig.from_file(Path(self.path or SHIPPED_MODEL_DIR) / "config.json")
+        return ModelConfig.from_file(resolve_model(self.path).directory / "config.json")
 
     def load(self, device: torch.device) -> CausalLM:
         if self.preset:
