@@ -11,7 +11,8 @@ import pytest
 from baton.api.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from baton.config import KVPoolConfig
 from baton.local.child_exits import StopEvent
-from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+from baton.model.hub import SHIPPED_MODEL_DIR
+from baton.model.loader import load_checkpoint
 from baton.model.sampling import SamplingParams
 from baton.routing import WorkerLoad
 from baton.sarathi.engine import Engine

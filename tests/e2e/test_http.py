@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 from baton.api.requests import CompressionParams, FinishReason, GenerateRequest
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, all_kv_free, long_prompt_ids, wait_until
 

@@ -11,7 +11,8 @@ import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.config import ChainConfig, KVPoolConfig, PyramidConfig
 from baton.dtypes import DTYPES
-from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+from baton.model.hub import SHIPPED_MODEL_DIR
+from baton.model.loader import load_checkpoint
 from baton.model.sampling import SamplingParams
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing.redis_store import RedisStore

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.runahead.table import PartitionTable
 from baton.serving import free_port
 from redis_server import redis_server_binary

@@ -23,6 +23,7 @@ from baton.config import (
     ModelSourceConfig,
     ServerConfig,
 )
+from baton.gateway.http import fields
 from baton.gateway.http.protocol import BadParameter, chat_request, completion_request
 from baton.gateway.server import create_server
 from baton.routing import InMemoryStore
@@ -267,11 +268,44 @@ def test_a_completion_body_reads_every_documented_field():
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
     ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
     ({"prompt": "x", "compression": {"keep_ratio": 2}}, "compression", "keep_ratio must be in (0, 1]"),
+    # vLLM's fields that change what is generated: refused until honoured, never dropped
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+    ({"prompt": "x", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "not supported"),
+    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
 ])
 def test_a_bad_completion_field_is_named(body, param, words):
     with pytest.raises(BadParameter) as error:
         completion_request(body)
     assert error.value.param == param and words in str(error.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("continue_final_message", True), ("chat_template", "{{ messages }}"),
+    ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"text": "d"}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("top_logprobs", 2),
+    ("cache_salt", "tenant-b"), ("priority", 3),
+])
+def test_a_chat_field_baton_cannot_honour_yet_is_refused_by_name(field, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(BadParameter) as error:
+        chat_request(body)
+    assert error.value.param == field
+
+
+def test_a_field_baton_does_not_read_is_accepted_with_one_warning_per_name(caplog, monkeypatch):
+    monkeypatch.setattr(fields, "_warned", set())  # once per process: earlier tests sent some
+    body = {"prompt": "x", "user": "u-1", "frobnicate": 1}
+    with caplog.at_level("WARNING", logger="baton.gateway.http.fields"):
+        completion_request(body)
+        completion_request(body)
+    warned = [record.getMessage() for record in caplog.records]
+    assert len([m for m in warned if "'frobnicate'" in m]) == 1
+    assert any("'user' has no effect here" in m for m in warned)
+    # neutral values of unsupported fields pass quietly
+    completion_request({"prompt": "x", "n": 1, "echo": False, "logprobs": None, "priority": 0})
 
 
 def test_a_chat_body_reads_text_parts_and_the_token_limit_aliases():
@@ -306,3 +340,18 @@ def test_served_model_names_are_listed_and_answered_and_any_other_name_is_404(ch
                 client.completions.create(model=other, prompt="def f(", max_tokens=2)
     finally:
         named.close()
+
+
+def test_tokenize_detokenize_and_version_answer_at_the_gateway(gateway, checkpoint):
+    """vLLM's bodies, answered without a pod: a prompt or chat messages to ids and back."""
+    status, body, _ = gateway.post("/tokenize", {"prompt": "def main():"})
+    assert status == 200 and body["count"] == len(body["tokens"]) > 0
+    assert body["max_model_len"] == 1024
+    status, back, _ = gateway.post("/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back == {"prompt": "def main():"}
+    status, body, _ = gateway.post("/tokenize", {"prompt": "x", "model": "another"})
+    assert status == 404 and "unknown model 'another'" in body["error"]["message"]
+    status, body, _ = gateway.post("/detokenize", {"tokens": [1, 10**6]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    status, body, _ = gateway.get("/version")
+    assert status == 200 and body["version"] == "0.1.0"

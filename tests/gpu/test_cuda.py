@@ -20,7 +20,7 @@ import torch
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv import DenseKV, LayerKV
 from baton.model import load_checkpoint, prefill, save_checkpoint
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.runahead import LocalChain, ModelSource

@@ -6,7 +6,7 @@ import fnmatch
 import re
 import tomllib
 
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton_operator import workloads
 from chart_render import ROOT
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
 
 

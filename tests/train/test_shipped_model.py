@@ -11,7 +11,7 @@ import pytest
 import torch
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.model import load_checkpoint
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from baton.sarathi import Engine
 from baton.train.corpus import END_OF_TEXT, held_out_text

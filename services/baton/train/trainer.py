@@ -29,8 +29,9 @@ import torch
 
 from baton.config import TrainConfig
 from baton.model.config import ModelConfig
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.llama import CausalLM
-from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint, save_checkpoint
+from baton.model.loader import load_checkpoint, save_checkpoint
 from baton.model.tokenizer import Tokenizer
 from baton.train.bpe import encode_documents, train_tokenizer
 from baton.train.corpus import END_OF_TEXT, read_documents, split_corpus

@@ -33,6 +33,7 @@ from baton.config import HttpConfig
 from baton.errors import InvalidArgument, ResourceExhausted, TooLarge
 from baton.gateway.generations import Generations
 from baton.gateway.http.chat_template import ChatTemplate
+from baton.gateway.http.model_routes import ModelRoutes
 from baton.gateway.http.protocol import (
     Answer,
     BadParameter,
@@ -111,8 +112,7 @@ class OpenAIServer:
                                    middlewares=[self._errors, self._authenticate])
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
-                             web.get("/v1/models", self.list_models),
-                             web.get("/v1/models/{model_id}", self.get_model),
+                             *ModelRoutes(self.model, chat_template).routes(),
                              web.get("/health", self.health),
                              web.get("/metrics", self.metrics)])
         self._runner: web.AppRunner | None = None
@@ -188,20 +188,6 @@ class OpenAIServer:
                 None, _read_textfile, self.config.metrics_textfile)
         return web.Response(body=generate_latest(self.registry) + extra,
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    def _model_card(self, name: str = "") -> dict:
-        info = self.model.info
-        return {"id": name or info.id, "object": "model", "created": 0, "owned_by": "baton",
-                "root": info.id, "max_model_len": info.max_model_len}
-
-    async def list_models(self, request: web.Request) -> web.Response:
-        names = self.model.names or (self.model.info.id,)
-        return web.json_response({"object": "list", "data": [self._model_card(name) for name in names]})
-
-    async def get_model(self, request: web.Request) -> web.Response:
-        name = request.match_info["model_id"]
-        self.model.check_name(name)
-        return web.json_response(self._model_card(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, completion_request)

@@ -1,14 +1,13 @@
 """OpenAI's request and response bodies, as baton's domain objects.
 
 Requests: ``completion_request`` and ``chat_request`` read a JSON body into a ``Completion``
-(the prompt, sampling, and how to answer). Every field OpenAI documents is either honoured
-or, when set to something baton cannot do (``n`` > 1, ``logprobs``, ``echo``, penalties),
-refused with a 400 that names it; fields nobody documents are ignored, as vLLM ignores
-them. vLLM's extensions that benchmark tools send (``top_k``, ``ignore_eos``,
-``min_tokens`` 0, ``stop_token_ids``, ``repetition_penalty`` 1) are read too, and baton's
-own ``compression`` ({"enabled", "keep_ratio"}) and ``prefill_route`` ("auto", "chain",
-"local"). Values go through the same checks as the
-gRPC API (``SamplingParams`` and the gateway's prompt checks).
+(the prompt, sampling, and how to answer). Every field is honoured, refused with a 400 that
+names it when set to something baton cannot do, or ignored with a warning
+(``baton.gateway.http.fields`` decides which). vLLM's extensions that benchmark tools send
+(``top_k``, ``ignore_eos``, ``stop_token_ids``) are read too, and baton's own
+``compression`` ({"enabled", "keep_ratio"}) and ``prefill_route`` ("auto", "chain",
+"local"). Values go through the same checks as the gRPC API (``SamplingParams`` and the
+gateway's prompt checks).
 
 Responses: ``completion_body``/``chunk`` build the JSON OpenAI's clients parse, and
 ``error_body`` the ``{"error": {...}}`` of a failure.
@@ -20,21 +19,13 @@ import math
 from dataclasses import dataclass, field
 
 from baton.api.requests import PREFILL_ROUTES, FinishReason, GenerationStep, Usage
-from baton.errors import InvalidArgument
+from baton.gateway.http.fields import BadParameter, check_fields, short
 from baton.model.sampling import CompressionParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORTED: "abort"}
-
-
-class BadParameter(InvalidArgument):
-    """A request field with a value baton cannot take; ``param`` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -59,11 +50,7 @@ class Completion:
 def completion_request(body: object) -> Completion:
     """A ``POST /v1/completions`` body; raises BadParameter naming the field."""
     body = _object(body, "the request body")
-    _refuse_unsupported(body)
-    _refuse_if(body, "echo", lambda v: v not in (None, False), "echo is not supported")
-    _refuse_if(body, "suffix", lambda v: v not in (None, ""), "suffix is not supported")
-    _refuse_if(body, "logprobs", lambda v: v is not None,
-               "logprobs are not supported: leave logprobs null")
+    check_fields(body, "completions")
     text, token_ids = _prompt(body.get("prompt"))
     max_tokens = _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=1)
     return Completion(chat=False, model=_model(body), text=text, token_ids=token_ids,
@@ -77,13 +64,7 @@ def completion_request(body: object) -> Completion:
 def chat_request(body: object) -> Completion:
     """A ``POST /v1/chat/completions`` body; raises BadParameter naming the field."""
     body = _object(body, "the request body")
-    _refuse_unsupported(body)
-    _refuse_if(body, "logprobs", lambda v: v not in (None, False),
-               "logprobs are not supported: leave logprobs false")
-    _refuse_if(body, "top_logprobs", lambda v: v not in (None, 0), "top_logprobs are not supported")
-    for name in ("tools", "functions", "response_format"):
-        _refuse_if(body, name, lambda v: v not in (None, [], {}) and v != {"type": "text"},
-                   f"{name} is not supported")
+    check_fields(body, "chat")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, limit, None, minimum=1)
     return Completion(chat=True, model=_model(body), messages=_messages(body.get("messages")),
@@ -96,26 +77,6 @@ def chat_request(body: object) -> Completion:
 
 
 # --- reading fields --------------------------------------------------------------------------
-
-# Fields OpenAI or vLLM document that baton leaves at their neutral value: anything else is
-# refused rather than silently ignored.
-_NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0),
-            "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-            "min_tokens": (None, 0), "logit_bias": (None, {}), "use_beam_search": (None, False),
-            "min_p": (None, 0), "prompt_logprobs": (None, 0)}
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral:
-            raise BadParameter(name, f"{name} {body[name]!r} is not supported; baton takes only "
-                                     f"{' or '.join(repr(v) for v in neutral)}")
-
-
-def _refuse_if(body: dict, name: str, refused, message: str) -> None:
-    if name in body and refused(body[name]):
-        raise BadParameter(name, f"{message} (got {body[name]!r})")
-
 
 def _object(value: object, what: str) -> dict:
     if not isinstance(value, dict):
@@ -144,16 +105,16 @@ def _prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
         raise BadParameter("prompt", f"a list of {len(prompt)} prompts is not supported: send one "
                                      f"request per prompt")
     raise BadParameter("prompt", f"prompt must be a non-empty string or list of token ids, got "
-                                 f"{_short(prompt)}")
+                                 f"{short(prompt)}")
 
 
 def _messages(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise BadParameter("messages", f"messages must be a non-empty list, got {_short(messages)}")
+        raise BadParameter("messages", f"messages must be a non-empty list, got {short(messages)}")
     read = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise BadParameter("messages", f"messages[{index}] must be an object, got {_short(message)}")
+            raise BadParameter("messages", f"messages[{index}] must be an object, got {short(message)}")
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise BadParameter("messages", f"messages[{index}].role {role!r} is not one of {CHAT_ROLES}")
@@ -173,11 +134,11 @@ def _content(content: object, index: int) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
                 raise BadParameter("messages", f"messages[{index}].content has a part "
-                                               f"{_short(part)}; only text parts are supported")
+                                               f"{short(part)}; only text parts are supported")
             texts.append(part["text"])
         return "".join(texts)
     raise BadParameter("messages", f"messages[{index}].content must be a string or a list of "
-                                   f"text parts, got {_short(content)}")
+                                   f"text parts, got {short(content)}")
 
 
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
@@ -187,11 +148,11 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     elif isinstance(stop, str):
         stop = [stop]
     if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise BadParameter("stop", f"stop must be a string or a list of strings, got {_short(stop)}")
+        raise BadParameter("stop", f"stop must be a string or a list of strings, got {short(stop)}")
     stop_token_ids = body.get("stop_token_ids") or []
     if not (isinstance(stop_token_ids, list) and all(_is_int(t) for t in stop_token_ids)):
         raise BadParameter("stop_token_ids", f"stop_token_ids must be a list of integers, got "
-                                             f"{_short(stop_token_ids)}")
+                                             f"{short(stop_token_ids)}")
     top_k = _integer(body, "top_k", 0, minimum=-1)
     try:
         return SamplingParams(temperature=_number(body, "temperature", 1.0),
@@ -253,7 +214,7 @@ def _integer(body: dict, name: str, default, minimum: int | None = None):
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not _is_int(value):
-        raise BadParameter(name, f"{name} must be an integer, got {_short(value)}")
+        raise BadParameter(name, f"{name} must be an integer, got {short(value)}")
     if minimum is not None and value < minimum:
         raise BadParameter(name, f"{name} must be >= {minimum}, got {value}")
     return value
@@ -264,7 +225,7 @@ def _number(body: dict, name: str, default: float) -> float:
     if value is None:
         return default
     if not _is_number(value) or not math.isfinite(value):
-        raise BadParameter(name, f"{name} must be a finite number, got {_short(value)}")
+        raise BadParameter(name, f"{name} must be a finite number, got {short(value)}")
     return float(value)
 
 
@@ -273,13 +234,8 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadParameter(name, f"{name} must be true or false, got {_short(value)}")
+        raise BadParameter(name, f"{name} must be true or false, got {short(value)}")
     return value
-
-
-def _short(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # --- answers ---------------------------------------------------------------------------------
