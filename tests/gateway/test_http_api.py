@@ -355,3 +355,24 @@ def test_tokenize_detokenize_and_version_answer_at_the_gateway(gateway, checkpoi
     assert status == 400 and body["error"]["param"] == "tokens"
     status, body, _ = gateway.get("/version")
     assert status == 200 and body["version"] == "0.1.0"
+
+
+def test_a_completions_text_prompt_gets_the_tokenizers_bos_as_vllm_gives_it(tmp_path):
+    """add_special_tokens: on by default for /v1/completions and /tokenize's prompt, off for
+    chat (the template writes what the model needs)."""
+    from tokenizers import Tokenizer, processors
+
+    directory = save_cli_checkpoint(tmp_path / "bos-model")
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    bos = tokenizer.token_to_id("d")  # any id of the tiny vocabulary stands in for <s>
+    tokenizer.post_processor = processors.TemplateProcessing(single="d $A", special_tokens=[("d", bos)])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    assert completion_request({"prompt": "x"}).add_special_tokens
+    assert not chat_request({"messages": [{"role": "user", "content": "x"}]}).add_special_tokens
+    with_bos = Gateway(directory)
+    try:
+        _, plain, _ = with_bos.post("/tokenize", {"prompt": "def", "add_special_tokens": False})
+        _, body, _ = with_bos.post("/tokenize", {"prompt": "def"})
+        assert body["tokens"] == [bos, *plain["tokens"]]
+    finally:
+        with_bos.close()

@@ -66,11 +66,11 @@ class ServedModel:
         check_prompt(token_ids, request.sampling, self.info.vocab_size, self.info.max_model_len)
         return token_ids
 
-    def encode_text(self, text: str) -> tuple[int, ...]:
+    def encode_text(self, text: str, add_special_tokens: bool = False) -> tuple[int, ...]:
         """A text prompt's token ids; refused (TooLarge) before tokenizing when it is too
         large for the context, and (ValueError) when it has no tokens."""
         check_prompt_text(text, self.info.max_model_len)
-        token_ids = tuple(self.tokenizer.encode(text))
+        token_ids = tuple(self.tokenizer.encode(text, add_special_tokens))
         if not token_ids:
             raise ValueError(f"the prompt {text[:80]!r} has no tokens")
         return token_ids

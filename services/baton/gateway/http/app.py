@@ -245,12 +245,15 @@ class OpenAIServer:
         """The generation a completion asks for (runs in the executor: it renders the chat
         template and tokenizes). A chat without ``max_tokens`` may fill the model's context."""
         if not completion.chat:
+            token_ids = completion.token_ids
+            if completion.text is not None:
+                token_ids = self.model.encode_text(completion.text, completion.add_special_tokens)
             return GenerateRequest(request_id=request_id, model=completion.model,
-                                   text=completion.text, token_ids=completion.token_ids,
+                                   token_ids=token_ids,
                                    sampling=completion.sampling, compression=completion.compression,
                                    prefill_route=completion.prefill_route)
         text = self.chat_template.render(completion.messages, completion.add_generation_prompt)
-        token_ids = self.model.encode_text(text)
+        token_ids = self.model.encode_text(text, completion.add_special_tokens)
         max_tokens = completion.max_tokens
         if max_tokens is None:
             max_tokens = self.model.info.max_model_len - len(token_ids)

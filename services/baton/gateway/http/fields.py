@@ -25,7 +25,7 @@ class BadParameter(InvalidArgument):
 # Read by the request parsers (baton.gateway.http.protocol), on both endpoints.
 HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                  "stop_token_ids", "ignore_eos", "stream", "stream_options", "return_token_ids",
-                 "compression", "prefill_route"}
+                 "compression", "prefill_route", "add_special_tokens"}
 HONOURED = {
     "completions": HONOURED_BOTH | {"prompt"},
     "chat": HONOURED_BOTH | {"messages", "add_generation_prompt", "max_completion_tokens",
@@ -42,7 +42,7 @@ _NEUTRAL_BOTH: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,), "guided_decoding_backend": (None,), "structured_outputs": (None,),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
-    "priority": (None, 0), "cache_salt": (None, ""), "add_special_tokens": (None,),
+    "priority": (None, 0), "cache_salt": (None, ""),
 }
 NEUTRAL = {
     "completions": {**_NEUTRAL_BOTH, "echo": (None, False), "suffix": (None, ""),

@@ -59,11 +59,13 @@ class ModelRoutes:
             if not (isinstance(messages, list) and messages):
                 raise BadParameter("messages", f"messages must be a non-empty list, got {short(messages)}")
             text = self.chat_template.render(messages, bool(body.get("add_generation_prompt", True)))
+            special = bool(body.get("add_special_tokens", False))
         else:
             text = body.get("prompt")
             if not isinstance(text, str):
                 raise BadParameter("prompt", f"prompt must be a string, got {short(text)}")
-        tokens = list(self.model.tokenizer.encode(text)) if text else []
+            special = bool(body.get("add_special_tokens", True))
+        tokens = list(self.model.tokenizer.encode(text, special)) if text else []
         return web.json_response({"count": len(tokens), "max_model_len": self.model.info.max_model_len,
                                   "tokens": tokens, "token_strs": None})
 

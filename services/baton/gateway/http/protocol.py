@@ -42,6 +42,9 @@ class Completion:
     token_ids: tuple[int, ...] | None = None  # ... as token ids (completions only)
     messages: list[dict] = field(default_factory=list)  # chat: role/content, content as text
     add_generation_prompt: bool = True
+    # the tokenizer's own additions (a Llama tokenizer's BOS): vLLM's defaults, on for a
+    # completion's text prompt, off for chat (the template writes them)
+    add_special_tokens: bool = True
     max_tokens: int | None = None  # None (chat only): up to the model's context
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
     prefill_route: str = "auto"  # baton's extension: pin the prefill to "chain" or "local"
@@ -54,6 +57,7 @@ def completion_request(body: object) -> Completion:
     text, token_ids = _prompt(body.get("prompt"))
     max_tokens = _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=1)
     return Completion(chat=False, model=_model(body), text=text, token_ids=token_ids,
+                      add_special_tokens=_boolean(body, "add_special_tokens", True),
                       sampling=_sampling(body, max_tokens), compression=_compression(body),
                       stream=_boolean(body, "stream", False),
                       include_usage=_include_usage(body), max_tokens=max_tokens,
@@ -69,6 +73,7 @@ def chat_request(body: object) -> Completion:
     max_tokens = _integer(body, limit, None, minimum=1)
     return Completion(chat=True, model=_model(body), messages=_messages(body.get("messages")),
                       add_generation_prompt=_boolean(body, "add_generation_prompt", True),
+                      add_special_tokens=_boolean(body, "add_special_tokens", False),
                       sampling=_sampling(body, max_tokens or 1), compression=_compression(body),
                       stream=_boolean(body, "stream", False),
                       include_usage=_include_usage(body), max_tokens=max_tokens,
