@@ -7,7 +7,7 @@ oversized or out-of-vocabulary prompt is INVALID_ARGUMENT here, with the numbers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.api.requests import (
@@ -19,6 +19,7 @@ from baton.api.requests import (
 from baton.config import ModelSourceConfig
 from baton.errors import NotFound
 from baton.model.config import ModelConfig
+from baton.model.generation_config import GenerationConfig
 from baton.model.hub import resolve_model
 from baton.model.limits import check_prompt
 from baton.model.tokenizer import Tokenizer
@@ -35,6 +36,8 @@ class ServedModel:
     config: ModelConfig
     directory: Path
     names: tuple[str, ...] = ()  # every name it answers to; info.id, the first, is reported
+    # generation_config.json's temperature, top_p and top_k: a request that leaves one out
+    sampling_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, source: ModelSourceConfig) -> ServedModel:
@@ -49,7 +52,8 @@ class ServedModel:
                          max_model_len=config.max_position_embeddings,
                          num_layers=config.num_hidden_layers)
         return cls(info=info, tokenizer=Tokenizer.from_dir(directory), config=config,
-                   directory=directory, names=names)
+                   directory=directory, names=names,
+                   sampling_defaults=GenerationConfig.from_dir(directory).sampling)
 
     def check_name(self, name: str) -> None:
         if name and name not in (self.names or (self.info.id,)):

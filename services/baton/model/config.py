@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from baton.model.errors import CheckpointError
+from baton.model.generation_config import GenerationConfig
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -174,7 +175,14 @@ class ModelConfig:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(str(path), "config.json", f"is not valid JSON: {e}") from e
-        return cls.from_hf_dict(data, str(path))
+        config = cls.from_hf_dict(data, str(path))
+        # generation_config.json's end-of-sequence ids join config.json's (a chat model's
+        # end-of-turn token is often listed there alone)
+        extra = [i for i in GenerationConfig.from_dir(path.parent).eos_token_ids
+                 if i not in config.eos_token_ids]
+        if extra:
+            config.eos_token_id = config.eos_token_ids + extra
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

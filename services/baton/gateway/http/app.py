@@ -208,7 +208,7 @@ class OpenAIServer:
         self._idle.clear()
         try:
             try:
-                completion = read(await self._json(request))
+                completion = read(await self._json(request), self.model.sampling_defaults)
                 if completion.chat and self.chat_template is None:
                     raise BadParameter("messages", f"model {self.model.info.id!r} has no chat "
                                                    f"template: use /v1/completions")

@@ -50,22 +50,23 @@ class Completion:
     prefill_route: str = "auto"  # baton's extension: pin the prefill to "chain" or "local"
 
 
-def completion_request(body: object) -> Completion:
-    """A ``POST /v1/completions`` body; raises BadParameter naming the field."""
+def completion_request(body: object, defaults: dict | None = None) -> Completion:
+    """A ``POST /v1/completions`` body; raises BadParameter naming the field. ``defaults``:
+    the model's temperature, top_p and top_k for a body that leaves them out."""
     body = _object(body, "the request body")
     check_fields(body, "completions")
     text, token_ids = _prompt(body.get("prompt"))
     max_tokens = _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=1)
     return Completion(chat=False, model=_model(body), text=text, token_ids=token_ids,
                       add_special_tokens=_boolean(body, "add_special_tokens", True),
-                      sampling=_sampling(body, max_tokens), compression=_compression(body),
+                      sampling=_sampling(body, max_tokens, defaults), compression=_compression(body),
                       stream=_boolean(body, "stream", False),
                       include_usage=_include_usage(body), max_tokens=max_tokens,
                       return_token_ids=_boolean(body, "return_token_ids", False),
                       prefill_route=_prefill_route(body))
 
 
-def chat_request(body: object) -> Completion:
+def chat_request(body: object, defaults: dict | None = None) -> Completion:
     """A ``POST /v1/chat/completions`` body; raises BadParameter naming the field."""
     body = _object(body, "the request body")
     check_fields(body, "chat")
@@ -74,7 +75,8 @@ def chat_request(body: object) -> Completion:
     return Completion(chat=True, model=_model(body), messages=_messages(body.get("messages")),
                       add_generation_prompt=_boolean(body, "add_generation_prompt", True),
                       add_special_tokens=_boolean(body, "add_special_tokens", False),
-                      sampling=_sampling(body, max_tokens or 1), compression=_compression(body),
+                      sampling=_sampling(body, max_tokens or 1, defaults),
+                      compression=_compression(body),
                       stream=_boolean(body, "stream", False),
                       include_usage=_include_usage(body), max_tokens=max_tokens,
                       return_token_ids=_boolean(body, "return_token_ids", False),
@@ -146,7 +148,8 @@ def _content(content: object, index: int) -> str:
                                    f"text parts, got {short(content)}")
 
 
-def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    defaults = defaults or {}
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -158,10 +161,11 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     if not (isinstance(stop_token_ids, list) and all(_is_int(t) for t in stop_token_ids)):
         raise BadParameter("stop_token_ids", f"stop_token_ids must be a list of integers, got "
                                              f"{short(stop_token_ids)}")
-    top_k = _integer(body, "top_k", 0, minimum=-1)
+    top_k = _integer(body, "top_k", defaults.get("top_k", 0), minimum=-1)
     try:
-        return SamplingParams(temperature=_number(body, "temperature", 1.0),
-                              top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0),
+        return SamplingParams(temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
+                              top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
+                              top_k=max(top_k, 0),
                               seed=_integer(body, "seed", None), max_tokens=max_tokens,
                               stop=stop, stop_token_ids=stop_token_ids,
                               ignore_eos=_boolean(body, "ignore_eos", False))
