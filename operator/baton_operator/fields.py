@@ -71,11 +71,11 @@ def section(path: str, config: type, *names: str, prefix: str = "",
 
 
 SPEC_FIELDS: list[SpecField] = [
-    *section("model", ModelSourceConfig, "revision", "dtype", "served_model_name"),
+    *section("model", ModelSourceConfig, "revision", "dtype", "served_model_name", "max_model_len"),
     *section("prefill", ChainConfig, "ranks", "mode", "kv_link_gb_per_s", "extra_hop_ms",
              keys={"ranks": "ranksPerChain"}, schema={"ranks": {"maximum": 64}}),
     *section("decode", SchedulerConfig, "token_budget", "max_running", "policy", "cuda_graphs"),
-    *section("decode", KVPoolConfig, "memory_mib", "block_size", prefix="kv"),
+    *section("decode", KVPoolConfig, "memory_mib", "memory_fraction", "block_size", prefix="kv"),
     *section("decode", KVPoolConfig, "prefix_cache"),
     *section("decode", StreamConfig, "interval_ms", prefix="stream"),
     *section("compression", PyramidConfig, "enabled", "keep_ratio", "recent_ratio", "num_sinks",

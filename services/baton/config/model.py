@@ -23,13 +23,20 @@ class ModelSourceConfig:
                         "matmuls measure faster (AVX512-BF16/AMX), else float32", choices=DTYPES)
     device: str = setting("auto", "auto = cuda when available, else cpu", choices=DEVICES)
     threads: int = setting(0, "torch intra-op threads on CPU; 0 leaves torch's default", minimum=0)
+    max_model_len: int = setting(0, "the longest sequence (prompt and generated tokens) served; "
+                                 "0 = the model's max_position_embeddings", minimum=0)
 
 
 @settings("kv")
 class KVPoolConfig:
     block_size: int = setting(16, "tokens per KV block", minimum=1)
     num_blocks: int = setting(0, "KV blocks in the pool; 0 derives it from memory_mib", minimum=0)
-    memory_mib: int = setting(512, "memory for the KV pool when num_blocks is 0, in MiB", minimum=1)
+    memory_mib: int = setting(512, "memory for the KV pool when num_blocks and memory_fraction "
+                              "are 0, in MiB", minimum=1)
+    memory_fraction: float = setting(0.0, "the share of the device's memory still free once the "
+                                     "weights are loaded that the KV pool takes, when num_blocks "
+                                     "is 0 (as vLLM's --gpu-memory-utilization, of what is left); "
+                                     "0 = memory_mib", minimum=0.0, maximum=1.0)
     unclaimed_lease_s: float = setting(30.0, "a decode pod frees KV a chain pushed when no Attach claims "
                                        "it within this long (the caller is gone)", exclusive_minimum=0)
     max_pending_pushes: int = setting(64, "KV uploads a decode pod receives at once; more get "

@@ -104,12 +104,13 @@ class DecodeServer:
 
         def build() -> Engine:
             self.loaded = load_checkpoint(model.path, dtype=model.dtype, device=model.device,
-                                          revision=model.revision)
+                                          revision=model.revision, max_model_len=model.max_model_len)
             engine = Engine(self.loaded.model, self.loaded.tokenizer,
                             scheduler=self.config.scheduler, kv=self.config.kv,
                             compressor_factory=engine_compressor_factory(self.config.pyramid,
                                                                          self.loaded.config),
                             model_revision=self.loaded.revision)
+            check_pool_holds_a_sequence(engine, explicit_blocks=self.config.kv.num_blocks > 0)
             capture_decode_graphs(engine)
             return engine
 
@@ -180,6 +181,24 @@ class DecodeServer:
         self.worker.stop()
         if self._stop_metrics is not None:
             self._stop_metrics()
+
+
+def check_pool_holds_a_sequence(engine: Engine, explicit_blocks: bool = False) -> None:
+    """Log the pool's size; refuse to start when one sequence of the longest length served
+    cannot fit (ValueError naming both), or only warn when the block count was set by hand
+    (``kv.num_blocks``: a deliberate small pool, whose long requests wait or are refused)."""
+    pool, max_len = engine.pool, engine.model.config.max_position_embeddings
+    holds = engine.memory.capacity_tokens()
+    log.info("KV pool: %d blocks of %d tokens (%.0f MiB); one sequence holds up to %d tokens, "
+             "max_model_len %d", pool.num_blocks, pool.block_size,
+             pool.num_blocks * pool.bytes_per_block / 2**20, holds, max_len)
+    if holds < max_len:
+        message = (f"the KV pool holds {holds} tokens of one sequence, fewer than max_model_len "
+                   f"{max_len}: give the pool more memory (kv.memory_mib, kv.memory_fraction) or "
+                   f"lower model.max_model_len")
+        if not explicit_blocks:
+            raise ValueError(message)
+        log.warning("%s (kv.num_blocks was set: starting anyway)", message)
 
 
 def capture_decode_graphs(engine: Engine) -> None:

@@ -46,6 +46,7 @@ class ServedModel:
         files = resolve_model(source.path, source.revision)
         directory = files.directory
         config = ModelConfig.from_file(directory / "config.json")
+        config.cap_context(source.max_model_len)
         names = tuple(source.served_model_name) or (files.name,)
         info = ModelInfo(id=names[0], revision=files.revision,
                          vocab_size=config.vocab_size,

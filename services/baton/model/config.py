@@ -69,6 +69,15 @@ class ModelConfig:
             return []
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
 
+    def cap_context(self, max_model_len: int) -> None:
+        """Serve sequences of at most ``max_model_len`` tokens (0: as long as the model
+        takes); raises ValueError past what the model takes."""
+        if max_model_len > self.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.max_position_embeddings}")
+        if max_model_len:
+            self.max_position_embeddings = max_model_len
+
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V for one token in one layer."""
         return 2 * self.num_key_value_heads * self.head_dim * element_size

@@ -104,12 +104,14 @@ def load_weights(model: CausalLM, directory: Path) -> None:
 
 
 def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "auto",
-                    revision: str = "", with_tokenizer: bool = True) -> LoadedModel:
+                    revision: str = "", with_tokenizer: bool = True,
+                    max_model_len: int = 0) -> LoadedModel:
     """Load a checkpoint (a directory, empty for the shipped model, or a Hugging Face repo
     id: ``baton.model.hub``) onto a device."""
     files = resolve_model(path, revision)
     directory = files.directory
     config = ModelConfig.from_file(directory / "config.json")
+    config.cap_context(max_model_len)
     target = resolve_device(device)
     with torch.device("meta"):
         model = CausalLM(config)

@@ -77,7 +77,8 @@ class PrefillServer:
         self.is_head, self.is_tail = chain.rank == 0, chain.rank == chain.ranks - 1
         self.registry = CollectorRegistry()
         self.metrics = PrefillMetrics(self.registry)
-        self.model_source = ModelSource(path=config.model.path, dtype=config.model.dtype)
+        self.model_source = ModelSource(path=config.model.path, dtype=config.model.dtype,
+                                        max_model_len=config.model.max_model_len)
         self.model_config = self.model_source.config()
         files = resolve_model(config.model.path, config.model.revision)
         self.model_id, self.revision = files.name, files.revision

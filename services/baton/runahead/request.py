@@ -34,6 +34,7 @@ class ModelSource:
     preset: str = ""  # a name in ``baton.model.presets.PRESETS`` (random weights)
     seed: int = 0
     dtype: str = "auto"
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
 
     def __post_init__(self) -> None:
         if self.preset and self.preset not in PRESETS:
@@ -47,14 +48,16 @@ class ModelSource:
             return PRESETS[self.preset]
         from baton.model.hub import resolve_model
 
-        return ModelConfig.from_file(resolve_model(self.path).directory / "config.json")
+        config = ModelConfig.from_file(resolve_model(self.path).directory / "config.json")
+        config.cap_context(self.max_model_len)
+        return config
 
     def load(self, device: torch.device) -> CausalLM:
         if self.preset:
             dtype = torch.float32 if self.dtype in ("auto", "float32") else getattr(torch, self.dtype)
             return random_model(self.preset, seed=self.seed, dtype=dtype, device=device)
         return load_checkpoint(self.path, dtype=self.dtype, device=device.type,
-                               with_tokenizer=False).model
+                               with_tokenizer=False, max_model_len=self.max_model_len).model
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.config import KVPoolConfig
+from baton.device_memory import free_memory_bytes
 from baton.dtypes import dtype_name
 from baton.kv.pool import KVPool, KVPoolExhausted
 from baton.kv.prefix_cache import cache_root, extend_block_hashes
@@ -35,17 +36,23 @@ from baton.sarathi.request import Sequence, Status
 
 def build_pool(model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dtype,
                device: torch.device | str = "cpu") -> KVPool:
-    """A pool sized by ``config``: ``num_blocks`` or, when 0, as many as fit ``memory_mib``."""
+    """A pool sized by ``config``: ``num_blocks``, or as many as fit ``memory_fraction`` of
+    the device's free memory (called once the weights are loaded), or ``memory_mib``."""
     num_layers = model_config.num_hidden_layers
     num_blocks = config.num_blocks
     if num_blocks == 0:
         element_size = torch.empty(0, dtype=dtype).element_size()
         bytes_per_block = (2 * config.block_size * model_config.num_key_value_heads
                            * model_config.head_dim * element_size)
-        num_blocks = config.memory_mib * 2**20 // bytes_per_block
+        if config.memory_fraction:
+            memory = int(config.memory_fraction * free_memory_bytes(torch.device(device)))
+            what = f"kv memory_fraction {config.memory_fraction:g} of the free memory"
+        else:
+            memory, what = config.memory_mib * 2**20, f"kv memory_mib {config.memory_mib}"
+        num_blocks = memory // bytes_per_block
         if num_blocks < num_layers:
-            raise ValueError(f"kv memory_mib {config.memory_mib} holds {num_blocks} blocks, fewer "
-                             f"than one per layer ({num_layers}); raise memory_mib")
+            raise ValueError(f"{what} holds {num_blocks} blocks, fewer than one per layer "
+                             f"({num_layers}); give the pool more")
     return KVPool(num_layers, model_config.num_key_value_heads, model_config.head_dim,
                   config.block_size, num_blocks, dtype=dtype, device=device,
                   cache_prefixes=config.prefix_cache)
