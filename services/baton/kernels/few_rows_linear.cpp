@@ -1,4 +1,4 @@
-// A linear layer over a few rows (a decode step's batch) on x86 CPUs with AVX2 and FMA:
+// A linear layer over a few rows (a decode step's batch), in the AVX2 build:
 // y [R, out] = x [R, in] @ weight [out, in].T (+ bias).
 //
 // Why: with a handful of rows the product is a pass over the weight, and the pass is the
@@ -15,13 +15,13 @@
 // (bf16 widened on load), so the dot products equal F.linear's to fp32 rounding (another
 // summation order).
 
-#include "avx2.h"
+#include "rows.h"
 
 #include <algorithm>
 
 namespace {
 
-using namespace baton_avx2;
+using namespace baton_rows;
 
 constexpr int64_t kGroup = 8;  // outputs of one group: one register of results
 constexpr int64_t kGroupsPerTask = 8;  // at least 64 outputs a parallel task
