@@ -10,7 +10,7 @@ from baton.kernels import cpu as cpu_kernels
 from baton.model.linear import Linear
 from kernel_builds import kernels_fixture
 
-kernels = kernels_fixture("few_rows_linear")  # the AVX2 build's (it pays on AVX2 CPUs only)
+kernels = kernels_fixture("few_rows_linear")  # not the avx512_bf16 build's (oneDNN's bf16 kernels serve there)
 
 
 def inputs(rows: int, in_features: int, out_features: int, dtype: torch.dtype, seed: int):
@@ -57,7 +57,7 @@ def test_rows_at_a_stride_and_no_rows(kernels):
 
 
 def test_bad_inputs_are_refused_with_the_value(kernels):
-    with pytest.raises(RuntimeError, match="in features 12 is not a multiple of 8"):
+    with pytest.raises(RuntimeError, match=f"in features 12 is not a multiple of {kernels.lanes}"):
         kernels.few_rows_linear(torch.ones(2, 12), torch.ones(8, 12), None)
     with pytest.raises(RuntimeError, match=r"weight must be a contiguous \[out, 16\]"):
         kernels.few_rows_linear(torch.ones(2, 16), torch.ones(8, 24), None)
@@ -68,7 +68,7 @@ def test_bad_inputs_are_refused_with_the_value(kernels):
 
 
 def test_the_linear_layer_takes_it_for_a_decode_batch_only(kernels, monkeypatch):
-    # as on a CPU whose build holds the kernel (an AVX-512 host's holds none)
+    # as on a CPU whose build holds the kernel (an AVX512-BF16 host's does not)
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: kernels)
     monkeypatch.setattr(cpu_kernels, "has", lambda name: hasattr(kernels, name))
     layer = Linear(256, 688).requires_grad_(False)

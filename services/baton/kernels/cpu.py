@@ -48,9 +48,9 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class Build:
     """One instruction set's module: its sources, its flags (which select vec.h's registers),
-    the kernels it holds, and whether this CPU runs it. The instruction sets are named rather
-    than -march=native, so a build is valid on every CPU that has them (a shared cache, an
-    image)."""
+    the kernels it holds (those not in every build are compiled in by BATON_WITH_<KERNEL>),
+    and whether this CPU runs it. The instruction sets are named rather than -march=native,
+    so a build is valid on every CPU that has them (a shared cache, an image)."""
 
     isa: str
     sources: tuple[str, ...]
@@ -59,37 +59,43 @@ class Build:
     runs_here: Callable[[], bool] = field(compare=False, repr=False)
 
     @property
+    def compile_flags(self) -> tuple[str, ...]:
+        return (*self.flags, *(f"-DBATON_WITH_{kernel.upper()}" for kernel in self.kernels
+                               if kernel not in EVERY_BUILD_KERNELS))
+
+    @property
     def name(self) -> str:
         """The module's name, unique to these sources, every header, the flags and this
         checkout: torch keeps one build directory per name, so two checkouts (or two
         versions) never rebuild each other's."""
-        digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(self.flags).encode())
+        digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(self.compile_flags).encode())
         for source in (*self.sources, *sorted(path.name for path in SOURCE_DIR.glob("*.h"))):
             digest.update((SOURCE_DIR / source).read_bytes())
         return f"baton_cpu_{self.isa}_{digest.hexdigest()[:16]}"
 
 
-_EVERY_BUILD = ("causal_attention", "paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_")
+EVERY_BUILD_KERNELS = ("causal_attention", "paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_")
 _COMMON_FLAGS = ("-O3", "-mfma", "-fno-math-errno", "-fopenmp")
 _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_COMMON_FLAGS)
 # The AVX-512 builds' attention keeps register tiles of scores (tiles.h: 32 registers)
 _AVX512_SOURCES = ("causal_attention_tiles.cpp", "decode_attention_tiles.cpp", "attention_scores.cpp",
                    "elementwise.cpp", "bindings.cpp")
-_AVX512_KERNELS = (*_EVERY_BUILD, "attention_scores")
 
 # On CPUs with AVX2 and FMA only: attention in loops that fit 16 registers (rows.h), the
 # element-wise kernels, and the linear layer over a few rows (where oneDNN's and MKL's kernels
 # read the weights slowly); PyramidInfer's scores run on torch's kernels there.
 AVX2 = Build("avx2", ("causal_attention_rows.cpp", "decode_attention_rows.cpp", "few_rows_linear.cpp",
                       "elementwise.cpp", "bindings.cpp"),
-             ("-mavx2", *_COMMON_FLAGS), (*_EVERY_BUILD, "few_rows_linear"),
+             ("-mavx2", *_COMMON_FLAGS), (*EVERY_BUILD_KERNELS, "few_rows_linear"),
              runs_here=lambda: torch.cpu._is_avx2_supported())
 # AVX-512 without AVX512_BF16 (Intel Xeon, Skylake to Ice Lake): every AVX-512 kernel, bf16
-# products on fp32 FMAs.
-AVX512 = Build("avx512", _AVX512_SOURCES, _AVX512_FLAGS, _AVX512_KERNELS,
+# products on fp32 FMAs; and the few-rows linear layer, which the AVX2 build gave these CPUs.
+AVX512 = Build("avx512", (*_AVX512_SOURCES, "few_rows_linear.cpp"), _AVX512_FLAGS,
+               (*EVERY_BUILD_KERNELS, "attention_scores", "few_rows_linear"),
                runs_here=lambda: torch.cpu._is_avx512_supported())
 # AVX-512 with AVX512_BF16 (bf16 products in hardware).
-AVX512_BF16 = Build("avx512_bf16", _AVX512_SOURCES, (*_AVX512_FLAGS, "-mavx512bf16"), _AVX512_KERNELS,
+AVX512_BF16 = Build("avx512_bf16", _AVX512_SOURCES, (*_AVX512_FLAGS, "-mavx512bf16"),
+                    (*EVERY_BUILD_KERNELS, "attention_scores"),
                     runs_here=lambda: torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
 BUILDS = (AVX2, AVX512, AVX512_BF16)  # the plainest first
 HEAD_DIMS = (32, 64, 128)
@@ -118,8 +124,8 @@ def kernels() -> ModuleType | None:
     """The module of this CPU's build (``build_for_this_cpu()``), or None where none runs or
     the user switched them off: ``causal_attention`` (prompts and prefix slices),
     ``paged_decode_attention`` (decode batches), a Llama layer's element-wise steps
-    (``rms_norm``, ``silu_and_mul``, ``rotary_``), and per build PyramidInfer's
-    ``attention_scores`` or ``few_rows_linear`` (``has()`` tells). Raises KernelBuildError
+    (``rms_norm``, ``silu_and_mul``, ``rotary_``), and as the build has them PyramidInfer's
+    ``attention_scores`` and ``few_rows_linear`` (``has()`` tells). Raises KernelBuildError
     when the build fails."""
     chosen = build_for_this_cpu()
     if not enabled() or chosen is None:
@@ -193,7 +199,7 @@ def check_compiles(chosen: Build) -> None:
             command = ["c++", "-c", str(SOURCE_DIR / source), "-o", str(build_directory / f"{source}.check.o"),
                        f"-DTORCH_EXTENSION_NAME={chosen.name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                       *(f"-isystem{path}" for path in includes), "-fPIC", "-std=c++20", *chosen.flags,
+                       *(f"-isystem{path}" for path in includes), "-fPIC", "-std=c++20", *chosen.compile_flags,
                        "-O0"]  # the code generator's checks (an instruction the flags lack) without its time
             compiled = subprocess.run(command, capture_output=True, text=True, check=False)
             if compiled.returncode != 0:
@@ -210,7 +216,7 @@ def _compile(chosen: Build, directory: str | None = None) -> ModuleType:
         Path(cpp_extension._get_build_directory(chosen.name, verbose=False))
     with build_lock(build_directory), pinned_ninja():
         return cpp_extension.load(name=chosen.name, sources=[str(SOURCE_DIR / s) for s in chosen.sources],
-                                  extra_cflags=list(chosen.flags), build_directory=str(build_directory),
+                                  extra_cflags=list(chosen.compile_flags), build_directory=str(build_directory),
                                   verbose=False)
 
 
@@ -311,12 +317,13 @@ MAX_FEW_ROWS = 16
 
 
 def few_rows_linear_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Can ``few_rows_linear`` take x [R, in] (R up to MAX_FEW_ROWS) @ weight.T (+ bias)?"""
+    """Can ``few_rows_linear`` take x [R, in] (R up to MAX_FEW_ROWS, ``in`` a multiple of the
+    build's lanes) @ weight.T (+ bias)?"""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_FEW_ROWS
-            and x.dtype in DTYPES and weight.dtype == x.dtype and x.shape[1] % 8 == 0
+            and x.dtype in DTYPES and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
             and not wants_gradient(x, weight, *([] if bias is None else [bias]))
-            and has("few_rows_linear"))
+            and has("few_rows_linear") and x.shape[1] % kernels().lanes == 0)
 
 
 def wants_gradient(*tensors: torch.Tensor) -> bool:

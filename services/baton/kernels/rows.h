@@ -23,16 +23,6 @@ namespace baton_rows {
 using namespace baton_vec;
 static_assert(kLanes == 8, "the loops here sum 8 keys' products in one register");
 
-// The eight sums of a[0] .. a[7], each a's lanes added: lane i holds the sum of a[i].
-inline __m256 sums_of_eight(const __m256 a[8]) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  // [0l 1l 2l 3l | 0h 1h 2h 3h] and the same for 4-7 (l, h: a register's low, high half)
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
 // Softmax numerators of row[0, length) in place, exp(x - max), and their sum; a row whose
 // every entry is -inf (nothing visible) is left as it is and gives 0. The row is padded to a
 // multiple of 8 floats that may be overwritten.

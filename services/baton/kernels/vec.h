@@ -18,6 +18,17 @@
 
 namespace baton_vec {
 
+// The eight sums of a[0] .. a[7], each a's lanes added: lane i holds the sum of a[i]. (Eight
+// AVX2 lanes, in every build: the AVX-512 builds' sums_of_lanes adds halves with it.)
+inline __m256 sums_of_eight(const __m256 a[8]) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  // [0l 1l 2l 3l | 0h 1h 2h 3h] and the same for 4-7 (l, h: a register's low, high half)
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 #ifdef __AVX512F__
 
 using Vec = __m512;
@@ -41,6 +52,15 @@ inline Vec where_negative(Vec x, Vec if_negative, Vec otherwise) {
 }
 inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
+
+// The sixteen sums of a[0] .. a[15], each a's lanes added: lane i holds the sum of a[i]
+// (each register's halves added, then eight sums at a time).
+inline Vec sums_of_lanes(const Vec a[kLanes]) {
+  __m256 halves[kLanes];
+  for (int i = 0; i < kLanes; ++i)
+    halves[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(sums_of_eight(halves)), sums_of_eight(halves + 8), 1);
+}
 
 // exp(r) for |r| <= ln2/2 times 2^n: a degree-7 Taylor polynomial (relative error < 1e-8
 // there), and the power of two applied with scalef (2^-150 and below give 0).
@@ -122,6 +142,9 @@ inline float reduce_max(Vec v) {
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
+
+// lane i holds the sum of a[i]'s lanes
+inline Vec sums_of_lanes(const Vec a[kLanes]) { return sums_of_eight(a); }
 
 // exp(x) for x <= 0 (softmax after subtracting the row maximum): Cody-Waite reduction to
 // r in [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), and 2^n
