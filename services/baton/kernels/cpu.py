@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import subprocess
 import sysconfig
 import time
@@ -142,16 +143,17 @@ def has(kernel: str) -> bool:
 
 def load(chosen: Build) -> ModuleType:
     """``chosen``'s module: the image's (``BATON_KERNEL_DIR``) where it has one, else compiled
-    here (cached). A failure raises KernelBuildError, the same one on every later call: a
-    process compiles a broken source once, not on every layer that asks."""
+    here (cached). A failure raises KernelBuildError with the compiler's message, on every
+    later call too: a process compiles a broken source once, not on every layer that asks."""
     result = _load_once(chosen)
-    if isinstance(result, KernelBuildError):
-        raise result
+    if isinstance(result, str):
+        raise KernelBuildError(result)
     return result
 
 
 @functools.cache
-def _load_once(chosen: Build) -> ModuleType | KernelBuildError:
+def _load_once(chosen: Build) -> ModuleType | str:
+    """The module, or why it could not be had."""
     prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{chosen.name}.so"
     try:
         if prebuilt.exists():
@@ -161,11 +163,15 @@ def _load_once(chosen: Build) -> ModuleType | KernelBuildError:
             return module
         return _compile(chosen)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
-        failure = KernelBuildError(
-            f"baton's {chosen.isa} CPU kernels ({chosen.name}) could not be built or loaded: {error}\n"
-            "(fix the source, or install a C++ compiler; BATON_CPU_KERNELS=0 runs torch's kernels instead)")
-        failure.__cause__ = error
-        return failure
+        return (f"baton's {chosen.isa} CPU kernels ({chosen.name}) could not be built or loaded: "
+                f"{without_progress(str(error))}\n"
+                "(fix the source, or install a C++ compiler; BATON_CPU_KERNELS=0 runs torch's kernels instead)")
+
+
+def without_progress(message: str) -> str:
+    """A build's output without ninja's line per command that went well ("[2/6] c++ ..."):
+    what stays is the failed command and the compiler's message."""
+    return "\n".join(line for line in message.splitlines() if not re.match(r"\[\d+/\d+\] ", line))
 
 
 def build(directory: str | None = None, builds: tuple[Build, ...] = BUILDS) -> None:
@@ -179,7 +185,8 @@ def build(directory: str | None = None, builds: tuple[Build, ...] = BUILDS) -> N
         try:
             _compile(each, directory)
         except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
-            raise KernelBuildError(f"baton's {each.isa} CPU kernels ({each.name}) failed to build: {error}") from error
+            raise KernelBuildError(f"baton's {each.isa} CPU kernels ({each.name}) failed to build: "
+                                   f"{without_progress(str(error))}") from error
 
 
 def check_compiles(chosen: Build) -> None:
