@@ -69,8 +69,9 @@ RUN pip install -e . \
 # baton's CPU kernels, compiled once here: the pods' root filesystem is read-only, and a
 # build at start would cost each pod ~30 s (services/baton/kernels/cpu.py).
 ENV BATON_KERNEL_DIR=/opt/baton/kernels
-# Both instruction sets' modules (AVX512-BF16 and AVX2), for whichever x86 CPU a pod lands on
-# (elsewhere the pods run torch's kernels, as on an x86 CPU without AVX2).
+# Every instruction set's module (AVX2, AVX-512, AVX-512 with BF16), for whichever x86 CPU a
+# pod lands on (elsewhere the pods run torch's kernels, as on an x86 CPU without AVX2); a
+# kernel that does not compile fails the image build.
 RUN if [ "$(uname -m)" = x86_64 ]; then \
         python -c "from baton.kernels.cpu import build; build('${BATON_KERNEL_DIR}')"; \
     fi

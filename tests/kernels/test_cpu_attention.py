@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from baton.kernels import cpu as cpu_kernels
 from baton.model import attention as attention_module
 from baton.model.attention import attend, expand_kv_heads
+from kernel_builds import kernels_fixture
 
-kernel = cpu_kernels.kernels()
-needs_kernel = pytest.mark.skipif(not cpu_kernels.has("causal_attention"),
-                                  reason="no AVX-512 BF16 CPU or no compiler here")
+kernels = kernels_fixture("causal_attention")
 
 
 def reference(q, k, v):
@@ -55,14 +54,13 @@ SHAPES = [  # (queries, keys): whole prompts of every tile remainder, slices ove
 ]
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
 @pytest.mark.parametrize("head_dim", cpu_kernels.HEAD_DIMS)
 @pytest.mark.parametrize(("num_queries", "num_keys"), SHAPES)
-def test_as_exact_as_torchs_kernel(dtype, head_dim, num_queries, num_keys):
+def test_as_exact_as_torchs_kernel(kernels, dtype, head_dim, num_queries, num_keys):
     q, k, v = random_qkv(num_queries, num_keys, 8, 2, head_dim, dtype, seed=num_keys)
     truth = reference(q, k, v)
-    out = kernel.causal_attention(q, k, v)
+    out = kernels.causal_attention(q, k, v)
     assert out.dtype == dtype
     ours = (out.double() - truth).abs().max().item()
     theirs = (torch_kernel(q, k, v).double() - truth).abs().max().item()
@@ -72,17 +70,15 @@ def test_as_exact_as_torchs_kernel(dtype, head_dim, num_queries, num_keys):
         assert ours <= 1.25 * theirs + 1e-3, (ours, theirs)
 
 
-@needs_kernel
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1), (12, 4)])  # MHA, GQA, MQA, 3 per group
-def test_every_head_layout(heads):
+def test_every_head_layout(kernels, heads):
     q, k, v = random_qkv(70, 150, heads[0], heads[1], 64, torch.float32, seed=sum(heads))
-    assert (kernel.causal_attention(q, k, v).double() - reference(q, k, v)).abs().max() < 2e-6
+    assert (kernels.causal_attention(q, k, v).double() - reference(q, k, v)).abs().max() < 2e-6
 
 
-@needs_kernel
-def test_attend_takes_the_kernel_for_prompts_and_prefix_slices(monkeypatch):
+def test_attend_takes_the_kernel_for_prompts_and_prefix_slices(kernels, monkeypatch):
     calls = []
-    real = kernel.causal_attention
+    real = kernels.causal_attention
 
     class Spy:
         def causal_attention(self, q, k, v):
@@ -90,6 +86,7 @@ def test_attend_takes_the_kernel_for_prompts_and_prefix_slices(monkeypatch):
             return real(q, k, v)
 
     monkeypatch.setattr(attention_module.cpu_kernels, "kernels", lambda: Spy())
+    monkeypatch.setattr(attention_module.cpu_kernels, "has", lambda name: hasattr(kernels, name))
     q, k, v = random_qkv(40, 100, 8, 2, 32, torch.float32, seed=1)
     positions = torch.arange(100)
     # a slice over its prefix; the last 40 queries of a whole prompt; a pruned prefix
@@ -104,9 +101,8 @@ def test_attend_takes_the_kernel_for_prompts_and_prefix_slices(monkeypatch):
     assert len(calls) == 3
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
-def test_reads_strided_rows_of_a_fused_projection_in_place(dtype):
+def test_reads_strided_rows_of_a_fused_projection_in_place(kernels, dtype):
     """q, k and v as views of one [T, (H + 2 Hkv) D] projection (rows strided): the same
     result as contiguous copies, and no copy made on the way in."""
     generator = torch.Generator().manual_seed(5)
@@ -115,35 +111,23 @@ def test_reads_strided_rows_of_a_fused_projection_in_place(dtype):
     k = fused[:, 256:320].view(70, 2, 32)
     v = fused[:, 320:].view(70, 2, 32)
     assert not q.is_contiguous() and cpu_kernels.token_rows(q) is q
-    out = kernel.causal_attention(q, k, v)
-    assert torch.equal(out, kernel.causal_attention(q.contiguous(), k.contiguous(), v.contiguous()))
+    out = kernels.causal_attention(q, k, v)
+    assert torch.equal(out, kernels.causal_attention(q.contiguous(), k.contiguous(), v.contiguous()))
     heads_apart = torch.randn(8, 70, 32).to(dtype).transpose(0, 1)  # a token's heads not side by side
     with pytest.raises(RuntimeError, match="side by side"):
-        kernel.causal_attention(heads_apart, k, v)
-    assert torch.equal(kernel.causal_attention(cpu_kernels.token_rows(heads_apart), k, v),
-                       kernel.causal_attention(heads_apart.contiguous(), k, v))
+        kernels.causal_attention(heads_apart, k, v)
+    assert torch.equal(kernels.causal_attention(cpu_kernels.token_rows(heads_apart), k, v),
+                       kernels.causal_attention(heads_apart.contiguous(), k, v))
 
 
-@needs_kernel
-def test_bad_inputs_are_refused_with_the_value():
+def test_bad_inputs_are_refused_with_the_value(kernels):
     q, k, v = random_qkv(4, 8, 8, 2, 32, torch.float32, seed=2)
     with pytest.raises(RuntimeError, match="fewer keys"):
-        kernel.causal_attention(q, k[:2], v[:2])
+        kernels.causal_attention(q, k[:2], v[:2])
     with pytest.raises(RuntimeError, match="head_dim 16"):
-        kernel.causal_attention(q[..., :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous())
+        kernels.causal_attention(q[..., :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous())
     with pytest.raises(RuntimeError, match="share a dtype"):
-        kernel.causal_attention(q, k.double(), v)
-
-
-@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no AVX2 CPU or no compiler here")
-def test_each_cpu_gets_the_kernels_of_its_instruction_set():
-    chosen = cpu_kernels.build_for_this_cpu()
-    assert cpu_kernels.kernels().__name__ == chosen.name
-    for name in ("causal_attention", "paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_"):
-        assert cpu_kernels.has(name), name
-    # PyramidInfer's scores have no AVX2 build; the few-rows linear layer pays on AVX2 only
-    assert cpu_kernels.has("attention_scores") == (chosen is cpu_kernels.AVX512)
-    assert cpu_kernels.has("few_rows_linear") == (chosen is cpu_kernels.AVX2)
+        kernels.causal_attention(q, k.double(), v)
 
 
 def test_switched_off_by_the_environment(monkeypatch):

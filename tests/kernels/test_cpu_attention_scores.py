@@ -11,10 +11,9 @@ import torch
 from baton.kernels import cpu as cpu_kernels
 from baton.pyramid import scoring
 from baton.pyramid.scoring import recent_attention_scores, recent_attention_scores_torch
+from kernel_builds import kernels_fixture
 
-kernel = cpu_kernels.kernels()
-needs_kernel = pytest.mark.skipif(not cpu_kernels.has("attention_scores"),
-                                  reason="no AVX-512 BF16 CPU or no compiler here")
+kernels = kernels_fixture("attention_scores")  # the AVX-512 builds'
 
 
 def reference(q, query_positions, weights, k, key_positions, window=None):
@@ -48,42 +47,38 @@ def case(num_queries, num_keys, heads, kv_heads, head_dim, dtype, seed, gaps=Tru
 SHAPES = [(1, 1), (1, 17), (5, 16), (16, 33), (64, 300), (102, 511), (20, 1000)]
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
 @pytest.mark.parametrize("head_dim", cpu_kernels.HEAD_DIMS)
 @pytest.mark.parametrize(("num_queries", "num_keys"), SHAPES)
-def test_as_exact_as_torchs_ops(dtype, head_dim, num_queries, num_keys):
+def test_as_exact_as_torchs_ops(kernels, dtype, head_dim, num_queries, num_keys):
     inputs = case(num_queries, num_keys, 8, 2, head_dim, dtype, seed=num_keys + head_dim)
     truth = reference(*inputs)
-    ours = (kernel.attention_scores(*inputs, 0).double() - truth).abs().max().item()
+    ours = (kernels.attention_scores(*inputs, 0).double() - truth).abs().max().item()
     theirs = (recent_attention_scores_torch(*inputs).double() - truth).abs().max().item()
     # fp32 sums in another order; both upcast bf16 inputs, so bf16 is as exact as fp32
     assert ours <= 2 * theirs + 1e-6, (ours, theirs)
 
 
-@needs_kernel
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1), (12, 4), (32, 2)])
 @pytest.mark.parametrize("window", [None, 7, 64])
-def test_every_head_layout_and_sliding_window(heads, window):
+def test_every_head_layout_and_sliding_window(kernels, heads, window):
     inputs = case(40, 150, *heads, 32, torch.float32, seed=sum(heads), gaps=False)
-    out = kernel.attention_scores(*inputs, window or 0)
+    out = kernels.attention_scores(*inputs, window or 0)
     assert (out.double() - reference(*inputs, window)).abs().max() < 1e-6
     if window:  # keys older than every query's window get nothing
         assert out[:150 - 40 - window].abs().max() == 0
 
 
-@needs_kernel
-def test_a_query_that_sees_no_key_adds_nothing():
+def test_a_query_that_sees_no_key_adds_nothing(kernels):
     q, query_positions, weights, k, key_positions = case(3, 20, 8, 2, 32, torch.float32, seed=4)
     key_positions = key_positions + 1000  # every key after every query
-    out = kernel.attention_scores(q, query_positions, weights, k, key_positions, 0)
+    out = kernels.attention_scores(q, query_positions, weights, k, key_positions, 0)
     assert torch.equal(out, torch.zeros(20))
 
 
-@needs_kernel
-def test_recent_attention_scores_takes_the_kernel(monkeypatch):
+def test_recent_attention_scores_takes_the_kernel(kernels, monkeypatch):
     calls = []
-    real = kernel.attention_scores
+    real = kernels.attention_scores
 
     class Spy:
         def attention_scores(self, *args):
@@ -91,6 +86,7 @@ def test_recent_attention_scores_takes_the_kernel(monkeypatch):
             return real(*args)
 
     monkeypatch.setattr(scoring.cpu_kernels, "kernels", lambda: Spy())
+    monkeypatch.setattr(scoring.cpu_kernels, "has", lambda name: hasattr(kernels, name))
     q, query_positions, weights, k, key_positions = case(10, 50, 8, 2, 32, torch.bfloat16, seed=6)
     out = recent_attention_scores(q, query_positions, weights, k, key_positions)
     assert calls == [q.shape] and out.dtype == torch.float32
@@ -100,15 +96,14 @@ def test_recent_attention_scores_takes_the_kernel(monkeypatch):
     assert len(calls) == 1
 
 
-@needs_kernel
-def test_bad_inputs_are_refused_with_the_value():
+def test_bad_inputs_are_refused_with_the_value(kernels):
     q, query_positions, weights, k, key_positions = case(4, 8, 8, 2, 32, torch.float32, seed=2)
     with pytest.raises(RuntimeError, match="head_dim 16"):
-        kernel.attention_scores(q[..., :16].contiguous(), query_positions, weights,
+        kernels.attention_scores(q[..., :16].contiguous(), query_positions, weights,
                                 k[..., :16].contiguous(), key_positions, 0)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        kernel.attention_scores(q, query_positions, weights, k.double(), key_positions, 0)
+        kernels.attention_scores(q, query_positions, weights, k.double(), key_positions, 0)
     with pytest.raises(RuntimeError, match="query_positions"):
-        kernel.attention_scores(q, query_positions.int(), weights, k, key_positions, 0)
+        kernels.attention_scores(q, query_positions.int(), weights, k, key_positions, 0)
     with pytest.raises(RuntimeError, match="sliding_window must be >= 0.*-3"):
-        kernel.attention_scores(q, query_positions, weights, k, key_positions, -3)
+        kernels.attention_scores(q, query_positions, weights, k, key_positions, -3)

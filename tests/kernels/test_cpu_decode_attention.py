@@ -1,17 +1,15 @@
-"""baton's decode kernel (the AVX-512 build's or the AVX2 build's, whichever this CPU runs)
-reads each sequence's blocks of the paged cache where they lie and equals attention over
-the gathered blocks."""
+"""baton's decode kernel (each build's that this CPU runs) reads each sequence's blocks of the
+paged cache where they lie and equals attention over the gathered blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from baton.kernels import cpu as cpu_kernels
+from kernel_builds import kernels_fixture
 from test_cpu_attention import reference
 
-kernel = cpu_kernels.kernels()
-needs_kernel = pytest.mark.skipif(not cpu_kernels.has("paged_decode_attention"),
-                                  reason="no AVX2 or AVX-512 CPU, or no compiler here")
+kernels = kernels_fixture("paged_decode_attention")
 
 
 def paged_reference(q, k_cache, v_cache, tables, lengths):
@@ -39,32 +37,29 @@ def paged_case(heads, kv_heads, head_dim, dtype, block_size=16, seed=0):
     return q, k_cache, v_cache, tables, lengths
 
 
-@needs_kernel
 @pytest.mark.parametrize("head_dim", cpu_kernels.HEAD_DIMS)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1), (12, 4), (32, 2)])
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
-def test_paged_decode_equals_attention_over_the_gathered_blocks(head_dim, heads, dtype):
+def test_paged_decode_equals_attention_over_the_gathered_blocks(kernels, head_dim, heads, dtype):
     q, k_cache, v_cache, tables, lengths = paged_case(*heads, head_dim, dtype, seed=head_dim)
-    out = kernel.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
     assert out.dtype == dtype
     error = (out.double() - paged_reference(q, k_cache, v_cache, tables, lengths)).abs().max()
     # fp32: rounding; bf16: the output's own rounding (probabilities stay fp32 here)
     assert error < (2e-6 if dtype == torch.float32 else 1e-2), error
 
 
-@needs_kernel
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
-def test_paged_decode_takes_any_block_size(block_size):
+def test_paged_decode_takes_any_block_size(kernels, block_size):
     q, k_cache, v_cache, tables, lengths = paged_case(8, 2, 32, torch.float32, block_size, seed=block_size)
-    out = kernel.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
     assert (out.double() - paged_reference(q, k_cache, v_cache, tables, lengths)).abs().max() < 2e-6
 
 
-@needs_kernel
-def test_paged_decode_refuses_a_length_beyond_its_table():
+def test_paged_decode_refuses_a_length_beyond_its_table(kernels):
     q, k_cache, v_cache, tables, lengths = paged_case(8, 2, 32, torch.float32)
     lengths[3] = tables.shape[1] * k_cache.shape[1] + 1
     with pytest.raises(RuntimeError, match=f"length {int(lengths[3])} of sequence 3"):
-        kernel.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths)
     with pytest.raises(RuntimeError, match="int64"):
-        kernel.paged_decode_attention(q, k_cache, v_cache, tables.int(), lengths)
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables.int(), lengths)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from baton.kernels import cpu as cpu_kernels
 from baton.model.rope import rotate_half
+from kernel_builds import kernels_fixture
 
-kernels = cpu_kernels.kernels()
-pytestmark = pytest.mark.skipif(not cpu_kernels.has("rms_norm"), reason="no AVX2 CPU or no compiler here")
+kernels = kernels_fixture("rms_norm")
 
 
 def close(ours, theirs, truth):
@@ -26,14 +26,14 @@ def close(ours, theirs, truth):
 
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_silu_and_mul(dtype, rows):
+def test_silu_and_mul(kernels, dtype, rows):
     x = (torch.randn(rows, 2 * 688, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
     gate, up = x.split(688, dim=-1)
     truth = F.silu(gate.double()) * up.double()
     assert close(kernels.silu_and_mul(x), F.silu(gate) * up, truth)
 
 
-def test_silu_of_extremes_is_finite_and_exact():
+def test_silu_of_extremes_is_finite_and_exact(kernels):
     x = torch.tensor([[-1e4, -100.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 100.0, 1e4] + [0.0] * 7 + [1.0] * 16])
     # (torch flushes silu(-100) = -3.7e-42, a denormal, to 0)
     assert torch.allclose(kernels.silu_and_mul(x)[0], F.silu(x[0, :16]), rtol=1e-6, atol=1e-38)
@@ -41,7 +41,7 @@ def test_silu_of_extremes_is_finite_and_exact():
 
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
 @pytest.mark.parametrize("width", [64, 256, 768])
-def test_rms_norm_is_llamas(dtype, width):
+def test_rms_norm_is_llamas(kernels, dtype, width):
     generator = torch.Generator().manual_seed(width)
     x = (torch.randn(33, width, generator=generator) * 3).to(dtype)
     weight = (torch.rand(width, generator=generator) + 0.5).to(dtype)
@@ -55,7 +55,7 @@ def test_rms_norm_is_llamas(dtype, width):
 
 @pytest.mark.parametrize("dtype", cpu_kernels.DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_rotary_in_place_on_the_q_and_k_heads_only(dtype, head_dim):
+def test_rotary_in_place_on_the_q_and_k_heads_only(kernels, dtype, head_dim):
     generator = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, rows = 4, 2, 19
     fused = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
@@ -72,7 +72,7 @@ def test_rotary_in_place_on_the_q_and_k_heads_only(dtype, head_dim):
     assert torch.equal(fused[:, (heads + kv_heads) * head_dim:], untouched)
 
 
-def test_bad_shapes_are_refused_with_the_value():
+def test_bad_shapes_are_refused_with_the_value(kernels):
     with pytest.raises(RuntimeError, match="width 40 is not a multiple of 16"):
         kernels.rms_norm(torch.ones(2, 40), torch.ones(40), 1e-5)
     with pytest.raises(RuntimeError, match="weight must be a contiguous \\[64\\]"):

@@ -2,14 +2,19 @@
 
 Where torch's CPU kernels leave much of the hardware idle on the shapes our models
 have (small heads), a kernel of ours runs instead; see docs/runtime.md for the
-figures. They are compiled with torch's extension builder the first time a process
-needs them (~20-30 s; the build is cached under ``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions`` and shared by later processes), one module per instruction
-set: on CPUs with AVX-512 and AVX512_BF16, and on CPUs with AVX2 and FMA (``has()`` tells
-which kernels each holds). An image builds them all once instead (``build(DIR)``) and points
-``BATON_KERNEL_DIR`` at DIR: its pods load the one for their CPU from there, read-only.
-Without those instructions, without a compiler, or with ``BATON_CPU_KERNELS=0``,
-``kernels()`` is None and callers use torch's kernels.
+figures. The sources are written over one vector header (``vec.h``: 8 fp32 lanes with
+AVX2, 16 with AVX-512) and compiled once per instruction set, one module per build:
+``avx2`` (AVX2 and FMA), ``avx512`` (F/BW/DQ/VL) and ``avx512_bf16`` (with AVX512_BF16's
+bf16 products); a CPU runs the richest build it can (``build_for_this_cpu()``), and
+``Build.kernels`` says what each holds. They are compiled with torch's extension builder
+the first time a process needs them (~20-30 s; cached under ``$TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions`` and shared by later processes). An image builds them all once
+instead (``build(DIR)``) and points ``BATON_KERNEL_DIR`` at DIR: its pods load the one for
+their CPU from there, read-only.
+
+``kernels()`` is None only where no build runs (not x86, or no AVX2) or with
+``BATON_CPU_KERNELS=0``; a build that fails (a compiler error, no compiler) raises
+KernelBuildError with the compiler's message rather than falling back to torch's kernels.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import subprocess
+import sysconfig
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -35,77 +42,96 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent
 
 
+class KernelBuildError(RuntimeError):
+    """A build this CPU needs did not compile or load; the message holds the compiler's."""
+
+
 @dataclass(frozen=True)
 class Build:
-    """One instruction set's module: its sources, the headers they include, and its flags.
-    The instruction sets are named rather than -march=native, so a build is valid on every
-    CPU that has them (a shared cache, an image)."""
+    """One instruction set's module: its sources, its flags (which select vec.h's registers),
+    the kernels it holds (those not in every build are compiled in by BATON_WITH_<KERNEL>),
+    and whether this CPU runs it. The instruction sets are named rather than -march=native,
+    so a build is valid on every CPU that has them (a shared cache, an image)."""
 
     isa: str
     sources: tuple[str, ...]
-    headers: tuple[str, ...]
     flags: tuple[str, ...]
+    kernels: tuple[str, ...]
+    runs_here: Callable[[], bool] = field(compare=False, repr=False)
+
+    @property
+    def compile_flags(self) -> tuple[str, ...]:
+        return (*self.flags, *(f"-DBATON_WITH_{kernel.upper()}" for kernel in self.kernels
+                               if kernel not in EVERY_BUILD_KERNELS))
 
     @property
     def name(self) -> str:
-        """The module's name, unique to these sources, flags and this checkout: torch keeps
-        one build directory per name, so two checkouts (or two versions) never rebuild each
-        other's."""
-        digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(self.flags).encode())
-        for source in (*self.sources, *self.headers):
+        """The module's name, unique to these sources, every header, the flags and this
+        checkout: torch keeps one build directory per name, so two checkouts (or two
+        versions) never rebuild each other's."""
+        digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(self.compile_flags).encode())
+        for source in (*self.sources, *sorted(path.name for path in SOURCE_DIR.glob("*.h"))):
             digest.update((SOURCE_DIR / source).read_bytes())
         return f"baton_cpu_{self.isa}_{digest.hexdigest()[:16]}"
 
 
-# Every kernel, on CPUs with AVX-512 and AVX512_BF16 (bf16 products in hardware).
-AVX512 = Build("avx512", ("cpu_causal_attention.cpp", "cpu_decode_attention.cpp",
-                          "cpu_attention_scores.cpp", "cpu_elementwise.cpp", "cpu_bindings.cpp"),
-               ("cpu.h", "common.h"),
-               ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                "-mfma", "-fno-math-errno", "-fopenmp"))
-# On CPUs with AVX2 and FMA only: the attention and element-wise kernels, and the linear
-# layer over a few rows (where oneDNN's and MKL's kernels read the weights slowly).
-AVX2 = Build("avx2", ("avx2_causal_attention.cpp", "avx2_decode_attention.cpp", "avx2_elementwise.cpp",
-                      "avx2_linear.cpp", "avx2_bindings.cpp"),
-             ("avx2.h", "common.h"),
-             ("-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"))
-BUILDS = (AVX512, AVX2)
+EVERY_BUILD_KERNELS = ("causal_attention", "paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_")
+_COMMON_FLAGS = ("-O3", "-mfma", "-fno-math-errno", "-fopenmp")
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_COMMON_FLAGS)
+# The AVX-512 builds' attention keeps register tiles of scores (tiles.h: 32 registers)
+_AVX512_SOURCES = ("causal_attention_tiles.cpp", "decode_attention_tiles.cpp", "attention_scores.cpp",
+                   "elementwise.cpp", "bindings.cpp")
+
+# On CPUs with AVX2 and FMA only: attention in loops that fit 16 registers (rows.h), the
+# element-wise kernels, and the linear layer over a few rows (where oneDNN's and MKL's kernels
+# read the weights slowly); PyramidInfer's scores run on torch's kernels there.
+AVX2 = Build("avx2", ("causal_attention_rows.cpp", "decode_attention_rows.cpp", "few_rows_linear.cpp",
+                      "elementwise.cpp", "bindings.cpp"),
+             ("-mavx2", *_COMMON_FLAGS), (*EVERY_BUILD_KERNELS, "few_rows_linear"),
+             runs_here=lambda: torch.cpu._is_avx2_supported())
+# AVX-512 without AVX512_BF16 (Intel Xeon, Skylake to Ice Lake): every AVX-512 kernel, bf16
+# products on fp32 FMAs; and the few-rows linear layer, which the AVX2 build gave these CPUs.
+AVX512 = Build("avx512", (*_AVX512_SOURCES, "few_rows_linear.cpp"), _AVX512_FLAGS,
+               (*EVERY_BUILD_KERNELS, "attention_scores", "few_rows_linear"),
+               runs_here=lambda: torch.cpu._is_avx512_supported())
+# AVX-512 with AVX512_BF16 (bf16 products in hardware).
+AVX512_BF16 = Build("avx512_bf16", _AVX512_SOURCES, (*_AVX512_FLAGS, "-mavx512bf16"),
+                    (*EVERY_BUILD_KERNELS, "attention_scores"),
+                    runs_here=lambda: torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+BUILDS = (AVX2, AVX512, AVX512_BF16)  # the plainest first
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_DECODE_GROUP = 16  # query heads per KV head the decode and scores kernels take
 
 
+def builds_for_this_cpu() -> tuple[Build, ...]:
+    """Every build this CPU runs, the plainest first (none: not x86, or no AVX2)."""
+    return tuple(each for each in BUILDS if each.runs_here())
+
+
 def build_for_this_cpu() -> Build | None:
     """The richest build this CPU runs, or None (not x86, or no AVX2)."""
-    if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
-        return AVX512
-    if torch.cpu._is_avx2_supported():
-        return AVX2
-    return None
+    runnable = builds_for_this_cpu()
+    return runnable[-1] if runnable else None
+
+
+def enabled() -> bool:
+    """Has the user left baton's kernels on (``BATON_CPU_KERNELS`` other than 0)?"""
+    return os.environ.get("BATON_CPU_KERNELS", "1") != "0"
 
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """The compiled module, or None where none can run. With AVX-512: ``causal_attention``
-    (prompts and prefix slices), ``paged_decode_attention`` (decode batches), a Llama
-    layer's element-wise steps (``rms_norm``, ``silu_and_mul``, ``rotary_``), and
-    PyramidInfer's ``attention_scores``; with AVX2 only, the same but for
-    ``attention_scores``, and ``few_rows_linear`` (``has()`` tells)."""
+    """The module of this CPU's build (``build_for_this_cpu()``), or None where none runs or
+    the user switched them off: ``causal_attention`` (prompts and prefix slices),
+    ``paged_decode_attention`` (decode batches), a Llama layer's element-wise steps
+    (``rms_norm``, ``silu_and_mul``, ``rotary_``), and as the build has them PyramidInfer's
+    ``attention_scores`` and ``few_rows_linear`` (``has()`` tells). Raises KernelBuildError
+    when the build fails."""
     chosen = build_for_this_cpu()
-    if os.environ.get("BATON_CPU_KERNELS", "1") == "0" or chosen is None:
+    if not enabled() or chosen is None:
         return None
-    prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{chosen.name}.so"
-    try:
-        if prebuilt.exists():
-            spec = importlib.util.spec_from_file_location(chosen.name, prebuilt)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        return _compile(chosen)
-    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
-        # no compiler or ninja, or a failed build: torch's kernels serve instead
-        log.warning("baton's CPU kernels could not be built or loaded (%s); using torch's", error)
-        return None
+    return load(chosen)
 
 
 @functools.cache
@@ -115,11 +141,78 @@ def has(kernel: str) -> bool:
     return module is not None and hasattr(module, kernel)
 
 
-def build(directory: str | None = None) -> None:
-    """Compile every instruction set's module (into ``directory``, or torch's extension
-    cache), so that an image runs its kernels on any x86 CPU it lands on."""
-    for each in BUILDS:
-        _compile(each, directory)
+def load(chosen: Build) -> ModuleType:
+    """``chosen``'s module: the image's (``BATON_KERNEL_DIR``) where it has one, else compiled
+    here (cached). A failure raises KernelBuildError with the compiler's message, on every
+    later call too: a process compiles a broken source once, not on every layer that asks."""
+    result = _load_once(chosen)
+    if isinstance(result, str):
+        raise KernelBuildError(result)
+    return result
+
+
+@functools.cache
+def _load_once(chosen: Build) -> ModuleType | str:
+    """The module, or why it could not be had."""
+    prebuilt = Path(os.environ.get("BATON_KERNEL_DIR", "/nonexistent")) / f"{chosen.name}.so"
+    try:
+        if prebuilt.exists():
+            spec = importlib.util.spec_from_file_location(chosen.name, prebuilt)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        return _compile(chosen)
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
+        return (f"baton's {chosen.isa} CPU kernels ({chosen.name}) could not be built or loaded: "
+                f"{without_progress(str(error))}\n"
+                "(fix the source, or install a C++ compiler; BATON_CPU_KERNELS=0 runs torch's kernels instead)")
+
+
+def without_progress(message: str) -> str:
+    """A build's output without ninja's line per command that went well ("[2/6] c++ ..."):
+    what stays is the failed command and the compiler's message."""
+    return "\n".join(line for line in message.splitlines() if not re.match(r"\[\d+/\d+\] ", line))
+
+
+def build(directory: str | None = None, builds: tuple[Build, ...] = BUILDS) -> None:
+    """Compile ``builds`` (every instruction set's module unless told) into ``directory``, or
+    torch's extension cache, so that an image runs its kernels on any x86 CPU it lands on.
+    Raises KernelBuildError, with the compiler's message, when one fails."""
+    for each in builds:
+        if directory is None:
+            load(each)  # torch's builder tries a name once a process: a second try reports no error
+            continue
+        try:
+            _compile(each, directory)
+        except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as error:
+            raise KernelBuildError(f"baton's {each.isa} CPU kernels ({each.name}) failed to build: "
+                                   f"{without_progress(str(error))}") from error
+
+
+def check_compiles(chosen: Build) -> None:
+    """Compile each of ``chosen``'s sources to an object with its flags, without linking or
+    loading it: a CPU that cannot run a build still finds its compile errors. Remembered per
+    build name (its sources, headers and flags) in its build directory; raises
+    KernelBuildError with the compiler's message."""
+    from torch.utils import cpp_extension
+
+    build_directory = Path(cpp_extension._get_build_directory(chosen.name, verbose=False))
+    stamp = build_directory / "compiles.stamp"
+    with build_lock(build_directory):
+        if stamp.exists():
+            return
+        includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+        for source in chosen.sources:
+            command = ["c++", "-c", str(SOURCE_DIR / source), "-o", str(build_directory / f"{source}.check.o"),
+                       f"-DTORCH_EXTENSION_NAME={chosen.name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                       f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                       *(f"-isystem{path}" for path in includes), "-fPIC", "-std=c++20", *chosen.compile_flags,
+                       "-O0"]  # the code generator's checks (an instruction the flags lack) without its time
+            compiled = subprocess.run(command, capture_output=True, text=True, check=False)
+            if compiled.returncode != 0:
+                raise KernelBuildError(f"{source} does not compile for the {chosen.isa} build:\n"
+                                       f"{compiled.stdout}{compiled.stderr}")
+        stamp.touch()
 
 
 def _compile(chosen: Build, directory: str | None = None) -> ModuleType:
@@ -130,7 +223,7 @@ def _compile(chosen: Build, directory: str | None = None) -> ModuleType:
         Path(cpp_extension._get_build_directory(chosen.name, verbose=False))
     with build_lock(build_directory), pinned_ninja():
         return cpp_extension.load(name=chosen.name, sources=[str(SOURCE_DIR / s) for s in chosen.sources],
-                                  extra_cflags=list(chosen.flags), build_directory=str(build_directory),
+                                  extra_cflags=list(chosen.compile_flags), build_directory=str(build_directory),
                                   verbose=False)
 
 
@@ -231,12 +324,13 @@ MAX_FEW_ROWS = 16
 
 
 def few_rows_linear_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Can ``few_rows_linear`` take x [R, in] (R up to MAX_FEW_ROWS) @ weight.T (+ bias)?"""
+    """Can ``few_rows_linear`` take x [R, in] (R up to MAX_FEW_ROWS, ``in`` a multiple of the
+    build's lanes) @ weight.T (+ bias)?"""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_FEW_ROWS
-            and x.dtype in DTYPES and weight.dtype == x.dtype and x.shape[1] % 8 == 0
+            and x.dtype in DTYPES and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
             and not wants_gradient(x, weight, *([] if bias is None else [bias]))
-            and has("few_rows_linear"))
+            and has("few_rows_linear") and x.shape[1] % kernels().lanes == 0)
 
 
 def wants_gradient(*tensors: torch.Tensor) -> bool:

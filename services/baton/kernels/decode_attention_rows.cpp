@@ -1,6 +1,5 @@
-// Decode attention on x86 CPUs with AVX2 and FMA: one new token per sequence over its paged
-// cache, read where it lies (the AVX-512 build's cpu_decode_attention.cpp, for the CPUs
-// without AVX-512).
+// Decode attention in the AVX2 build: one new token per sequence over its paged cache, read
+// where it lies (decode_attention_tiles.cpp is the AVX-512 builds').
 //
 // q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, W] (int64);
 // lengths [B] (int64): sequence b's keys are its first lengths[b] slots, in table order,
@@ -9,7 +8,7 @@
 // each key's products summed across lanes for all 8 at once), then the softmax, then the
 // value sum. Everything is computed in fp32; bf16 keys and values are widened on load.
 
-#include "avx2.h"
+#include "rows.h"
 #include "common.h"
 
 #include <algorithm>
@@ -20,7 +19,7 @@
 
 namespace {
 
-using namespace baton_avx2;
+using namespace baton_rows;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
 constexpr int64_t kPrefetch = 16;  // keys ahead that the kernel asks the memory for

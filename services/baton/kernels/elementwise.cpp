@@ -1,4 +1,5 @@
-// The element-wise steps of a Llama layer, each one pass over memory on x86 CPUs with AVX-512.
+// The element-wise steps of a Llama layer, each one pass over memory, in every build (one
+// register of vec.h at a time: 16 lanes with AVX-512, 8 with AVX2).
 //
 // Why: unfused, these were ~40% of a bf16 prefill iteration outside attention on the
 // shipped model (torch runs each as several passes with intermediate tensors: the norm's
@@ -10,24 +11,21 @@
 // so fp32 results equal torch's to rounding and bf16 ones differ by at most one rounding.
 
 #include "common.h"
-#include "cpu.h"
+#include "vec.h"
 
 #include <cmath>
 
 namespace {
 
-using namespace baton_cpu;
-
-constexpr int kLanes = 16;
+using namespace baton_vec;
 
 // silu(g) = g / (1 + e^-g); with t = e^-|g| (never overflows): g / (1 + t) for g >= 0,
 // g * t / (1 + t) below.
-inline __m512 silu(__m512 g) {
-  const __m512 t = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), t);
-  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 numerator = _mm512_mask_mul_ps(g, negative, g, t);
-  return _mm512_div_ps(numerator, denominator);
+inline Vec silu(Vec g) {
+  const Vec t = exp_nonpositive(sub(zero(), abs(g)));
+  const Vec denominator = add(broadcast(1.0f), t);
+  const Vec numerator = where_negative(g, mul(g, t), g);
+  return div(numerator, denominator);
 }
 
 template <typename T>
@@ -37,25 +35,25 @@ void silu_and_mul_rows(const T* x, int64_t x_stride, T* out, int64_t width, int6
     const T* up = gate + width;
     T* o = out + r * width;
     for (int64_t i = 0; i < width; i += kLanes)
-      store_from_float(o + i, _mm512_mul_ps(silu(load_as_float(gate + i)), load_as_float(up + i)));
+      store_from_float(o + i, mul(silu(load_as_float(gate + i)), load_as_float(up + i)));
   }
 }
 
 // One row of Hugging Face's RMSNorm: normalised in fp32, rounded to T, times the weight.
 template <typename T>
 void rms_norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
-  __m512 squares = _mm512_setzero_ps();
+  Vec squares = zero();
   for (int64_t i = 0; i < width; i += kLanes) {
-    const __m512 v = load_as_float(x + i);
-    squares = _mm512_fmadd_ps(v, v, squares);
+    const Vec v = load_as_float(x + i);
+    squares = fmadd(v, v, squares);
   }
-  const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(width) + eps);
-  const __m512 s = _mm512_set1_ps(scale);
+  const float scale = 1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(width) + eps);
+  const Vec s = broadcast(scale);
   for (int64_t i = 0; i < width; i += kLanes) {
-    const __m512 normalised = _mm512_mul_ps(load_as_float(x + i), s);
+    const Vec normalised = mul(load_as_float(x + i), s);
     T rounded[kLanes];
     store_from_float(rounded, normalised);  // the cast to the input dtype before the weight
-    store_from_float(out + i, _mm512_mul_ps(load_as_float(rounded), load_as_float(weight + i)));
+    store_from_float(out + i, mul(load_as_float(rounded), load_as_float(weight + i)));
   }
 }
 
@@ -71,9 +69,9 @@ void rotary_rows(T* x, int64_t stride, const T* cos, const T* sin, int64_t heads
     for (int64_t h = 0; h < heads; ++h) {
       T* v = x + r * stride + h * head_dim;
       for (int64_t i = 0; i < half; i += kLanes) {
-        const __m512 lo = load_as_float(v + i), hi = load_as_float(v + half + i);
-        const __m512 new_lo = _mm512_fmsub_ps(lo, load_as_float(c + i), _mm512_mul_ps(hi, load_as_float(s + i)));
-        const __m512 new_hi = _mm512_fmadd_ps(hi, load_as_float(c + half + i), _mm512_mul_ps(lo, load_as_float(s + half + i)));
+        const Vec lo = load_as_float(v + i), hi = load_as_float(v + half + i);
+        const Vec new_lo = fmsub(lo, load_as_float(c + i), mul(hi, load_as_float(s + i)));
+        const Vec new_hi = fmadd(hi, load_as_float(c + half + i), mul(lo, load_as_float(s + half + i)));
         store_from_float(v + i, new_lo);
         store_from_float(v + half + i, new_hi);
       }

@@ -1,4 +1,4 @@
-// A linear layer over a few rows (a decode step's batch) on x86 CPUs with AVX2 and FMA:
+// A linear layer over a few rows (a decode step's batch), in the AVX2 and avx512 builds:
 // y [R, out] = x [R, in] @ weight [out, in].T (+ bias).
 //
 // Why: with a handful of rows the product is a pass over the weight, and the pass is the
@@ -8,23 +8,25 @@
 // where it lies, for every row of x at once, and takes ~0.45 ms (figures in
 // docs/runtime.md, "On CPUs with AVX2 only").
 //
-// How: the outputs in groups of 8, split between torch's threads. Within a group, the rows
-// of x in tiles of 4, 2 or 1, each tile with 8 accumulators (2 outputs x 4 rows, 4 x 2 or
-// 8 x 1) that hold lane-wise partial dot products, summed across lanes for all 8 at once at
-// the end; the group's weight rows stay in L1 from one tile to the next. fp32 throughout
+// How: the outputs in groups of one register's lanes (8 with AVX2, 16 with AVX-512), split
+// between torch's threads. Within a group, the rows of x in tiles of 4, 2 or 1, each tile with
+// one accumulator per lane (with 8 lanes: 2 outputs x 4 rows, 4 x 2 or 8 x 1) that hold
+// lane-wise partial dot products, summed across lanes for all of them at once at the end; the group's weight rows stay in L1 from one tile to the next. fp32 throughout
 // (bf16 widened on load), so the dot products equal F.linear's to fp32 rounding (another
 // summation order).
 
-#include "avx2.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 
 namespace {
 
-using namespace baton_avx2;
+using namespace baton_vec;
 
-constexpr int64_t kGroup = 8;  // outputs of one group: one register of results
-constexpr int64_t kGroupsPerTask = 8;  // at least 64 outputs a parallel task
+constexpr int64_t kGroup = kLanes;  // outputs of one group: one register of results
+constexpr int64_t kGroupsPerTask = 64 / kGroup;  // at least 64 outputs a parallel task
 
 template <typename Scalar>
 struct FewRowsLinear {
@@ -34,24 +36,24 @@ struct FewRowsLinear {
   Scalar* y;
   int64_t rows, in, out, x_row;
 
-  // kRows rows from r, kOutputs outputs from o (kRows * kOutputs == 8).
+  // kRows rows from r, kOutputs outputs from o (kRows * kOutputs == kLanes).
   template <int kRows>
   void tile(int64_t r, int64_t o) const {
     constexpr int kOutputs = kLanes / kRows;
-    __m256 acc[kLanes];
-    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
+    Vec acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = zero();
     const Scalar* w = weight + o * in;
     for (int64_t i = 0; i < in; i += kLanes) {
-      __m256 xs[kRows];
+      Vec xs[kRows];
       for (int k = 0; k < kRows; ++k) xs[k] = load_as_float(x + (r + k) * x_row + i);
       for (int j = 0; j < kOutputs; ++j) {
-        const __m256 wv = load_as_float(w + j * in + i);
-        for (int k = 0; k < kRows; ++k) acc[k * kOutputs + j] = _mm256_fmadd_ps(xs[k], wv, acc[k * kOutputs + j]);
+        const Vec wv = load_as_float(w + j * in + i);
+        for (int k = 0; k < kRows; ++k) acc[k * kOutputs + j] = fmadd(xs[k], wv, acc[k * kOutputs + j]);
       }
     }
     // lane k * kOutputs + j: row r + k, output o + j
-    alignas(32) float sums[kLanes];
-    _mm256_store_ps(sums, sums_of_eight(acc));
+    float sums[kLanes];
+    store(sums, sums_of_lanes(acc));
     for (int k = 0; k < kRows; ++k)
       for (int j = 0; j < kOutputs; ++j) {
         const float b = bias ? static_cast<float>(bias[o + j]) : 0.0f;
@@ -59,13 +61,13 @@ struct FewRowsLinear {
       }
   }
 
-  // One group of 8 outputs from o, for every row.
+  // One group of kGroup outputs from o, for every row.
   void group(int64_t o) const {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4)
-      for (int64_t j = 0; j < kGroup; j += 2) tile<4>(r, o + j);
+      for (int64_t j = 0; j < kGroup; j += kLanes / 4) tile<4>(r, o + j);
     for (; r + 2 <= rows; r += 2)
-      for (int64_t j = 0; j < kGroup; j += 4) tile<2>(r, o + j);
+      for (int64_t j = 0; j < kGroup; j += kLanes / 2) tile<2>(r, o + j);
     for (; r < rows; ++r) tile<1>(r, o);
   }
 
@@ -73,9 +75,9 @@ struct FewRowsLinear {
   void remainder(int64_t from) const {
     for (int64_t o = from; o < out; ++o)
       for (int64_t r = 0; r < rows; ++r) {
-        __m256 acc = _mm256_setzero_ps();
+        Vec acc = zero();
         for (int64_t i = 0; i < in; i += kLanes)
-          acc = _mm256_fmadd_ps(load_as_float(x + r * x_row + i), load_as_float(weight + o * in + i), acc);
+          acc = fmadd(load_as_float(x + r * x_row + i), load_as_float(weight + o * in + i), acc);
         const float b = bias ? static_cast<float>(bias[o]) : 0.0f;
         y[r * out + o] = static_cast<Scalar>(reduce_add(acc) + b);
       }
@@ -99,7 +101,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1)
               && weight.scalar_type() == x.scalar_type(), "weight must be a contiguous [out, ", x.size(1),
               "] of x's dtype");
-  TORCH_CHECK(x.size(1) % kLanes == 0, "in features ", x.size(1), " is not a multiple of 8");
+  TORCH_CHECK(x.size(1) % kLanes == 0, "in features ", x.size(1), " is not a multiple of ", kLanes);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous()

@@ -1,4 +1,4 @@
-// PyramidInfer's selector on x86 CPUs with AVX-512: the weighted, head-averaged attention
+// PyramidInfer's selector in the AVX-512 builds: the weighted, head-averaged attention
 // that a few recent queries pay to every key (baton/pyramid/scoring.py says what and why).
 //
 // q [R, H, D]; query_positions [R] (int64); weights [R] (fp32); k [S, Hkv, D];
@@ -13,7 +13,7 @@
 // vectors) computes its logits tile by tile, takes each vector's softmax in place and adds
 // the weighted probabilities to its thread's scores, which are summed at the end.
 
-#include "cpu.h"
+#include "tiles.h"
 
 #include <algorithm>
 #include <atomic>
@@ -25,7 +25,7 @@
 
 namespace {
 
-using namespace baton_cpu;
+using namespace baton_tiles;
 
 constexpr int kMaxVectors = 16;  // query vectors (rows x heads of a group) per work item
 

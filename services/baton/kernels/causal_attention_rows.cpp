@@ -1,5 +1,5 @@
-// Causal attention of a prompt slice on x86 CPUs with AVX2 and FMA (the AVX-512 build's
-// cpu_causal_attention.cpp, for the CPUs without AVX-512).
+// Causal attention of a prompt slice in the AVX2 build (causal_attention_tiles.cpp is the
+// AVX-512 builds': its register tiles need 32 registers).
 //
 // Why: torch's CPU flash kernel reaches 35-70 GFLOP/s on small heads (head_dim 32) on these
 // CPUs, a fifth of a prefill iteration on the shipped model.
@@ -15,7 +15,7 @@
 // rows), then each row's softmax in one pass (the whole row is at hand, no online
 // rescaling), then the value sum with a few rows' accumulators in registers.
 
-#include "avx2.h"
+#include "rows.h"
 #include "common.h"
 
 #include <algorithm>
@@ -26,7 +26,7 @@
 
 namespace {
 
-using namespace baton_avx2;
+using namespace baton_rows;
 
 constexpr int64_t kTargetRows = 32;  // query rows (query tokens x grouped heads) per work item
 

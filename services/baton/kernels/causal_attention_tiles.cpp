@@ -1,4 +1,5 @@
-// Causal attention of a prompt slice on x86 CPUs with AVX-512 (bf16 via AVX512_BF16).
+// Causal attention of a prompt slice in the AVX-512 builds (bf16 products on AVX512_BF16's
+// dot-product instruction in the avx512_bf16 build, on two FMAs in the avx512 one).
 //
 // Why: torch's CPU flash kernel reaches ~50-110 GFLOP/s on small heads (head_dim 32-64),
 // bf16 or fp32 alike, and was ~60% of a bf16 prefill iteration on the shipped model.
@@ -17,7 +18,7 @@
 // rounded to bf16 before the value product, as torch's CPU flash kernel does. Returns
 // [T, H, D] in q's dtype.
 
-#include "cpu.h"
+#include "tiles.h"
 #include "common.h"
 
 #include <algorithm>
@@ -30,7 +31,7 @@
 
 namespace {
 
-using namespace baton_cpu;
+using namespace baton_tiles;
 
 constexpr int kScoreRows = 4;     // query rows of a score tile (4 rows x 4 key tiles)
 constexpr int kRowBlock = 8;      // query rows are padded to a multiple of every tile's rows

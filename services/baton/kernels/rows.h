@@ -1,63 +1,27 @@
-// baton's CPU kernels for x86 CPUs with AVX2 and FMA (no AVX-512): what the sources share.
-// Eight fp32 lanes a register; bf16 is widened to fp32 on load (AVX2 has no bf16 products).
+// What the AVX2 build's attention kernels share (causal_attention_rows.cpp,
+// decode_attention_rows.cpp): scores 8 keys at a time, each key's products summed across
+// the lanes of one register, whole rows of scores at hand for the softmax, and value sums
+// with at most 12 accumulators, so that every loop fits AVX2's 16 registers (the AVX-512
+// builds' loops, tiles.h, need 32). bf16 is widened to fp32 on load (AVX2 has no bf16 products).
 #pragma once
 
-#include <torch/extension.h>
+#include "vec.h"
+
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 
-namespace baton_avx2 {
+#ifdef __AVX512F__
+#error "rows.h is the AVX2 build's (8 lanes a register); the AVX-512 builds use tiles.h"
+#endif
 
-constexpr int kLanes = 8;  // fp32 lanes of a 256-bit register
+namespace baton_rows {
 
-inline float reduce_add(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float reduce_max(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-// The eight sums of a[0] .. a[7], each a's lanes added: lane i holds the sum of a[i].
-inline __m256 sums_of_eight(const __m256 a[8]) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  // [0l 1l 2l 3l | 0h 1h 2h 3h] and the same for 4-7 (l, h: a register's low, high half)
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the row maximum): Cody-Waite reduction to
-// r in [-ln2/2, ln2/2], a degree-7 Taylor polynomial (relative error < 1e-8 there), and 2^n
-// built in the exponent bits. Inputs below -87 (where 2^n leaves the normal range) give 0.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);  // -inf too
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
-}
+using namespace baton_vec;
+static_assert(kLanes == 8, "the loops here sum 8 keys' products in one register");
 
 // Softmax numerators of row[0, length) in place, exp(x - max), and their sum; a row whose
 // every entry is -inf (nothing visible) is left as it is and gives 0. The row is padded to a
@@ -79,19 +43,6 @@ inline float softmax_numerators(float* row, int64_t length) {
     total = _mm256_add_ps(total, p);
   }
   return reduce_add(total);
-}
-
-// 8 values as fp32, and back (bf16: round to nearest even, as torch's conversion; NaN kept).
-inline __m256 load_as_float(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load_as_float(const at::BFloat16* x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-}
-inline void store_from_float(float* x, __m256 v) { _mm256_storeu_ps(x, v); }
-inline void store_from_float(at::BFloat16* x, __m256 v) {
-  alignas(32) float values[kLanes];
-  _mm256_store_ps(values, v);
-  for (int i = 0; i < kLanes; ++i) x[i] = static_cast<at::BFloat16>(values[i]);
 }
 
 // Eight key rows as fp32: fp32 rows where they lie, bf16 rows widened into `widened`.
@@ -154,4 +105,4 @@ void for_dtype_and_head_dim(const at::Tensor& q, Job&& job) {
   else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
 }
 
-}  // namespace baton_avx2
+}  // namespace baton_rows

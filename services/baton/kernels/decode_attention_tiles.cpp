@@ -1,4 +1,4 @@
-// Decode attention on x86 CPUs with AVX-512: one new token per sequence over its paged cache,
+// Decode attention in the AVX-512 builds: one new token per sequence over its paged cache,
 // read where it lies.
 //
 // q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, W] (int64);
@@ -8,7 +8,7 @@
 // time: their rows loaded and transposed in registers, so the products are broadcasts
 // again), then the softmax, then the value sum in fp32. Probabilities stay fp32.
 
-#include "cpu.h"
+#include "tiles.h"
 #include "common.h"
 
 #include <algorithm>
@@ -21,7 +21,7 @@
 
 namespace {
 
-using namespace baton_cpu;
+using namespace baton_tiles;
 
 constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel takes
 constexpr int64_t kPrefetch = 32;  // keys ahead that the decode kernel asks the memory for

@@ -1,44 +1,26 @@
-// baton's CPU kernels: what the sources share, and what the bindings export.
+// What the AVX-512 builds' attention kernels share (causal_attention_tiles.cpp,
+// decode_attention_tiles.cpp, attention_scores.cpp): 16-key register tiles, bf16 products on
+// AVX512_BF16's dot-product instruction (two FMAs without it), and the element types that say how keys and values are
+// laid out for them. Their loops hold 16-24 registers of scores at once, which only
+// AVX-512's 32 registers keep; the AVX2 build has its own loops (rows.h).
 #pragma once
 
-#include <torch/extension.h>
+#include "vec.h"
+
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
-namespace baton_cpu {
+#ifndef __AVX512F__
+#error "tiles.h is for the AVX-512 builds (-mavx512f -mavx512bw -mavx512vl -mavx512dq)"
+#endif
 
-// exp(r) for |r| <= ln2/2 times 2^n: a degree-7 Taylor polynomial (relative error < 1e-8
-// there), and the power of two applied with scalef (2^-150 and below give 0).
-inline __m512 exp_reduced(__m512 r, __m512 n) {
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+namespace baton_tiles {
 
-// exp(x) for x <= 0 (softmax after subtracting the row maximum): Cody-Waite reduction to
-// r in [-ln2/2, ln2/2], then exp_reduced. Inputs below -104 give 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  // Keeps -inf (a masked key) out of the reduction; exp(-110) scales by 2^-159, exactly 0.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  return exp_reduced(r, n);
-}
+using namespace baton_vec;
+static_assert(kLanes == 16, "a tile is one 512-bit register of fp32 lanes");
 
 // 2^x for x up to a few units above 0 (the prompt kernel's softmax, in base 2, whose reference
 // point may trail a row's maximum by the type's kRescaleSlack): x = n + f with n an integer
@@ -73,17 +55,6 @@ inline float softmax_numerators(float* row, int64_t length) {
   }
   return _mm512_reduce_add_ps(total);
 }
-
-// 16 values of a row as fp32, and back (bf16: round to nearest even, as torch's conversion).
-inline __m512 load_as_float(const at::BFloat16* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-inline __m512 load_as_float(const float* x) { return _mm512_loadu_ps(x); }
-inline void store_from_float(at::BFloat16* x, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline void store_from_float(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
 
 // 16x16 32-bit transpose: r[i] holds row i on entry, column i on return.
 inline void transpose16(__m512i r[16]) {
@@ -123,7 +94,7 @@ constexpr int kKeyBlock = 64;  // keys per softmax block of the prompt kernel (4
 
 struct Bf16 {
   using Scalar = at::BFloat16;
-  static constexpr int kDepth = 2;  // vdpbf16ps: pairs of bf16 per 32-bit lane
+  static constexpr int kDepth = 2;  // vdpbf16ps (or its two FMAs): pairs of bf16 per 32-bit lane
   // The prompt kernel's softmax keeps each row's reference point at its running maximum: the
   // largest probability is then exactly 1, which rounding to bf16 leaves exact (with a
   // slack, the bf16 error measured ~1.3x torch's).
@@ -135,18 +106,35 @@ struct Bf16 {
   }
   static inline uint32_t zero_word() { return 0; }
   static inline __m512 madd(__m512 acc, uint32_t a, __m512i b) {
+#ifdef __AVX512BF16__
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
+#else
+    // Without AVX512_BF16 (the avx512 build): vdpbf16ps's sum in two fp32 FMAs, in its order,
+    // the pairs' high elements first (a product of two bf16 values is exact in fp32).
+    const uint32_t a_high = a & 0xffff0000u, a_low = a << 16;
+    float high, low;
+    std::memcpy(&high, &a_high, sizeof(high));
+    std::memcpy(&low, &a_low, sizeof(low));
+    const __m512 b_high = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    const __m512 b_low = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    return _mm512_fmadd_ps(_mm512_set1_ps(low), b_low, _mm512_fmadd_ps(_mm512_set1_ps(high), b_high, acc));
+#endif
   }
   static inline __m512 madd(__m512 acc, uint32_t a, const uint32_t* b) {
     return madd(acc, a, _mm512_loadu_si512(b));
   }
   static inline void store_probabilities(const __m512* p, uint32_t* words) {
-    // kKeyBlock probabilities -> kKeyBlock/2 bf16 pairs (cvtne2ps: round to nearest even)
+    // kKeyBlock probabilities -> kKeyBlock/2 bf16 pairs (round to nearest even), in order:
+    // word j holds keys (2j, 2j + 1), the low half first.
+#ifdef __AVX512BF16__
     for (int i = 0; i < kKeyBlock / kTile; i += 2) {
-      // cvtne2ps_pbh(a, b): bf16 elements 0-15 from b, 16-31 from a, so the 32 probabilities
-      // stay in order and word j holds keys (2j, 2j + 1) of the pair of tiles, the low half first.
+      // cvtne2ps_pbh(a, b): bf16 elements 0-15 from b, 16-31 from a
       _mm512_storeu_si512(words + i * kTile / 2, (__m512i)_mm512_cvtne2ps_pbh(p[i + 1], p[i]));
     }
+#else
+    for (int i = 0; i < kKeyBlock / kTile; ++i)
+      store_from_float(reinterpret_cast<Scalar*>(words) + i * kTile, p[i]);
+#endif
   }
 };
 
@@ -192,19 +180,4 @@ void for_dtype_and_head_dim(const at::Tensor& q, Job&& job) {
   else TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not bfloat16 or float32");
 }
 
-}  // namespace baton_cpu
-
-// attention (cpu_causal_attention.cpp, cpu_decode_attention.cpp)
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& tables, const at::Tensor& lengths);
-
-// PyramidInfer's scores (cpu_attention_scores.cpp)
-at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& query_positions,
-                            const at::Tensor& weights, const at::Tensor& k,
-                            const at::Tensor& key_positions, int64_t sliding_window);
-
-// element-wise (cpu_elementwise.cpp)
-at::Tensor silu_and_mul(const at::Tensor& x);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
+}  // namespace baton_tiles
