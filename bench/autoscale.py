@@ -267,7 +267,8 @@ def drive(base_url: str, streams: list[Stream], setup: Setup, origin_s: float) -
 
 def reference_tokens(streams: list[Stream]) -> list[list[int]]:
     """Every prompt generated once by the shipped model in this process: the fault-free run."""
-    from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+    from baton.model.hub import SHIPPED_MODEL_DIR
+    from baton.model.loader import load_checkpoint
     from baton.model.sampling import SamplingParams
     from baton.sarathi.engine import Engine
 
@@ -279,7 +280,8 @@ def reference_tokens(streams: list[Stream]) -> list[list[int]]:
 
 
 def run(setup: Setup, log_path: Path, planner_trace: Path | None = None) -> dict:
-    from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+    from baton.model.hub import SHIPPED_MODEL_DIR
+    from baton.model.loader import load_checkpoint
     from baton.serving import free_port
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.kv import DenseKV, KVPool
 from baton.model import decode_step, load_checkpoint, prefill, save_checkpoint
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from common import (
     load_results,

@@ -66,7 +66,8 @@ def modes() -> tuple[str, ...]:
 def make_model(directory: Path) -> Path:
     """``PRESET`` with its random weights, saved with the shipped tokenizer."""
     import torch
-    from baton.model.loader import SHIPPED_MODEL_DIR, save_checkpoint
+    from baton.model.hub import SHIPPED_MODEL_DIR
+    from baton.model.loader import save_checkpoint
     from baton.model.presets import random_model
 
     save_checkpoint(random_model(PRESET), directory, dtype=torch.float32)
@@ -80,7 +81,8 @@ def measure(mode: str, model_dir: Path, requests_per_length: int, first_prompt: 
     from baton.client import BatonClient
     from baton.local.cluster import LocalCluster
     from baton.local.spec import ClusterSpec
-    from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+    from baton.model.hub import SHIPPED_MODEL_DIR
+    from baton.model.loader import load_checkpoint
     from baton.model.sampling import SamplingParams
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer

@@ -58,7 +58,8 @@ GOAL_ERROR = 0.20  # predicted within 20% of measured
 
 def measure(repeats: int) -> dict:
     import torch
-    from baton.model.loader import SHIPPED_MODEL_DIR, resolve_dtype
+    from baton.model.hub import SHIPPED_MODEL_DIR
+    from baton.model.loader import resolve_dtype
     from baton.runahead import LocalChain, ModelSource, PartitionTable
     from baton.runahead.tuner import single_process_ttft
 

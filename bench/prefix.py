@@ -50,7 +50,7 @@ from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
 from baton.local.cluster import LocalCluster
 from baton.local.spec import ClusterSpec
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer
 from common import load_results, report_header, run_record, save_results, write_report

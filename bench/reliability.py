@@ -44,7 +44,7 @@ from baton.client import BatonClient
 from baton.local.child_exits import StopEvent
 from baton.local.cluster import LocalCluster
 from baton.local.spec import ClusterSpec
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer
 from baton.routing.redis_store import RedisStore

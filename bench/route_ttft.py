@@ -53,7 +53,8 @@ def measure(requests_per_cell: int, first_prompt: int) -> dict:
         from baton.local.spec import ClusterSpec
     except ImportError:  # a baseline from before baton.local
         from baton.gateway.local_cluster import ClusterSpec, LocalCluster
-    from baton.model.loader import SHIPPED_MODEL_DIR, load_checkpoint
+    from baton.model.hub import SHIPPED_MODEL_DIR
+    from baton.model.loader import load_checkpoint
     from baton.model.sampling import SamplingParams
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer

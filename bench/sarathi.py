@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.model import load_checkpoint
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.sarathi import Engine

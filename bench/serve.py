@@ -38,7 +38,7 @@ from baton.client import BatonClient, Completion
 from baton.local.cluster import LocalCluster
 from baton.local.spec import ClusterSpec
 from baton.model import load_checkpoint, save_checkpoint
-from baton.model.loader import SHIPPED_MODEL_DIR
+from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
 from baton.model.sampling import SamplingParams
 from baton.sarathi.engine import Engine

@@ -51,7 +51,7 @@ NUM_REQUESTS = 64
 
 
 def prepare_workload() -> Path:
-    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.model.hub import SHIPPED_MODEL_DIR
     from baton.model.tokenizer import Tokenizer
 
     workload = make_workload(Tokenizer.from_dir(SHIPPED_MODEL_DIR)).first(NUM_REQUESTS)

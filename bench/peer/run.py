@@ -77,7 +77,7 @@ def scenarios(rates: tuple[float, ...]) -> list[Scenario]:
 
 def prepare_shipped_model() -> Path:
     """A copy of the shipped model's directory, which both systems load."""
-    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.model.hub import SHIPPED_MODEL_DIR
 
     shipped = WORK_DIR / "shipped"
     shipped.mkdir(parents=True, exist_ok=True)
@@ -89,7 +89,7 @@ def prepare_shipped_model() -> Path:
 
 def prepare_workload(num_sets: int, set_size: int) -> list[Path]:
     """The workload's sets of ``set_size`` prompts, each saved as its own JSON file."""
-    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.model.hub import SHIPPED_MODEL_DIR
     from baton.model.tokenizer import Tokenizer
 
     full = make_workload(Tokenizer.from_dir(SHIPPED_MODEL_DIR), num_requests=num_sets * set_size)

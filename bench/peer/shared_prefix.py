@@ -52,7 +52,7 @@ GOAL_NO_REUSE = 0.97  # baton cache on / off, no reuse
 
 
 def prepare_workloads() -> tuple[Path, Path]:
-    from baton.model.loader import SHIPPED_MODEL_DIR
+    from baton.model.hub import SHIPPED_MODEL_DIR
     from baton.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(SHIPPED_MODEL_DIR)

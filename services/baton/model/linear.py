@@ -13,8 +13,8 @@ summation order differs. CUDA tensors always take ``F.linear`` (cuBLAS picks its
 On a CPU, weights are packed once into oneDNN's blocked layout (``WeightPack``; a bf16 or
 fp16 weight as fp32 where oneDNN packs only fp32, ``pack_dtype``), as vLLM's CPU backend
 does, because ``F.linear`` re-lays a bf16 weight out on every call. The packed op has no
-backward, so a forward that trains takes the plain kernels. On a CPU with AVX2 but not
-AVX-512 a decode batch (up to ``MAX_FEW_ROWS`` rows) takes baton's ``few_rows_linear``,
+backward, so a forward that trains takes the plain kernels. On a CPU without AVX512-BF16
+(AVX2, or AVX-512 alone) a decode batch (up to ``MAX_FEW_ROWS`` rows) takes baton's ``few_rows_linear``,
 which reads the weights faster than oneDNN does there; its fp32 results agree with
 ``F.linear`` to rounding. The figures: docs/runtime.md ("Memory and kernels on the CPU",
 "On CPUs with AVX2 only").

@@ -15,8 +15,8 @@ The probabilities are computed explicitly, and only for the recent queries:
 R x S per head against the T x S of the layer's full attention, with R ~ 20%
 of the prompt (and the full attention never materialises its probabilities).
 On CPUs with AVX-512 a kernel of ours computes them (``attention_scores`` in
-baton/kernels/cpu_attention_scores.cpp, ~10x torch's ops at a prompt's shapes:
-docs/runtime.md); elsewhere torch's ops below, the reference it is tested against.
+baton/kernels/attention_scores.cpp: docs/runtime.md); elsewhere torch's ops below, the
+reference it is tested against.
 """
 
 from __future__ import annotations
