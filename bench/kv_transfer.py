@@ -17,8 +17,8 @@ pyramid-shaped fp32 cache goes, in interleaved rounds, through
 * gRPC alone: the same messages framed beforehand, no checksum on either side, into a
   receiver that only counts them: what gRPC's Python runtime itself allows.
 
-Each push is end to end: encode, send, receive, verify, store in the pool. Goal (issue: KV
-shipping at wire speed): gRPC at least half of raw TCP.
+Each push is end to end: encode, send, receive, verify, store in the pool. Goal: KV
+shipping at wire speed, gRPC at least half of raw TCP.
 
     .venv/bin/python bench/kv_transfer.py --rounds 8
     .venv/bin/python bench/kv_transfer.py --render
