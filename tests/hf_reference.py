@@ -25,6 +25,14 @@ VARIANTS = {
     "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True,
               "rope": {"rope_type": "default", "rope_theta": 1000000.0}},
+    # top-2 of 4 experts, renormalised, in every layer
+    "mixtral": {"architecture": "MixtralForCausalLM", "num_attention_heads": 4,
+                "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2},
+    # top-2 of 6 narrower experts, not renormalised, and one dense layer between
+    "qwen3_moe": {"architecture": "Qwen3MoeForCausalLM", "qk_norm": True, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 32, "num_experts": 6,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False,
+                  "mlp_only_layers": [1]},
 }
 
 
@@ -65,6 +73,7 @@ EQUIVALENCE_CASES = [
     ("qwen2", 4, 2), ("qwen2", 4, 1),
     ("mistral", 8, 2), ("mistral", 8, 8),
     ("qwen3", 4, 2), ("qwen3", 8, 1),
+    ("mixtral", 4, 2), ("qwen3_moe", 4, 2),
 ]
 
 

@@ -152,9 +152,10 @@ def test_a_hung_rank_makes_its_neighbours_give_up_after_the_timeout(checkpoint):
         chain.close()  # kills the stopped rank
 
 
-def test_a_qwen3_chain_equals_single_process_prefill(tmp_path):
-    """Per-head q/k norms and an explicit head_dim go down a chain unchanged."""
-    config = tiny_config("qwen3")
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3_moe"])
+def test_a_qwen3_chain_equals_single_process_prefill(tmp_path, variant):
+    """Per-head q/k norms, an explicit head_dim and routed experts go down a chain unchanged."""
+    config = tiny_config(variant)
     model = random_model(config, seed=5)
     save_checkpoint(model, tmp_path, dtype=torch.float32)
     token_ids = torch.randint(0, config.vocab_size, (45,), generator=torch.Generator().manual_seed(5))

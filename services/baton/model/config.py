@@ -1,7 +1,8 @@
 """The architecture of a Llama-family checkpoint, read from its ``config.json``.
 
-Supports Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
-Qwen3ForCausalLM (per-head q/k RMSNorm, an explicit head_dim), both the transformers-4 layout (``rope_theta`` +
+Supports Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM (per-head q/k RMSNorm, an explicit head_dim), and the sparse mixtures of
+experts MixtralForCausalLM and Qwen3MoeForCausalLM, both the transformers-4 layout (``rope_theta`` +
 ``rope_scaling``) and the transformers-5 layout (``rope_parameters``).
 """
 
@@ -20,9 +21,11 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # Families that normalise each head's queries and keys (RMSNorm over head_dim) before RoPE.
-QK_NORM_FAMILIES = ("qwen3",)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,6 +44,13 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     attention_bias: bool = False  # q/k/v biases (always on for Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    # A sparse mixture of experts (Mixtral, Qwen3-MoE): 0 experts = a dense MLP everywhere
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k routing
+    moe_intermediate_size: int = 0  # an expert's width (0 = intermediate_size)
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every this many layers is sparse ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... but these, dense
     sliding_window: int | None = None  # Mistral: a key older than this many positions is masked
     rope: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     bos_token_id: int | None = None
@@ -49,6 +59,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                             f"1..num_experts {self.num_experts}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unknown architecture {self.architecture!r}; "
                              f"supported: {sorted(ARCHITECTURES)}")
@@ -69,6 +82,15 @@ class ModelConfig:
             return []
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
 
+    def is_sparse_layer(self, index: int) -> bool:
+        """Does layer ``index`` route its tokens to experts (else a dense MLP)?"""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
     def cap_context(self, max_model_len: int) -> None:
         """Serve sequences of at most ``max_model_len`` tokens (0: as long as the model
         takes); raises ValueError past what the model takes."""
@@ -86,11 +108,16 @@ class ModelConfig:
         h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        per_layer = h * q + 2 * h * kv + q * h + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        sparse = sum(self.is_sparse_layer(index) for index in range(layers))
+        feed_forward = ((layers - sparse) * 3 * h * i
+                        + sparse * self.num_experts * (3 * h * self.expert_intermediate_size + h))
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return layers * per_layer + embeddings + h
+        return layers * per_layer + feed_forward + embeddings + h
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` that both baton and transformers read."""
@@ -116,10 +143,18 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.family in ("llama", "qwen3"):
+        if self.family in ("llama", "qwen3", "qwen3_moe"):
             data["attention_bias"] = self.attention_bias
-        if self.family == "mistral":
+        if self.family in ("mistral", "mixtral"):
             data["sliding_window"] = self.sliding_window
+        if self.family == "mixtral":
+            data.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        if self.family == "qwen3_moe":
+            data.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                        moe_intermediate_size=self.expert_intermediate_size,
+                        norm_topk_prob=self.norm_topk_prob,
+                        decoder_sparse_step=self.decoder_sparse_step,
+                        mlp_only_layers=list(self.mlp_only_layers))
         return data
 
     @classmethod
@@ -148,9 +183,9 @@ class ModelConfig:
             raise CheckpointError(source, "rope_scaling.rope_type",
                                   f"{rope['rope_type']!r} is not supported; supported: {ROPE_TYPES}")
         sliding = None
-        if family == "mistral":
+        if family in ("mistral", "mixtral"):
             sliding = data.get("sliding_window")
-        if family in ("qwen2", "qwen3") and data.get("use_sliding_window"):
+        if family in ("qwen2", "qwen3", "qwen3_moe") and data.get("use_sliding_window"):
             raise CheckpointError(source, "use_sliding_window",
                                   f"{architecture}'s sliding-window attention is not supported")
         try:
@@ -168,6 +203,7 @@ class ModelConfig:
                 architecture=architecture,
                 attention_bias=True if family == "qwen2" else bool(data.get("attention_bias", False)),
                 qk_norm=family in QK_NORM_FAMILIES,
+                **_experts(family, data),
                 sliding_window=sliding,
                 rope=rope,
                 bos_token_id=data.get("bos_token_id"),
@@ -195,3 +231,19 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _experts(family: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A sparse family's routing, as its config.json names it."""
+    if family == "mixtral":  # always renormalised
+        return {"num_experts": data.get("num_local_experts", 8),
+                "num_experts_per_tok": data.get("num_experts_per_tok", 2)}
+    if family == "qwen3_moe":
+        # transformers 5 writes num_local_experts (earlier releases, num_experts)
+        return {"num_experts": data.get("num_experts") or data.get("num_local_experts") or 0,
+                "num_experts_per_tok": data.get("num_experts_per_tok", 0),
+                "moe_intermediate_size": data.get("moe_intermediate_size", 0),
+                "norm_topk_prob": bool(data.get("norm_topk_prob", False)),
+                "decoder_sparse_step": data.get("decoder_sparse_step", 1) or 1,
+                "mlp_only_layers": list(data.get("mlp_only_layers") or [])}
+    return {}

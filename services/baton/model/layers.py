@@ -12,6 +12,7 @@ from torch import nn
 from baton.kernels import cpu as cpu_kernels
 from baton.model.config import ModelConfig
 from baton.model.linear import Linear, WeightPack, project
+from baton.model.moe import SparseMoE
 from baton.model.rope import apply_rotary
 
 
@@ -166,12 +167,22 @@ class FusedLinear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config)
-        self.mlp = MLP(config)
+        # the feed-forward part, under the checkpoint's name: a dense MLP, or experts
+        self.feed_forward_name = "mlp"
+        if config.is_sparse_layer(index):
+            self.feed_forward_name = "block_sparse_moe" if config.family == "mixtral" else "mlp"
+            setattr(self, self.feed_forward_name, SparseMoE(config))
+        else:
+            self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return getattr(self, self.feed_forward_name)
 
 
 class Backbone(nn.Module):
@@ -180,5 +191,6 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index)
+                                    for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -59,7 +59,7 @@ class CausalLM(nn.Module):
         """
         for layer in self.model.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.feed_forward.fuse()
         return self
 
     @property
@@ -122,7 +122,7 @@ class CausalLM(nn.Module):
                 # In place: the residual stream is this forward's own tensor (fresh from the
                 # embedding), and a 4096-token step would otherwise allocate two per layer.
                 hidden.add_(attn.o_proj(out.reshape(out.shape[0], -1)))
-                hidden.add_(layer.mlp(layer.post_attention_layernorm(hidden)))
+                hidden.add_(layer.feed_forward(layer.post_attention_layernorm(hidden)))
         if output_rows is None:
             return hidden[:0]
         return self.model.norm(hidden if wanted is not None else hidden[output_rows])

@@ -31,7 +31,7 @@ def hidden_states(model: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:
         q, k, v = (x.view(batch, length, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch * length, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + layer.feed_forward(layer.post_attention_layernorm(hidden))
     return model.model.norm(hidden).view(batch, length, -1)
 
 
