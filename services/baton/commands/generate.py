@@ -32,8 +32,10 @@ def _token_ids(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="text prompts")
-    parser.add_argument("--model", default="", metavar="DIR",
-                        help="Hugging Face checkpoint directory (default: the shipped model)")
+    parser.add_argument("--model", default="", metavar="DIR_OR_REPO",
+                        help="a Hugging Face checkpoint directory or repo id (default: the "
+                             "shipped model)")
+    parser.add_argument("--revision", default="", help="a repo id's branch, tag or commit")
     parser.add_argument("--prompt-ids", action="append", type=_token_ids, default=[],
                         metavar="IDS", help="a prompt as comma-separated token ids (repeatable)")
     # Unset sampling flags take SamplingParams' defaults (the API's), read in `run` (torch);
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from baton.model.loader import load_checkpoint
     from baton.sarathi.engine import Engine
 
-    loaded = load_checkpoint(args.model, dtype=args.dtype)
+    loaded = load_checkpoint(args.model, dtype=args.dtype, revision=args.revision)
     engine = Engine(loaded.model, loaded.tokenizer, scheduler=from_arguments(args, SchedulerConfig, "scheduler"),
                     kv=from_arguments(args, KVPoolConfig, "kv"))
     if args.chain_ranks:

@@ -53,6 +53,9 @@ SUPERVISOR_WAIT_MAX_S = 60.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", metavar="DIR",
                         help="checkpoint directory for every process (default: the shipped model)")
+    parser.add_argument("--revision", default="", help="a repo id's branch, tag or commit")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="the longest sequence served (default: the model's)")
     parser.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                         help="the names clients call the model by (the first is the one "
                              "reported); default: the checkpoint directory's name")
@@ -119,7 +122,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     decode_workers = args.decode_workers
     if planner is not None:  # start within the planner's bounds
         decode_workers = max(planner.min_decode_pods, min(planner.max_decode_pods, decode_workers))
-    return ClusterSpec(model_path=args.model, served_model_names=args.served_model_name,
+    return ClusterSpec(model_path=args.model, model_revision=args.revision,
+                       max_model_len=args.max_model_len, served_model_names=args.served_model_name,
                        decode_workers=decode_workers,
                        chain_ranks=args.chain_ranks, redis_url=args.redis,
                        gateway_listen=args.listen, gateway_http_port=args.http_port,

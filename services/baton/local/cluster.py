@@ -177,6 +177,10 @@ class LocalCluster:
                      "--server-grace-s", str(self.spec.decode_grace_s)]
         if self.spec.model_path:
             args += ["--model-path", self.spec.model_path]
+        if self.spec.model_revision:
+            args += ["--model-revision", self.spec.model_revision]
+        if self.spec.max_model_len:
+            args += ["--model-max-model-len", str(self.spec.max_model_len)]
         if self.spec.served_model_names:
             args += ["--model-served-model-name", ",".join(self.spec.served_model_names)]
         mtls = self.mtls_for(role)

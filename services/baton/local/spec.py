@@ -21,6 +21,8 @@ MAX_DECODE_WORKERS = 8
 class ClusterSpec:
     model_path: str = ""  # empty = the shipped model
     served_model_names: list[str] = field(default_factory=list)  # empty = the directory's name
+    model_revision: str = ""  # a repo id's branch, tag or commit
+    max_model_len: int = 0  # 0 = the model's
     decode_workers: int = 1
     chain_ranks: int = ChainConfig.ranks  # 0 = no chain: every prompt is prefilled on a decode pod
     redis_url: str = ""  # empty = start a redis-server for this cluster
