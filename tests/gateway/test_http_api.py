@@ -283,16 +283,33 @@ def test_a_bad_completion_field_is_named(body, param, words):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("continue_final_message", True), ("chat_template", "{{ messages }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"text": "d"}]),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("top_logprobs", 2),
-    ("cache_salt", "tenant-b"), ("priority", 3),
+    ("cache_salt", "tenant-b"), ("priority", 3), ("chat_template_kwargs", {"tools": []}),
+    ("documents", "a document"),
 ])
 def test_a_chat_field_baton_cannot_honour_yet_is_refused_by_name(field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], field: value}
     with pytest.raises(BadParameter) as error:
         chat_request(body)
     assert error.value.param == field
+
+
+def test_a_chat_body_reads_what_the_template_needs():
+    body = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "", "reasoning_content": "hm",
+                          "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+                         {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+            "continue_final_message": True, "add_generation_prompt": False,
+            "chat_template": "{{ messages[-1].content }}",
+            "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "d"}]}
+    chat = chat_request(body)
+    assert chat.continue_final_message and chat.chat_template == "{{ messages[-1].content }}"
+    assert chat.template_kwargs == {"enable_thinking": False, "documents": [{"text": "d"}]}
+    assert chat.messages[1]["tool_calls"][0]["function"]["name"] == "f"
+    assert chat.messages[1]["reasoning_content"] == "hm" and chat.messages[2]["tool_call_id"] == "c1"
+    with pytest.raises(BadParameter) as error:
+        chat_request({**body, "add_generation_prompt": True})
+    assert error.value.param == "continue_final_message"
 
 
 def test_a_field_baton_does_not_read_is_accepted_with_one_warning_per_name(caplog, monkeypatch):

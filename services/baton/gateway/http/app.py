@@ -252,7 +252,10 @@ class OpenAIServer:
                                    token_ids=token_ids,
                                    sampling=completion.sampling, compression=completion.compression,
                                    prefill_route=completion.prefill_route)
-        text = self.chat_template.render(completion.messages, completion.add_generation_prompt)
+        text = self.chat_template.render(
+            completion.messages, completion.add_generation_prompt and not completion.continue_final_message,
+            continue_final_message=completion.continue_final_message,
+            template=completion.chat_template, **completion.template_kwargs)
         token_ids = self.model.encode_text(text, completion.add_special_tokens)
         max_tokens = completion.max_tokens
         if max_tokens is None:

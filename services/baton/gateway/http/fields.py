@@ -29,6 +29,8 @@ HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
 HONOURED = {
     "completions": HONOURED_BOTH | {"prompt"},
     "chat": HONOURED_BOTH | {"messages", "add_generation_prompt", "max_completion_tokens",
+                             "continue_final_message", "chat_template", "chat_template_kwargs",
+                             "documents",
                              "parallel_tool_calls"},  # the last: no tools are ever offered
 }
 # Fields OpenAI or vLLM document that baton takes only at their neutral value (what a client
@@ -50,8 +52,6 @@ NEUTRAL = {
     "chat": {**_NEUTRAL_BOTH, "logprobs": (None, False), "top_logprobs": (None, 0),
              "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
              "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-             "continue_final_message": (None, False), "chat_template": (None, ""),
-             "chat_template_kwargs": (None, {}), "documents": (None, []),
              "reasoning_effort": (None,)},
 }
 # Documented, and without effect on what is generated: accepted, with a warning.

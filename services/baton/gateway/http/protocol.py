@@ -24,6 +24,7 @@ from baton.model.sampling import CompressionParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORTED: "abort"}
 
@@ -42,6 +43,9 @@ class Completion:
     token_ids: tuple[int, ...] | None = None  # ... as token ids (completions only)
     messages: list[dict] = field(default_factory=list)  # chat: role/content, content as text
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # chat: the last message left open, to be continued
+    chat_template: str | None = None  # chat: the request's own template, or a checkpoint's name
+    template_kwargs: dict = field(default_factory=dict)  # chat: documents, chat_template_kwargs
     # the tokenizer's own additions (a Llama tokenizer's BOS): vLLM's defaults, on for a
     # completion's text prompt, off for chat (the template writes them)
     add_special_tokens: bool = True
@@ -70,10 +74,16 @@ def chat_request(body: object, defaults: dict | None = None) -> Completion:
     """A ``POST /v1/chat/completions`` body; raises BadParameter naming the field."""
     body = _object(body, "the request body")
     check_fields(body, "chat")
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise BadParameter("continue_final_message", "continue_final_message and "
+                                                     "add_generation_prompt cannot both be true")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, limit, None, minimum=1)
     return Completion(chat=True, model=_model(body), messages=_messages(body.get("messages")),
                       add_generation_prompt=_boolean(body, "add_generation_prompt", True),
+                      continue_final_message=_boolean(body, "continue_final_message", False),
+                      chat_template=_optional_text(body, "chat_template"),
+                      template_kwargs=_template_kwargs(body),
                       add_special_tokens=_boolean(body, "add_special_tokens", False),
                       sampling=_sampling(body, max_tokens or 1, defaults),
                       compression=_compression(body),
@@ -115,6 +125,32 @@ def _prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
                                  f"{short(prompt)}")
 
 
+def _optional_text(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise BadParameter(name, f"{name} must be a string, got {short(value)}")
+    return value or None
+
+
+def _template_kwargs(body: dict) -> dict:
+    """``chat_template_kwargs`` and ``documents``: what the chat template reads besides the
+    messages (vLLM's fields)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadParameter("chat_template_kwargs", f"chat_template_kwargs must be an object, got "
+                                                   f"{short(kwargs)}")
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message"} & set(kwargs)
+    if reserved:
+        raise BadParameter("chat_template_kwargs", f"chat_template_kwargs may not set "
+                                                   f"{sorted(reserved)}: they are fields of their own")
+    documents = body.get("documents")
+    if documents is not None:
+        if not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+            raise BadParameter("documents", f"documents must be a list of objects, got {short(documents)}")
+        kwargs = {**kwargs, "documents": documents}
+    return kwargs
+
+
 def _messages(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise BadParameter("messages", f"messages must be a non-empty list, got {short(messages)}")
@@ -125,7 +161,10 @@ def _messages(messages: object) -> list[dict]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise BadParameter("messages", f"messages[{index}].role {role!r} is not one of {CHAT_ROLES}")
-        read.append({"role": role, "content": _content(message.get("content"), index)})
+        # what a template reads besides the text: an assistant's tool calls and reasoning, a
+        # tool result's call id and name
+        kept = {key: message[key] for key in MESSAGE_KEYS if message.get(key) is not None}
+        read.append({**kept, "role": role, "content": _content(message.get("content"), index)})
     return read
 
 
