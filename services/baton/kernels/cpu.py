@@ -19,6 +19,7 @@ KernelBuildError with the compiler's message rather than falling back to torch's
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import functools
@@ -202,13 +203,19 @@ def check_compiles(chosen: Build) -> None:
         if stamp.exists():
             return
         includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-        for source in chosen.sources:
+
+        def compile_one(source: str) -> subprocess.CompletedProcess:
             command = ["c++", "-c", str(SOURCE_DIR / source), "-o", str(build_directory / f"{source}.check.o"),
                        f"-DTORCH_EXTENSION_NAME={chosen.name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                        *(f"-isystem{path}" for path in includes), "-fPIC", "-std=c++20", *chosen.compile_flags,
                        "-O0"]  # the code generator's checks (an instruction the flags lack) without its time
-            compiled = subprocess.run(command, capture_output=True, text=True, check=False)
+            return subprocess.run(command, capture_output=True, text=True, check=False)
+
+        # one compiler per core: most of each one's time is parsing torch's headers
+        with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            results = list(pool.map(compile_one, chosen.sources))
+        for source, compiled in zip(chosen.sources, results, strict=True):
             if compiled.returncode != 0:
                 raise KernelBuildError(f"{source} does not compile for the {chosen.isa} build:\n"
                                        f"{compiled.stdout}{compiled.stderr}")
