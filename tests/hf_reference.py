@@ -77,6 +77,14 @@ EQUIVALENCE_CASES = [
 ]
 
 
+# Reduced precision is compared with fp32 on the dense families only: a token whose router
+# scores two experts nearly alike may pick the other expert in bf16, in transformers as here,
+# and which tokens do depends on each runtime's rounding, so the largest logit difference
+# says nothing about the arithmetic (fp32 equality covers the experts).
+MOE_VARIANTS = ("mixtral", "qwen3_moe")
+REDUCED_PRECISION_CASES = [case for case in EQUIVALENCE_CASES if case[0] not in MOE_VARIANTS]
+
+
 def case_id(case: tuple[str, int, int]) -> str:
     return f"{case[0]}-h{case[1]}-kv{case[2]}"
 

@@ -30,6 +30,7 @@ from baton.transfer.device_copy import layers_to_host, to_device
 from baton.transfer.received import ReceivedLayer
 from hf_reference import (
     EQUIVALENCE_CASES,
+    REDUCED_PRECISION_CASES,
     case_id,
     max_error,
     reference_logits,
@@ -53,10 +54,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=EQUIVALENCE_CASES, ids=case_id)
+@pytest.fixture(scope="module", params=REDUCED_PRECISION_CASES, ids=case_id)
 def checkpoint(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param[0])
-    hf_model = save_case(request.param, directory, seed=request.param_index)
+    hf_model = save_case(request.param, directory, seed=EQUIVALENCE_CASES.index(request.param))
     return case_id(request.param), directory, hf_model
 
 
