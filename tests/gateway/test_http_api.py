@@ -345,10 +345,15 @@ def test_a_chat_body_reads_text_parts_and_the_token_limit_aliases():
 def test_served_model_names_are_listed_and_answered_and_any_other_name_is_404(checkpoint):
     """A model mounted at a directory of any name (the operator mounts every checkpoint at
     /models/current) is served under the names it is given, the first reported."""
-    named = Gateway(checkpoint, served_model_name=("acme/coder-7b", "coder"))
+    store = InMemoryStore()
+    decode_server, _ = start_decode_server(checkpoint, store=store)  # registers the directory's name
+    named = Gateway(checkpoint, served_model_name=("acme/coder-7b", "coder"), store=store, wait_s=10.0)
     try:
         client = openai.OpenAI(base_url=named.url + "/v1", api_key="none", max_retries=0)
         assert [model.id for model in client.models.list().data] == ["acme/coder-7b", "coder"]
+        wait_for(lambda: named.get("/health")[0] == 200)  # the pod is routed to under any name
+        answer = client.completions.create(model="coder", prompt="def f(", max_tokens=3, temperature=0)
+        assert answer.model == "acme/coder-7b" and answer.usage.completion_tokens == 3
         assert client.models.retrieve("coder").id == "coder"
         for other in (checkpoint.name, "acme/other"):
             with pytest.raises(openai.NotFoundError, match="acme/coder-7b"):
@@ -357,6 +362,7 @@ def test_served_model_names_are_listed_and_answered_and_any_other_name_is_404(ch
                 client.completions.create(model=other, prompt="def f(", max_tokens=2)
     finally:
         named.close()
+        decode_server.stop(0)
 
 
 def test_tokenize_detokenize_and_version_answer_at_the_gateway(gateway, checkpoint):

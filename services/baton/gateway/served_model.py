@@ -36,6 +36,9 @@ class ServedModel:
     config: ModelConfig
     directory: Path
     names: tuple[str, ...] = ()  # every name it answers to; info.id, the first, is reported
+    # the checkpoint's own name (its directory's, or the repo id): what the pods register
+    # under, whatever clients call it
+    model_id: str = ""
     # generation_config.json's temperature, top_p and top_k: a request that leaves one out
     sampling_defaults: dict = field(default_factory=dict)
 
@@ -53,7 +56,7 @@ class ServedModel:
                          max_model_len=config.max_position_embeddings,
                          num_layers=config.num_hidden_layers)
         return cls(info=info, tokenizer=Tokenizer.from_dir(directory), config=config,
-                   directory=directory, names=names,
+                   directory=directory, names=names, model_id=files.name,
                    sampling_defaults=GenerationConfig.from_dir(directory).sampling)
 
     def check_name(self, name: str) -> None:

@@ -57,9 +57,9 @@ class GatewayServer:
         self.generations = Generations(
             model=self.model,
             view=RoutingView(self.store, config.routing.view_refresh_s, prefixes=PrefixIndex()),
-            policy=create_policy(config.gateway, self.model.info.id),
+            policy=create_policy(config.gateway, self.model.model_id),
             table=RequestTable(self.store, config.routing.request_ttl_s),
-            relay=Relay(self.channels, self.model.info.id, config.gateway,
+            relay=Relay(self.channels, self.model.model_id, config.gateway,
                         self.metrics),
             metrics=self.metrics)
         self.keys = ApiKeys(config.auth.api_keys_file)
@@ -138,7 +138,7 @@ class GatewayServer:
 
     def _describe(self) -> WorkerInfo:
         return WorkerInfo(worker_id=f"gateway-{socket.gethostname()}-{self.port}", role="gateway",
-                          address=self.address, model_id=self.model.info.id,
+                          address=self.address, model_id=self.model.model_id,
                           model_revision=self.model.info.revision, version=release_version(),
                           incarnation=self.incarnation)
 
