@@ -269,7 +269,7 @@ def reference_tokens(streams: list[Stream]) -> list[list[int]]:
     """Every prompt generated once by the shipped model in this process: the fault-free run."""
     from baton.model.hub import SHIPPED_MODEL_DIR
     from baton.model.loader import load_checkpoint
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
     from baton.sarathi.engine import Engine
 
     loaded = load_checkpoint(SHIPPED_MODEL_DIR, dtype="auto", device="cpu")  # the pods' dtype

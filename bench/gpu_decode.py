@@ -29,7 +29,7 @@ from baton.model import CausalLM, load_checkpoint, prefill, save_checkpoint
 from baton.model.config import ModelConfig
 from baton.model.presets import PRESETS, random_model
 from baton.model.probe import fastest_run_s
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.sarathi import Engine
 from baton.sarathi.decode_graphs import DecodeGraphs
 from baton.sarathi.request import Sequence

@@ -83,7 +83,7 @@ def measure(mode: str, model_dir: Path, requests_per_length: int, first_prompt: 
     from baton.local.spec import ClusterSpec
     from baton.model.hub import SHIPPED_MODEL_DIR
     from baton.model.loader import load_checkpoint
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer
     source = tokenizer.encode(Path(os.__file__).read_text() * 4)

@@ -51,8 +51,8 @@ from baton.client import BatonClient
 from baton.local.cluster import LocalCluster
 from baton.local.spec import ClusterSpec
 from baton.model.hub import SHIPPED_MODEL_DIR
-from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer
+from baton.sampling.params import SamplingParams
 from common import load_results, report_header, run_record, save_results, write_report
 
 BLOCK = 16  # the decode pods' KV block size (kv.block_size's default)

@@ -45,9 +45,9 @@ from baton.local.child_exits import StopEvent
 from baton.local.cluster import LocalCluster
 from baton.local.spec import ClusterSpec
 from baton.model.hub import SHIPPED_MODEL_DIR
-from baton.model.sampling import SamplingParams
 from baton.model.tokenizer import Tokenizer
 from baton.routing.redis_store import RedisStore
+from baton.sampling.params import SamplingParams
 from common import (
     load_results,
     markdown_table,

@@ -55,7 +55,7 @@ def measure(requests_per_cell: int, first_prompt: int) -> dict:
         from baton.gateway.local_cluster import ClusterSpec, LocalCluster
     from baton.model.hub import SHIPPED_MODEL_DIR
     from baton.model.loader import load_checkpoint
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     tokenizer = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu").tokenizer
     source = tokenizer.encode(Path(os.__file__).read_text() + Path(json.__file__).read_text())

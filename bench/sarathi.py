@@ -39,7 +39,7 @@ from baton.config import KVPoolConfig, SchedulerConfig
 from baton.model import load_checkpoint
 from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.sarathi import Engine
 from baton.sarathi.budget import CANDIDATES, iteration_s, measure_token_budget
 from common import load_results, report_header, run_record, save_results, write_report

@@ -40,7 +40,7 @@ from baton.local.spec import ClusterSpec
 from baton.model import load_checkpoint, save_checkpoint
 from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.sarathi.engine import Engine
 from common import (
     REPORT_DIR,

@@ -28,7 +28,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from baton.config import KVPoolConfig, SchedulerConfig
     from baton.model import load_checkpoint
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
     from baton.sarathi.engine import Engine
 
     workload = json.loads(Path(args.workload).read_text())

@@ -130,7 +130,7 @@ def asyncio_grpc(address: str):
 async def _drive_async(address: str, prompts: list[list[int]], new_tokens: int) -> dict:
     from baton.api.requests import GenerateRequest
     from baton.client import AsyncBatonClient
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     async with AsyncBatonClient(address) as client:
         async def one(tally: Tally, index: int, prompt: list[int], max_tokens: int) -> None:
@@ -274,7 +274,7 @@ def grpc_sender(address: str):
     application holds one (a channel per request cost ~30% more client CPU a token)."""
     from baton.api.requests import GenerateRequest
     from baton.client import BatonClient
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     client = BatonClient(address)
 

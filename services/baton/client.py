@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.api import convert
 from baton.api.requests import GenerateRequest, GenerationStep, ModelInfo, Tokenization
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 
 SERVICE_NAME = "baton.v1.Baton"
 HEALTH_CHECK = health_pb2.HealthCheckRequest(service=SERVICE_NAME)

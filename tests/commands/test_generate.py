@@ -11,7 +11,7 @@ import sys
 import pytest
 from baton.commands import generate
 from baton.model import load_checkpoint
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.sarathi import Engine
 from cli_checkpoint import save_cli_checkpoint
 

@@ -24,8 +24,8 @@ from baton.decode.server import create_server
 from baton.kv import DenseKV
 from baton.model import prefill
 from baton.model.loader import load_checkpoint
-from baton.model.sampling import SamplingParams
 from baton.routing import InMemoryStore
+from baton.sampling.params import SamplingParams
 from baton.sarathi.engine import Engine
 from baton.transfer import framing
 from baton.transfer.codec import encode_kv

@@ -11,7 +11,7 @@ from baton.decode.worker import DecodeWorker
 from baton.errors import ResourceExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.loader import load_checkpoint
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.sarathi.engine import Engine
 from decode_servers import make_checkpoint
 from prometheus_client import CollectorRegistry

@@ -13,8 +13,8 @@ from baton.config import KVPoolConfig
 from baton.local.child_exits import StopEvent
 from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.loader import load_checkpoint
-from baton.model.sampling import SamplingParams
 from baton.routing import WorkerLoad
+from baton.sampling.params import SamplingParams
 from baton.sarathi.engine import Engine
 
 CHAIN_THRESHOLD_TOKENS = 128  # prompts this long go through the chain

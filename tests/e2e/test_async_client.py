@@ -10,7 +10,7 @@ import grpc
 import pytest
 from baton.api.requests import CompressionParams, FinishReason, GenerateRequest
 from baton.client import AsyncBatonClient
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, all_kv_free, greedy, long_prompt_ids, wait_until
 
 pytestmark = pytest.mark.slow

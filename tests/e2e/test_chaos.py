@@ -23,7 +23,7 @@ from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
 from baton.local.cluster import LocalCluster
 from baton.local.spec import ClusterSpec
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,
     WORKER_TTL_S,

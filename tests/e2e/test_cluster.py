@@ -19,8 +19,8 @@ import pytest
 from baton.api.requests import CompressionParams, FinishReason, GenerateRequest
 from baton.api.v1 import api_pb2, common_pb2
 from baton.client import BatonClient
-from baton.model.sampling import SamplingParams
 from baton.routing.redis_store import RedisStore
+from baton.sampling.params import SamplingParams
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,
     WORKER_TTL_S,

@@ -12,7 +12,7 @@ import openai
 import pytest
 from baton.api.requests import CompressionParams, FinishReason, GenerateRequest
 from baton.model.hub import SHIPPED_MODEL_DIR
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, all_kv_free, long_prompt_ids, wait_until
 
 pytestmark = pytest.mark.slow

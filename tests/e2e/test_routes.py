@@ -13,12 +13,12 @@ from baton.config import ChainConfig, KVPoolConfig, PyramidConfig
 from baton.dtypes import DTYPES
 from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.loader import load_checkpoint
-from baton.model.sampling import SamplingParams
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing.redis_store import RedisStore
 from baton.runahead.break_even import Link, kv_bytes_per_token
 from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
+from baton.sampling.params import SamplingParams
 from baton.sarathi.engine import Engine
 from e2e_cluster import CHAIN_THRESHOLD_TOKENS, long_prompt_ids
 

@@ -246,7 +246,7 @@ def test_a_completion_body_reads_every_documented_field():
         "stream_options": {"include_usage": True}, "ignore_eos": True, "stop_token_ids": [2],
         "n": 1, "logprobs": None, "echo": False, "repetition_penalty": 1.0, "user": "ignored",
         "compression": {"enabled": True, "keep_ratio": 0.7}})
-    assert read.token_ids == (5, 6, 7) and read.text is None and read.stream and read.include_usage
+    assert read.prompts == [(5, 6, 7)] and read.stream and read.include_usage
     sampling = read.sampling
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed,
             sampling.stop, sampling.stop_token_ids, sampling.ignore_eos) == (
@@ -256,25 +256,33 @@ def test_a_completion_body_reads_every_documented_field():
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"prompt": ["a", "b"]}, "prompt", "list of 2 prompts is not supported"),
-    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt[1] must be a non-empty string"),
+    ({"prompt": ""}, "prompt", "non-empty"),
     ({"prompt": [1, True]}, "prompt", "non-empty string or list of token ids"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer"),
     ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "must be an integer"),
     ({"prompt": "x", "temperature": "hot"}, "temperature", "finite number"),
     ({"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
-    ({"prompt": "x", "stop": [1]}, "stop", "string or a list of strings"),
+    ({"prompt": "x", "stop": [1]}, "stop", "string or a list of non-empty strings"),
     ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
-    ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty", "must be in [-2.0, 2.0]"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "must be a finite number > 0"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p", "min_p must be in [0, 1]"),
+    ({"prompt": "x", "logit_bias": {"7": 101}}, "logit_bias", "logit_bias values must be in"),
+    ({"prompt": "x", "logit_bias": {"seven": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens", "must be <= 10"),
+    ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids", "integers >= 0"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of", "best_of 1 must be >= n 2"),
+    ({"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of", "cannot stream"),
+    ({"prompt": "x", "n": 129}, "n", "must be <= 128"),
+    ({"prompt": ["a"] * 65, "n": 2}, "n", "130 generations in one request"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "must be <= 20"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "taken only with echo"),
     ({"prompt": "x", "compression": {"keep_ratio": 2}}, "compression", "keep_ratio must be in (0, 1]"),
     # vLLM's fields that change what is generated: refused until honoured, never dropped
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not supported"),
-    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
-    ({"prompt": "x", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "not supported"),
-    ({"prompt": "x", "echo": True}, "echo", "not supported"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be >= 1"),
 ])
 def test_a_bad_completion_field_is_named(body, param, words):
     with pytest.raises(BadParameter) as error:
@@ -284,7 +292,7 @@ def test_a_bad_completion_field_is_named(body, param, words):
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("top_logprobs", 2),
-    ("cache_salt", "tenant-b"), ("priority", 3), ("chat_template_kwargs", {"tools": []}),
+    ("cache_salt", 7), ("priority", 3), ("chat_template_kwargs", {"tools": []}),
     ("documents", "a document"),
 ])
 def test_a_chat_field_baton_cannot_honour_yet_is_refused_by_name(field, value):
@@ -322,7 +330,8 @@ def test_a_field_baton_does_not_read_is_accepted_with_one_warning_per_name(caplo
     assert len([m for m in warned if "'frobnicate'" in m]) == 1
     assert any("'user' has no effect here" in m for m in warned)
     # neutral values of unsupported fields pass quietly
-    completion_request({"prompt": "x", "n": 1, "echo": False, "logprobs": None, "priority": 0})
+    completion_request({"prompt": "x", "n": 1, "echo": False, "logprobs": None, "priority": 0,
+                        "use_beam_search": False})
 
 
 def test_a_chat_body_reads_text_parts_and_the_token_limit_aliases():
@@ -338,8 +347,8 @@ def test_a_chat_body_reads_text_parts_and_the_token_limit_aliases():
         with pytest.raises(BadParameter) as error:
             chat_request({"messages": messages})
         assert error.value.param == "messages" and words in str(error.value)
-    with pytest.raises(BadParameter, match="logprobs"):
-        chat_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True})
+    with pytest.raises(BadParameter, match="top_logprobs needs logprobs"):
+        chat_request({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
 
 
 def test_served_model_names_are_listed_and_answered_and_any_other_name_is_404(checkpoint):

@@ -21,8 +21,8 @@ from baton.config import (
     ServerConfig,
 )
 from baton.gateway.server import create_server
-from baton.model.sampling import SamplingParams
 from baton.routing import InMemoryStore, RequestRecord
+from baton.sampling.params import SamplingParams
 from commands.cli_checkpoint import save_cli_checkpoint
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_policy import decode

@@ -22,8 +22,8 @@ from baton.kv import DenseKV, LayerKV
 from baton.model import load_checkpoint, prefill, save_checkpoint
 from baton.model.hub import SHIPPED_MODEL_DIR
 from baton.model.presets import random_model
-from baton.model.sampling import SamplingParams
 from baton.runahead import LocalChain, ModelSource
+from baton.sampling.params import SamplingParams
 from baton.sarathi import Engine
 from baton.sarathi.runner import StepLogits
 from baton.transfer.device_copy import layers_to_host, to_device

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 from baton.config import KVPoolConfig, PyramidConfig, SchedulerConfig
-from baton.model.sampling import CompressionParams, SamplingParams
 from baton.pyramid import engine_compressor_factory, layer_budgets
+from baton.sampling.params import CompressionParams, SamplingParams
 from baton.sarathi import Engine
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from engine_fixtures import make_engine, prompts_of_lengths
 
 

@@ -8,7 +8,7 @@ import torch
 from baton.config import SCHEDULER_POLICIES
 from baton.kv import DenseKV, KVPool, LayerKV
 from baton.model import load_checkpoint, prefill
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.sarathi.request import Sequence
 from baton.sarathi.runner import ModelRunner, StepLogits
 from baton.sarathi.scheduler import PrefillChunk, SchedulerOutput

@@ -8,8 +8,8 @@ import pytest
 import torch
 from baton.config import PyramidConfig
 from baton.kv import KVPool
-from baton.model.sampling import SamplingParams
 from baton.pyramid import engine_compressor_factory
+from baton.sampling.params import SamplingParams
 from baton.sarathi.memory import KVManager
 from baton.sarathi.request import Sequence, Status
 from baton.sarathi.runner import ModelRunner

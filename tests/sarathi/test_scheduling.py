@@ -7,7 +7,8 @@ import pytest
 import torch
 from baton.config import SchedulerConfig
 from baton.kv import KVPool, LayerKV
-from baton.model.sampling import SamplingParams, StopStringMatcher
+from baton.sampling.params import SamplingParams
+from baton.sampling.stops import StopStringMatcher
 from baton.sarathi.memory import KVManager
 from baton.sarathi.request import Sequence, Status
 from baton.sarathi.scheduler import POLICIES, Scheduler, SchedulerOutput, create_scheduler

@@ -12,7 +12,7 @@ import torch
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.model import load_checkpoint
 from baton.model.hub import SHIPPED_MODEL_DIR
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.sarathi import Engine
 from baton.train.corpus import END_OF_TEXT, held_out_text
 from baton.train.forward import next_token_loss

@@ -11,7 +11,7 @@ import torch
 from baton.api.requests import CompressionParams
 from baton.api.v1 import decode_pb2, decode_pb2_grpc
 from baton.kv.dense import LayerKV
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.transfer import framing as push_kv
 from baton.transfer.codec import KVDataLoss, KVMalformed, encode_kv, layer_segments
 from baton.transfer.handoff import FirstToken, KVHandoff

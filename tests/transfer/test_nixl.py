@@ -17,7 +17,7 @@ import pytest
 import torch
 from baton.api.requests import CompressionParams
 from baton.kv.dense import LayerKV
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.transfer import framing
 from baton.transfer.assembler import KVAssembler
 from baton.transfer.codec import (

@@ -10,7 +10,7 @@ import torch
 from baton.api.requests import CompressionParams
 from baton.kv import KVPool
 from baton.kv.dense import LayerKV
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 from baton.transfer import framing, receiver
 from baton.transfer.codec import KVSpec, encode_kv
 from baton.transfer.handoff import KVHandoff

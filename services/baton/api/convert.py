@@ -31,8 +31,9 @@ from baton.api.requests import (
 )
 from baton.api.v1 import api_pb2, common_pb2, decode_pb2, prefill_pb2
 from baton.errors import ServiceError
-from baton.model.sampling import SamplingParams
 from baton.routing.store import WorkerLoad
+from baton.sampling.logprobs import TokenLogprobs
+from baton.sampling.params import SamplingParams
 
 T = TypeVar("T")
 
@@ -87,16 +88,45 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
         max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
-        stop_strings=params.stop, ignore_eos=params.ignore_eos)
+        stop_strings=params.stop, ignore_eos=params.ignore_eos, min_p=params.min_p,
+        min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids or [],
+        bad_words=[common_pb2.TokenSequence(ids=words) for words in params.bad_words_ids],
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+        skip_special_tokens=params.skip_special_tokens)
+
+
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "seed", "max_tokens", "ignore_eos",
+                      "repetition_penalty", "logprobs", "prompt_logprobs", "skip_special_tokens")
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take SamplingParams' defaults; bad values raise ValueError."""
-    optional = {name: getattr(message, name)
-                for name in ("temperature", "top_p", "seed", "max_tokens", "ignore_eos")
+    optional = {name: getattr(message, name) for name in _OPTIONAL_SAMPLING
                 if message.HasField(name)}
     return SamplingParams(top_k=message.top_k, stop_token_ids=list(message.stop_token_ids),
-                          stop=list(message.stop_strings), **optional)
+                          stop=list(message.stop_strings), min_p=message.min_p,
+                          min_tokens=message.min_tokens,
+                          include_stop_str_in_output=message.include_stop_str_in_output,
+                          presence_penalty=message.presence_penalty,
+                          frequency_penalty=message.frequency_penalty,
+                          logit_bias=dict(message.logit_bias),
+                          allowed_token_ids=list(message.allowed_token_ids) or None,
+                          bad_words_ids=[list(words.ids) for words in message.bad_words],
+                          **optional)
+
+
+def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+                                    top_ids=[token for token, _ in entry.top],
+                                    top_logprobs=[logprob for _, logprob in entry.top])
+
+
+def logprobs_from_proto(message: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(message.token_id, message.logprob, message.rank,
+                         tuple(zip(message.top_ids, message.top_logprobs)))
 
 
 def compression_to_proto(params: CompressionParams) -> common_pb2.CompressionParams:
@@ -116,7 +146,8 @@ def generate_request_to_proto(request: GenerateRequest) -> api_pb2.GenerateReque
     message = api_pb2.GenerateRequest(request_id=request.request_id, model=request.model,
                                       sampling=sampling_to_proto(request.sampling),
                                       compression=compression_to_proto(request.compression),
-                                      prefill_route=_PREFILL_ROUTE_TO_PROTO[request.prefill_route])
+                                      prefill_route=_PREFILL_ROUTE_TO_PROTO[request.prefill_route],
+                                      cache_salt=request.cache_salt)
     if request.text is not None:
         message.text = request.text
     else:
@@ -132,7 +163,8 @@ def generate_request_from_proto(message: api_pb2.GenerateRequest) -> GenerateReq
         token_ids=tuple(message.token_ids.ids) if prompt == "token_ids" else None,
         sampling=sampling_from_proto(message.sampling),
         compression=compression_from_proto(message.compression),
-        prefill_route=_prefill_route_from_proto(message.prefill_route))
+        prefill_route=_prefill_route_from_proto(message.prefill_route),
+        cache_salt=message.cache_salt)
 
 
 _PREFILL_ROUTE_TO_PROTO = {"auto": api_pb2.PREFILL_ROUTE_AUTO, "chain": api_pb2.PREFILL_ROUTE_CHAIN,
@@ -191,6 +223,10 @@ def fill_step(message: common_pb2.GenerateResponse, step: GenerationStep,
         message.timings.CopyFrom(timings_to_proto(step.timings))
     if step.route is not None:
         message.route.CopyFrom(route_to_proto(step.route))
+    if step.logprobs:
+        message.logprobs.extend(logprobs_to_proto(entry) for entry in step.logprobs)
+    if step.prompt_logprobs:
+        message.prompt_logprobs.extend(logprobs_to_proto(entry) for entry in step.prompt_logprobs)
     return message
 
 
@@ -200,7 +236,9 @@ def step_from_proto(message: common_pb2.GenerateResponse) -> GenerationStep:
         finish_reason=_FINISH_FROM_PROTO[message.finish_reason],
         usage=usage_from_proto(message.usage) if message.HasField("usage") else None,
         timings=timings_from_proto(message.timings) if message.HasField("timings") else None,
-        route=route_from_proto(message.route) if message.HasField("route") else None)
+        route=route_from_proto(message.route) if message.HasField("route") else None,
+        logprobs=tuple(logprobs_from_proto(entry) for entry in message.logprobs),
+        prompt_logprobs=tuple(logprobs_from_proto(entry) for entry in message.prompt_logprobs))
 
 
 def tokenization_to_proto(tokenization: Tokenization) -> api_pb2.TokenizeResponse:

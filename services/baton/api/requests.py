@@ -4,7 +4,7 @@ Services and engines work with these; ``baton.api.convert`` is the only place th
 protobuf messages of ``baton.api.v1``. Every constructor validates its values and raises
 ``ValueError`` naming the value (the API edge turns that into INVALID_ARGUMENT). Nothing here
 imports gRPC or protobuf. Sampling parameters are the engine's own
-``baton.model.sampling.SamplingParams`` (one definition, validated there).
+``baton.sampling.params.SamplingParams`` (one definition, validated there).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from baton.config import KV_TRANSPORTS
 from baton.configtree import require
 from baton.errors import TooLarge
-from baton.model.sampling import CompressionParams, SamplingParams
+from baton.sampling.logprobs import TokenLogprobs
+from baton.sampling.params import CompressionParams, SamplingParams
 
 # A request id is echoed in every streamed message and stored in the routing table: long
 # enough for a UUID with a prefix, short enough that it cannot inflate either.
@@ -30,6 +31,12 @@ MAX_PROMPT_BYTES_PER_TOKEN = 32
 # Where a prompt is prefilled: the gateway decides (by length and load), a prefill chain,
 # or the decode pod. The tokens are the same on every route; only the time differs.
 PREFILL_ROUTES = ("auto", "chain", "local")
+
+
+def tenant_salt(owner: str, cache_salt: str) -> str:
+    """The decode pods' prefix-cache salt of a request: its caller's identity, and the
+    ``cache_salt`` it sent (the two kept apart: no pair of them collides with another)."""
+    return f"{len(owner)}:{owner}{cache_salt}" if cache_salt else owner
 
 
 def check_request_id(request_id: str, limit: int = MAX_REQUEST_ID_CHARS) -> None:
@@ -58,6 +65,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     compression: CompressionParams = field(default_factory=CompressionParams)
     prefill_route: str = "auto"  # PREFILL_ROUTES: where the prompt is prefilled
+    cache_salt: str = ""  # with the caller's identity, the prefix cache's tenant
 
     def __post_init__(self) -> None:
         require((self.text is None) != (self.token_ids is None),
@@ -158,6 +166,9 @@ class GenerationStep:
     usage: Usage | None = None
     timings: Timings | None = None
     route: Route | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked for them
+    # in a stream's first step, when asked for: one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

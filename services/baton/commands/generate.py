@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give at least one PROMPT or --prompt-ids")
     if args.chain_ranks < 0:
         raise ValueError(f"--chain-ranks must be >= 0, got {args.chain_ranks}")
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     given = {"max_tokens": args.max_tokens, "top_k": args.top_k, "top_p": args.top_p}
     params = SamplingParams(temperature=args.temperature, seed=args.seed, stop=args.stop,

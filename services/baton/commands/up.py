@@ -230,7 +230,7 @@ def _demo(address: str, max_tokens: int, threshold_tokens: int, pin_chain: bool)
 
     from baton.api.requests import GenerateRequest
     from baton.client import BatonClient, Completion
-    from baton.model.sampling import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     client = BatonClient(address)
     client.wait_until_serving(timeout_s=60)

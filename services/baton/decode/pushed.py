@@ -78,7 +78,8 @@ class PushedRequests:
         with self._lock:
             if self._streams.get(handoff.request_id) is not stream or stream.finished:
                 return  # aborted or failed since its header: its stream says so already
-            stream.publish_first(handoff.first_token_id, text, time.monotonic())
+            stream.publish_first(handoff.first_token_id, text, time.monotonic(),
+                                 handoff.first_token_logprobs)
         self.on_published([stream])
 
     def submit_pushed(self, stream: RequestStream, cache: PushedCache) -> None:
@@ -100,7 +101,7 @@ class PushedRequests:
         try:
             self.engine.add_prefilled_request(list(handoff.prompt_token_ids), layers,
                                               handoff.first_token_id, params, handoff.request_id,
-                                              handoff.cache_salt)
+                                              handoff.cache_salt, handoff.first_token_logprobs)
         except Exception:
             with self._lock:
                 stream.in_engine = False  # push_failed fails its stream

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from baton.api.requests import FinishReason, GenerationStep, Route, Timings, Usage
 from baton.errors import ServiceError
-from baton.model.sampling import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from baton.sampling.logprobs import TokenLogprobs
+from baton.sampling.params import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from baton.sarathi.request import RequestOutput
 
 FINISH_REASONS = {FINISH_STOP: FinishReason.STOP, FINISH_LENGTH: FinishReason.LENGTH,
@@ -90,19 +91,22 @@ class RequestStream:
 
     # --- the loop thread -----------------------------------------------------------------
 
-    def publish_first(self, token_id: int, text: str, now_s: float) -> None:
+    def publish_first(self, token_id: int, text: str, now_s: float,
+                      logprobs: TokenLogprobs | None = None) -> None:
         """A pushed request's first token, from its header (``text``: what may be shown now)."""
         self.first_token_s = self.last_token_s = now_s
         self.num_tokens = 1
         self._repeat, self._echo = True, text
-        self._steps.append(GenerationStep(self.request_id, (token_id,), text))
+        self._steps.append(GenerationStep(self.request_id, (token_id,), text,
+                                          logprobs=(logprobs,) if logprobs else ()))
 
     def publish(self, output: RequestOutput, now_s: float) -> list[float]:
         """Queue one engine output as a step; returns the gaps since the previous token (s)."""
         token_ids = list(output.new_token_ids)
+        logprobs = output.logprobs
         text = output.text_delta
         if self._repeat and token_ids:  # the engine repeats the header's first token
-            token_ids, self._repeat = token_ids[1:], False
+            token_ids, logprobs, self._repeat = token_ids[1:], logprobs[1:], False
         if self._echo:  # and its text (the same decoder's, so the text starts with it)
             overlap = len(os.path.commonprefix([self._echo, text]))
             text, self._echo = text[overlap:], self._echo[overlap:]
@@ -114,12 +118,13 @@ class RequestStream:
                 gaps = [now_s - self.last_token_s] * len(token_ids)
             self.last_token_s = now_s
             self.num_tokens += len(token_ids)
-        step = GenerationStep(self.request_id, tuple(token_ids), text)
+        step = GenerationStep(self.request_id, tuple(token_ids), text, logprobs=tuple(logprobs),
+                              prompt_logprobs=tuple(output.prompt_logprobs or ()))
         if output.finished:
             self.finished = True
             step = self._final(step, FINISH_REASONS[output.finish_reason], now_s, output.kv_entries,
                                output.num_cached_tokens)
-        if step.token_ids or step.text or output.finished:
+        if step.token_ids or step.text or step.prompt_logprobs or output.finished:
             self._steps.append(step)
         return gaps
 
@@ -150,8 +155,8 @@ class RequestStream:
                               kv_push_s=self.pushed.push_s,
                               mean_time_between_tokens_s=mean_gap_s, total_s=now_s - self.arrival_s)
             route = dataclasses.replace(route, partition=self.pushed.partition)
-        return GenerationStep(step.request_id, step.token_ids, step.text, reason, usage, timings,
-                              route)
+        return dataclasses.replace(step, finish_reason=reason, usage=usage, timings=timings,
+                                   route=route)
 
     # --- the server's event loop ------------------------------------------------------------
 
@@ -219,4 +224,6 @@ def merge_steps(steps: list[GenerationStep]) -> GenerationStep:
         return steps[0]
     token_ids = tuple(token for step in steps for token in step.token_ids)
     return dataclasses.replace(steps[-1], token_ids=token_ids,
-                               text="".join(step.text for step in steps))
+                               text="".join(step.text for step in steps),
+                               logprobs=tuple(entry for step in steps for entry in step.logprobs),
+                               prompt_logprobs=steps[0].prompt_logprobs)

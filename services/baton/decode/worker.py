@@ -32,8 +32,8 @@ from baton.errors import ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
 from baton.model.limits import check_prompt
-from baton.model.sampling import FINISH_ABORT
 from baton.routing.store import WorkerLoad
+from baton.sampling.params import FINISH_ABORT
 from baton.sarathi.engine import Engine
 from baton.sarathi.request import RequestOutput
 

@@ -24,8 +24,15 @@ from collections.abc import AsyncIterator
 import grpc
 
 from baton.api import convert
-from baton.api.requests import FinishReason, GenerateRequest, GenerationStep, Route, Timings
-from baton.errors import Passed, PermissionDenied
+from baton.api.requests import (
+    FinishReason,
+    GenerateRequest,
+    GenerationStep,
+    Route,
+    Timings,
+    tenant_salt,
+)
+from baton.errors import InvalidArgument, Passed, PermissionDenied
 from baton.gateway.relay import ChainIncomplete, Relay
 from baton.gateway.request_table import LiveRequest, RequestTable
 from baton.gateway.routing_policy import (
@@ -223,10 +230,11 @@ class Generations:
             raise NoLiveWorkers("the gateway is shutting down")
         prompt_ids = self.model.prompt_ids(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        pinned = request.prefill_route
+        pinned = _prefill_route(request)
         try:
             snapshot = self._snapshot()
-            routed = RoutedPrompt(tuple(prompt_ids), owner, whole_kv=request.compression.enabled is False)
+            salt = tenant_salt(owner, request.cache_salt)
+            routed = RoutedPrompt(tuple(prompt_ids), salt, whole_kv=request.compression.enabled is False)
             decision = self.policy.route(len(prompt_ids), snapshot, self.table.in_flight(), pinned,
                                          routed)
             if (decision.chain is None and pinned == "auto" and not self.policy.chain_heads(snapshot)
@@ -238,7 +246,7 @@ class Generations:
             # pod, or a long prompt is prefilled without a chain.
             decision = self.policy.route(len(prompt_ids), self._snapshot(fresh=True),
                                          self.table.in_flight(), pinned,
-                                         RoutedPrompt(tuple(prompt_ids), owner,
+                                         RoutedPrompt(tuple(prompt_ids), salt,
                                                       request.compression.enabled is False))
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
                                chain_id=decision.chain.chain_id if decision.chain else "",
@@ -309,3 +317,16 @@ class Generations:
         found = await self.relay.abort_pods(live.record)
         live.cancel_calls()
         return found
+
+
+def _prefill_route(request: GenerateRequest) -> str:
+    """Where the request may be prefilled: as the caller pinned it, but on the decode pod for
+    prompt log probabilities (a chain's ranks each hold a slice of the prompt's last hidden
+    states, and its tail computes only the last position's logits)."""
+    if request.sampling.prompt_logprobs is None:
+        return request.prefill_route
+    if request.prefill_route == "chain":
+        raise InvalidArgument("prompt log probabilities (prompt_logprobs, or echo with logprobs) "
+                              "are computed on the local route: prefill_route 'chain' cannot "
+                              "give them")
+    return "local"

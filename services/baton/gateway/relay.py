@@ -51,6 +51,7 @@ from baton.api.requests import (
     PrefillRequest,
     Route,
     Usage,
+    tenant_salt,
 )
 from baton.api.v1 import common_pb2, decode_pb2
 from baton.config import KV_TRANSPORTS, GatewayRoutingConfig
@@ -219,12 +220,14 @@ class Relay:
             yield GenerationStep(live.request_id, finish_reason=FinishReason.LENGTH, route=route,
                                  usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(sent)))
             return
-        sampling = dataclasses.replace(request.sampling, max_tokens=remaining) if sent else request.sampling
+        sampling = request.sampling
+        if sent:  # the client has the prompt's log probabilities already, if it asked
+            sampling = dataclasses.replace(sampling, max_tokens=remaining, prompt_logprobs=None)
         decode_request = DecodeRequest(request_id=live.record.pod_request_id,
                                        prompt_token_ids=prompt_ids + tuple(sent),
                                        sampling=sampling, compression=request.compression,
                                        generated_before=len(sent), incarnation=decode.incarnation,
-                                       cache_salt=live.record.owner)
+                                       cache_salt=tenant_salt(live.record.owner, request.cache_salt))
         call = self.channels.session(decode.address).generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)
@@ -250,7 +253,7 @@ class Relay:
             request_id=live.record.pod_request_id, model=self.model_id, prompt_token_ids=prompt_ids,
             sampling=request.sampling, compression=request.compression,
             decode_address=decision.decode.address, decode_incarnation=decision.decode.incarnation,
-            cache_salt=live.record.owner,
+            cache_salt=tenant_salt(live.record.owner, request.cache_salt),
             # (a transport this release does not know, a newer pod's, is not used)
             decode_kv_transport=(decision.decode.kv_transport
                                  if decision.decode.kv_transport in KV_TRANSPORTS else "grpc"))

@@ -83,6 +83,10 @@ class ServedModel:
             raise ValueError(f"the prompt {text[:80]!r} has no tokens")
         return token_ids
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (what log probabilities name)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def tokenize(self, model: str, text: str) -> Tokenization:
         self.check_name(model)
         check_prompt_text(text, self.info.max_model_len)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from baton.configtree import require
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 
 
 def check_prompt_ids(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
@@ -30,8 +30,10 @@ def check_prompt(token_ids: Sequence[int], sampling: SamplingParams, vocab_size:
                  max_model_len: int) -> None:
     """Raise ValueError unless the prompt and its sampling fit a model with these limits."""
     check_prompt_ids(token_ids, vocab_size, max_model_len)
-    bad = [token for token in sampling.stop_token_ids if token >= vocab_size]
-    require(not bad, f"stop token ids {bad[:8]} are outside the vocabulary 0..{vocab_size - 1}")
+    bad = [token for token in sampling.token_ids_named() if token >= vocab_size]
+    require(not bad, f"token ids {bad[:8]} in the sampling parameters (stop_token_ids, "
+                     f"logit_bias, allowed_token_ids, bad words) are outside the vocabulary "
+                     f"0..{vocab_size - 1}")
     total = len(token_ids) + sampling.max_tokens
     require(total <= max_model_len,
              f"prompt of {len(token_ids)} tokens + max_tokens {sampling.max_tokens} = {total} "

@@ -32,8 +32,8 @@ class Tokenizer:
         Llama tokenizer's BOS), as vLLM encodes a completion's prompt."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
@@ -53,8 +53,9 @@ class IncrementalDecoder:
     the window, the whole output is decoded instead.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._token_ids: list[int] = []
         self._emitted = ""
         self._context = 0  # the window starts here: the tokens of the last release
@@ -73,8 +74,8 @@ class IncrementalDecoder:
 
     def _release(self, final: bool) -> str:
         ids = self._token_ids
-        context = self._tokenizer.decode(ids[self._context:self._released])
-        window = self._tokenizer.decode(ids[self._context:])
+        context = self._tokenizer.decode(ids[self._context:self._released], self._skip_special_tokens)
+        window = self._tokenizer.decode(ids[self._context:], self._skip_special_tokens)
         if not window.startswith(context):
             return self._release_whole(final)
         if not final and window.endswith("\ufffd"):
@@ -86,7 +87,7 @@ class IncrementalDecoder:
         return delta
 
     def _release_whole(self, final: bool) -> str:
-        text = self._tokenizer.decode(self._token_ids)
+        text = self._tokenizer.decode(self._token_ids, self._skip_special_tokens)
         if not final and text.endswith("\ufffd"):
             return ""
         delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""

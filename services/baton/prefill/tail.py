@@ -38,9 +38,9 @@ from baton.config import MtlsConfig, PyramidConfig
 from baton.kv.dense import LayerKV
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
-from baton.model.sampling import Sampler
 from baton.pyramid import PromptCompressor, compressor_factory, request_config
 from baton.runahead.request import ChainResult
+from baton.sampling.sampler import Draw, Sampler, draw
 from baton.security.mtls import Mtls
 from baton.transfer.codec import kv_header
 from baton.transfer.handoff import FirstToken
@@ -133,8 +133,9 @@ class TailSink:
         request = shipment.request
         try:
             push_start = time.monotonic()
-            first_token = Sampler(request.sampling).sample(result.first_token_logits, position=0)
-            shipment.finish(FirstToken(first_token, result.ttft_s, tuple(result.boundaries)),
+            first = first_draw(request, result.first_token_logits, self.model_config.eos_token_ids)
+            shipment.finish(FirstToken(first.token_id, result.ttft_s, tuple(result.boundaries),
+                                       first.logprobs),
                             result.layers)
             self.metrics.kv_push_s.observe(time.monotonic() - push_start)
         except Exception as e:  # noqa: BLE001 - one request's failure is logged, the chain goes on
@@ -158,6 +159,13 @@ class TailSink:
     def close(self) -> None:
         self.pushes.close()
         self._shipper.shutdown(wait=False)
+
+
+def first_draw(request: PrefillRequest, logits, eos_token_ids) -> Draw:
+    """The request's first token from the chain's last logits, drawn as a decode pod draws it."""
+    params = request.sampling
+    sampler = Sampler(params, request.prompt_token_ids, params.stop_ids(eos_token_ids))
+    return draw(logits[None, :], [sampler], [0])[0]
 
 
 def read_details(details: bytes) -> PrefillRequest:

@@ -31,10 +31,10 @@ import torch
 from baton.config import PyramidConfig
 from baton.kv import KVPool, LayerKV
 from baton.model import ModelConfig
-from baton.model.sampling import SamplingParams
 from baton.pyramid.generation import GenerationCompressor, RecentQueries
 from baton.pyramid.prefill import PromptCompressor, request_config
 from baton.pyramid.schedule import recent_window
+from baton.sampling.params import SamplingParams
 
 
 class PyramidSequenceCompressor:

@@ -30,21 +30,17 @@ from baton.kv.landing import Landing
 from baton.kv.pool import KVPool
 from baton.model.limits import check_prompt
 from baton.model.llama import CausalLM
-from baton.model.sampling import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    Sampler,
-    SamplingParams,
-    StopStringMatcher,
-)
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
+from baton.sampling.logprobs import TokenLogprobs, logprobs_of
+from baton.sampling.params import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from baton.sampling.sampler import Sampler, draw
+from baton.sampling.stops import StopStringMatcher
 from baton.sarathi.budget import measure_token_budget
 from baton.sarathi.decode_graphs import DecodeGraphs
 from baton.sarathi.hooks import CompressorFactory
 from baton.sarathi.memory import KVManager, build_pool
 from baton.sarathi.request import GenerationResult, RequestOutput, Sequence, Status
-from baton.sarathi.runner import ModelRunner
+from baton.sarathi.runner import ModelRunner, StepLogits
 from baton.sarathi.scheduler import SchedulerOutput, create_scheduler
 
 Prompt = str | SequenceOf[int]
@@ -111,18 +107,21 @@ class Engine:
             raise ValueError(f"generated_before {generated_before} is not within the prompt's "
                              f"{len(prompt_ids)} tokens")
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, None, None, generated_before, cache_salt))
+        self._put(("add", request_id, prompt_ids, params, None, None, None, generated_before,
+                   cache_salt))
         return request_id
 
     def add_prefilled_request(self, prompt_ids: SequenceOf[int], kv: list[LayerKV],
                               first_token: int | torch.Tensor, params: SamplingParams | None = None,
-                              request_id: str | None = None, cache_salt: str = "") -> str:
+                              request_id: str | None = None, cache_salt: str = "",
+                              first_logprobs: TokenLogprobs | None = None) -> str:
         """Queue a request whose prompt KV came from a prefill chain (one LayerKV per layer,
         possibly pyramid-shaped). ``first_token`` is the token the chain's tail sampled, or the
         tail's logits ([vocab]) for this request's own sampler to sample (so a seeded request
         draws the same stream as a local prefill would). It joins the running set directly;
         its first output includes the first token. A cache that ``land``-ed in the pool
-        comes as its ``LandedLayer``-s."""
+        comes as its ``LandedLayer``-s. ``first_logprobs``: the sampled first token's log
+        probabilities, where the request asked for them."""
         params = params or SamplingParams()
         prompt_ids = self._prompt_ids(list(prompt_ids))
         self._check(prompt_ids, params)
@@ -135,7 +134,8 @@ class Engine:
         else:
             self._check_token(first_token, "first_token")
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, kv, first_token, 0, cache_salt))
+        self._put(("add", request_id, prompt_ids, params, kv, first_token, first_logprobs, 0,
+                   cache_salt))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -198,14 +198,39 @@ class Engine:
             full = len(seq.prompt_ids) * self.pool.num_layers
             kept = self._compress(seq) if seq.compressor is not None else full
             seq.kv_entries = (kept, full)
-        greedy, drawn = logits.pick([index for index, seq in enumerate(sampling)
-                                     if not seq.params.greedy])
-        for index, (seq, best) in enumerate(zip(sampling, greedy)):
-            token = best if seq.params.greedy else seq.sampler.sample(drawn[index], seq.num_generated)
-            self._accept_token(seq, token, outputs)
+        self._score_prompts(logits)
+        self._sample(sampling, logits, outputs)
         for seq in plan.decodes:
             if seq.compressor is not None and seq.status is Status.RUNNING:
                 seq.compressor.after_decode(self.pool, seq.request_id)
+
+    def _score_prompts(self, logits: StepLogits) -> None:
+        """The prompt log probabilities of this step's chunks that report them: the row at
+        position p scores prompt token p + 1 (the last prompt row's is the first sample's)."""
+        for rows in logits.prompt_rows:
+            seq = rows.seq
+            if rows.start == 0:  # (again, after a preemption)
+                seq.prompt_logprobs = []
+            count = min(rows.count, len(seq.prompt_ids) - 1 - rows.start)
+            targets = seq.prompt_ids[rows.start + 1:rows.start + 1 + count]
+            block = logits.logits[rows.first_row:rows.first_row + count].to("cpu")
+            seq.prompt_logprobs += logprobs_of(block, targets, [seq.params.prompt_logprobs] * count)
+
+    def _sample(self, sampling: list[Sequence], logits, outputs: dict[str, RequestOutput]) -> None:
+        """Each sampling sequence's token: the step's argmax for a greedy request with nothing
+        else to do, one batched ``draw`` over the rows of all the others."""
+        drawn_rows = [index for index, seq in enumerate(sampling) if not seq.params.fast_path]
+        greedy, drawn = logits.pick(drawn_rows)
+        tokens: list[int] = greedy
+        logprobs: list[TokenLogprobs | None] = [None] * len(sampling)
+        if drawn_rows:
+            draws = draw(torch.stack([drawn[index] for index in drawn_rows]),
+                         [sampling[index].sampler for index in drawn_rows],
+                         [sampling[index].num_generated for index in drawn_rows])
+            for index, picked in zip(drawn_rows, draws):
+                tokens[index], logprobs[index] = picked.token_id, picked.logprobs
+        for seq, token, entry in zip(sampling, tokens, logprobs):
+            self._accept_token(seq, token, outputs, entry)
 
     # --- convenience drivers ---------------------------------------------------------------
 
@@ -265,30 +290,42 @@ class Engine:
 
     def _admit_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        kv: list[LayerKV] | None, first_token: int | torch.Tensor | None,
-                       generated_before: int, cache_salt: str,
-                       outputs: dict[str, RequestOutput]) -> None:
+                       first_logprobs: TokenLogprobs | None, generated_before: int,
+                       cache_salt: str, outputs: dict[str, RequestOutput]) -> None:
+        stop_ids = params.stop_ids(self.model.config.eos_token_ids)
+        own_prompt = len(prompt_ids) - generated_before  # the tokens before any was generated
+        sampler = Sampler(params, prompt_ids[:own_prompt], stop_ids, prompt_ids[own_prompt:])
+        decoder = None
+        if self.tokenizer is not None:
+            decoder = IncrementalDecoder(self.tokenizer, params.skip_special_tokens)
         seq = Sequence(request_id, prompt_ids, params, arrival=next(self._arrivals),
-                       generated_before=generated_before, sampler=Sampler(params),
-                       decoder=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
-                       stop_matcher=StopStringMatcher(params.stop),
-                       stop_ids=self._stop_ids(params), cache_salt=cache_salt)
+                       generated_before=generated_before, sampler=sampler, decoder=decoder,
+                       stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                       stop_ids=stop_ids, cache_salt=cache_salt)
         self._sequences[request_id] = seq
         seq.compressor = self._new_compressor(seq)
         if kv is not None:
             seq.arrived_kv = kv
             seq.num_computed = len(prompt_ids)
             if isinstance(first_token, torch.Tensor):
-                first_token = seq.sampler.sample(first_token, seq.num_generated)
-            self._accept_token(seq, first_token, outputs)
+                picked = draw(first_token[None, :], [seq.sampler], [seq.num_generated])[0]
+                first_token, first_logprobs = picked.token_id, picked.logprobs
+            self._accept_token(seq, first_token, outputs, first_logprobs)
         if seq.status is not Status.FINISHED:
             self.scheduler.add(seq)
 
     # --- tokens, stops, retirement ---------------------------------------------------------
 
-    def _accept_token(self, seq: Sequence, token: int, outputs: dict[str, RequestOutput]) -> None:
+    def _accept_token(self, seq: Sequence, token: int, outputs: dict[str, RequestOutput],
+                      logprobs: TokenLogprobs | None = None) -> None:
         seq.output_ids.append(token)
+        seq.sampler.accept(token)
         output = self._output_of(seq, outputs)
         output.new_token_ids.append(token)
+        if logprobs is not None:
+            output.logprobs.append(logprobs)
+        if seq.params.prompt_logprobs is not None and len(seq.output_ids) == 1:
+            output.prompt_logprobs = seq.prompt_logprobs
         if token in seq.stop_ids:
             output.text_delta += self._flush_text(seq)
             self._finish(seq, FINISH_STOP, outputs)
@@ -302,10 +339,6 @@ class Engine:
               or seq.num_tokens >= self.model.config.max_position_embeddings):
             output.text_delta += self._flush_text(seq)
             self._finish(seq, FINISH_LENGTH, outputs)
-
-    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        eos = () if params.ignore_eos else self.model.config.eos_token_ids
-        return frozenset(params.stop_token_ids).union(eos)
 
     def _flush_text(self, seq: Sequence) -> str:
         tail = seq.decoder.flush() if seq.decoder else ""

@@ -25,7 +25,7 @@ import torch
 
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool
-from baton.model.sampling import SamplingParams
+from baton.sampling.params import SamplingParams
 
 
 class SequenceCompressor(Protocol):

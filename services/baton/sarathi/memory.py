@@ -104,7 +104,7 @@ class KVManager:
     def _attach_cached_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence with the cached blocks its tokens begin with; the tokens
         they hold (now counted as computed)."""
-        if self.pool.prefix_cache is None or seq.num_computed:
+        if self.pool.prefix_cache is None or seq.num_computed or seq.collects_prompt_logprobs:
             return 0
         limit = seq.num_tokens - 1  # the last token is computed: its forward samples
         if seq.compressor is not None:

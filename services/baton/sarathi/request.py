@@ -16,8 +16,11 @@ import enum
 from dataclasses import dataclass, field
 
 from baton.kv.dense import LayerKV
-from baton.model.sampling import Sampler, SamplingParams, StopStringMatcher
 from baton.model.tokenizer import IncrementalDecoder
+from baton.sampling.logprobs import TokenLogprobs
+from baton.sampling.params import SamplingParams
+from baton.sampling.sampler import Sampler
+from baton.sampling.stops import StopStringMatcher
 
 
 class Status(enum.Enum):
@@ -53,6 +56,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, filled lazily
     num_blocks_registered: int = 0  # leading full blocks offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (first admission)
+    # The prompt's log probabilities so far, while its prefill computes them (when asked for).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -80,6 +85,12 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def collects_prompt_logprobs(self) -> bool:
+        """The request asked for its prompt's log probabilities and has no token yet: its
+        prefill computes the logits of every prompt position (and takes no cached prefix)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
+
+    @property
     def is_decoding(self) -> bool:
         return self.status is Status.RUNNING
 
@@ -94,6 +105,9 @@ class RequestOutput:
     finish_reason: str | None = None  # set on the request's last output
     kv_entries: tuple[int, int] | None = None  # on the last output: Sequence.kv_entries
     num_cached_tokens: int = 0  # on the last output: Sequence.num_cached_tokens
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token, when asked
+    # with the first token, when asked for: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

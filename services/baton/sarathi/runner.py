@@ -15,6 +15,8 @@ what sampling reads of them crosses to the host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from baton.host_to_device import to_device
@@ -40,8 +42,9 @@ class StepLogits:
     step costs more than the rows a sampler reads). numpy and torch both take the first
     maximum."""
 
-    def __init__(self, logits: torch.Tensor) -> None:
+    def __init__(self, logits: torch.Tensor, prompt_rows: list[PromptRows] | None = None) -> None:
         self.logits = logits
+        self.prompt_rows = prompt_rows or []  # after the sampling rows: prompt log probabilities
 
     def pick(self, drawn: list[int]) -> tuple[list[int], dict[int, torch.Tensor]]:
         """(the greedy token of every row, {row: its logits on the host} for the rows in
@@ -54,6 +57,17 @@ class StepLogits:
             tensors.append(logits.index_select(0, torch.tensor(drawn, device=logits.device)))
         host = to_host(tensors).wait()
         return host[0].tolist(), dict(zip(drawn, host[1])) if drawn else {}
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The logits rows of one prefill chunk whose request reports its prompt's log
+    probabilities: ``count`` rows from ``first_row``, for positions ``start`` onwards."""
+
+    seq: Sequence
+    first_row: int
+    start: int
+    count: int
 
 
 class ModelRunner:
@@ -69,10 +83,13 @@ class ModelRunner:
         segments: list[Segment] = []
         output_rows: list[int] = []
         sampling: list[Sequence] = []
+        prompt_chunks: list[tuple[Sequence, int, int, int]] = []  # (seq, first token row, start, n)
         # Every segment carries its sequence's compressor as attention observer (prompt
         # chunks score the prompt; decode steps feed the generation-phase update).
         for chunk in plan.prefills:
             seq, start = chunk.seq, chunk.seq.num_computed
+            if seq.collects_prompt_logprobs:
+                prompt_chunks.append((seq, len(token_ids), start, chunk.num_tokens))
             token_ids += seq.token_ids[start:start + chunk.num_tokens]
             positions += range(start, start + chunk.num_tokens)
             kv = self.pool.prefill_segment(seq.request_id, chunk.num_tokens)
@@ -97,7 +114,11 @@ class ModelRunner:
             sampling += decodes
             in_place = self.model.reads_decode_cache_in_place()
             decode = DecodeBatch(self.pool.decode_step(claimed, grouped=not in_place), observers)
+        prompt_rows = []
+        for seq, first_token_row, start, count in prompt_chunks:  # after the sampling rows
+            prompt_rows.append(PromptRows(seq, len(output_rows), start, count))
+            output_rows += range(first_token_row, first_token_row + count)
         device = self.model.device
         hidden = self.model(to_device(token_ids, device), to_device(positions, device), segments,
                             to_device(output_rows, device), decode)
-        return sampling, StepLogits(self.model.logits(hidden))
+        return sampling, StepLogits(self.model.logits(hidden), prompt_rows)

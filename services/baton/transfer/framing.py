@@ -30,10 +30,13 @@ from baton.api.convert import (
     compression_to_proto,
     flat_from_proto,
     flat_to_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
     sampling_from_proto,
     sampling_to_proto,
 )
 from baton.api.v1 import decode_pb2, decode_pb2_grpc, kv_pb2
+from baton.sampling.logprobs import TokenLogprobs
 from baton.transfer.codec import Checksum, KVDataLoss, KVHeader, KVMalformed, chunk_pieces
 from baton.transfer.handoff import FirstToken, KVHandoff
 from baton.transfer.nixl import NixlSource, Regions
@@ -62,7 +65,8 @@ def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:
         compression=compression_to_proto(handoff.compression),
         decode_incarnation=handoff.decode_incarnation, cache_salt=handoff.cache_salt,
         prefill_s=handoff.prefill_s, partition=handoff.partition,
-        first_token_follows=handoff.first_token_follows)
+        first_token_follows=handoff.first_token_follows,
+        first_token_logprobs=_logprobs_to_proto(handoff.first_token_logprobs))
 
 
 def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
@@ -73,16 +77,27 @@ def handoff_from_proto(message: decode_pb2.PushKVHeader) -> KVHandoff:
                      compression=compression_from_proto(message.compression),
                      decode_incarnation=message.decode_incarnation, cache_salt=message.cache_salt,
                      prefill_s=message.prefill_s, partition=tuple(message.partition),
-                     first_token_follows=message.first_token_follows)
+                     first_token_follows=message.first_token_follows,
+                     first_token_logprobs=_logprobs_from_proto(message, "first_token_logprobs"))
 
 
 def first_token_to_proto(first: FirstToken) -> decode_pb2.PushKVFirstToken:
     return decode_pb2.PushKVFirstToken(token_id=first.token_id, prefill_s=first.prefill_s,
-                                       partition=first.partition)
+                                       partition=first.partition,
+                                       logprobs=_logprobs_to_proto(first.logprobs))
 
 
 def first_token_from_proto(message: decode_pb2.PushKVFirstToken) -> FirstToken:
-    return FirstToken(message.token_id, message.prefill_s, tuple(message.partition))
+    return FirstToken(message.token_id, message.prefill_s, tuple(message.partition),
+                      _logprobs_from_proto(message, "logprobs"))
+
+
+def _logprobs_to_proto(entry: TokenLogprobs | None):
+    return None if entry is None else logprobs_to_proto(entry)
+
+
+def _logprobs_from_proto(message, name: str) -> TokenLogprobs | None:
+    return logprobs_from_proto(getattr(message, name)) if message.HasField(name) else None
 
 
 # --- chunks, framed by hand -----------------------------------------------------------------

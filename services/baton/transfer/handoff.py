@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from baton.model.sampling import CompressionParams, SamplingParams
+from baton.sampling.logprobs import TokenLogprobs
+from baton.sampling.params import CompressionParams, SamplingParams
 from baton.transfer.codec import KVHeader
 
 
@@ -26,6 +27,7 @@ class KVHandoff:
     # The three above come later, in a ``FirstToken`` (the header left before the chain had
     # them: the tail ships each layer as it is computed).
     first_token_follows: bool = False
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
 
     @property
     def request_id(self) -> str:
@@ -34,7 +36,8 @@ class KVHandoff:
     def with_first(self, first: FirstToken) -> KVHandoff:
         """The handoff completed by the first token that followed it."""
         return dataclasses.replace(self, first_token_id=first.token_id, prefill_s=first.prefill_s,
-                                   partition=first.partition, first_token_follows=False)
+                                   partition=first.partition, first_token_follows=False,
+                                   first_token_logprobs=first.logprobs)
 
 
 @dataclass(frozen=True)
@@ -44,3 +47,4 @@ class FirstToken:
     token_id: int
     prefill_s: float = 0.0
     partition: tuple[int, ...] = ()
+    logprobs: TokenLogprobs | None = None  # when the request asked for them

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from baton.api.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x62\x61ton/v1/api.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x84\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12-\n\rprefill_route\x18\x07 \x01(\x0e\x32\x16.baton.v1.PrefillRouteB\x08\n\x06prompt\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"h\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.baton.v1.ModelInfo*X\n\x0cPrefillRoute\x12\x16\n\x12PREFILL_ROUTE_AUTO\x10\x00\x12\x17\n\x13PREFILL_ROUTE_CHAIN\x10\x01\x12\x17\n\x13PREFILL_ROUTE_LOCAL\x10\x02\x32\x92\x02\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x62\x61ton/v1/api.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12-\n\rprefill_route\x18\x07 \x01(\x0e\x32\x16.baton.v1.PrefillRoute\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"h\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.baton.v1.ModelInfo*X\n\x0cPrefillRoute\x12\x16\n\x12PREFILL_ROUTE_AUTO\x10\x00\x12\x17\n\x13PREFILL_ROUTE_CHAIN\x10\x01\x12\x17\n\x13PREFILL_ROUTE_LOCAL\x10\x02\x32\x92\x02\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponse\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponse\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.api.v1.api_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLROUTE']._serialized_start=660
-  _globals['_PREFILLROUTE']._serialized_end=748
+  _globals['_PREFILLROUTE']._serialized_start=680
+  _globals['_PREFILLROUTE']._serialized_end=768
   _globals['_TOKENIDS']._serialized_start=55
   _globals['_TOKENIDS']._serialized_end=78
   _globals['_GENERATEREQUEST']._serialized_start=81
-  _globals['_GENERATEREQUEST']._serialized_end=341
-  _globals['_TOKENIZEREQUEST']._serialized_start=343
-  _globals['_TOKENIZEREQUEST']._serialized_end=417
-  _globals['_TOKENIZERESPONSE']._serialized_start=419
-  _globals['_TOKENIZERESPONSE']._serialized_end=472
-  _globals['_LISTMODELSREQUEST']._serialized_start=474
-  _globals['_LISTMODELSREQUEST']._serialized_end=493
-  _globals['_MODELINFO']._serialized_start=495
-  _globals['_MODELINFO']._serialized_end=599
-  _globals['_LISTMODELSRESPONSE']._serialized_start=601
-  _globals['_LISTMODELSRESPONSE']._serialized_end=658
-  _globals['_BATON']._serialized_start=751
-  _globals['_BATON']._serialized_end=1025
+  _globals['_GENERATEREQUEST']._serialized_end=361
+  _globals['_TOKENIZEREQUEST']._serialized_start=363
+  _globals['_TOKENIZEREQUEST']._serialized_end=437
+  _globals['_TOKENIZERESPONSE']._serialized_start=439
+  _globals['_TOKENIZERESPONSE']._serialized_end=492
+  _globals['_LISTMODELSREQUEST']._serialized_start=494
+  _globals['_LISTMODELSREQUEST']._serialized_end=513
+  _globals['_MODELINFO']._serialized_start=515
+  _globals['_MODELINFO']._serialized_end=619
+  _globals['_LISTMODELSRESPONSE']._serialized_start=621
+  _globals['_LISTMODELSRESPONSE']._serialized_end=678
+  _globals['_BATON']._serialized_start=771
+  _globals['_BATON']._serialized_end=1045
 # @@protoc_insertion_point(module_scope)

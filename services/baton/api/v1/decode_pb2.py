@@ -26,7 +26,7 @@ from baton.api.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 from baton.api.v1 import kv_pb2 as baton_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/decode.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\x1a\x11\x62\x61ton/v1/kv.proto\"\xb1\x02\n\x0cPushKVHeader\x12\x1e\n\x02kv\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHeader\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x11\n\tpartition\x18\t \x03(\r\x12\x1b\n\x13\x66irst_token_follows\x18\n \x01(\x08\"J\n\x10PushKVFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x11\n\tpartition\x18\x03 \x03(\r\"\xd7\x01\n\rPushKVRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.baton.v1.PushKVHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.baton.v1.PushKVTrailerH\x00\x12\x31\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x1a.baton.v1.PushKVFirstTokenH\x00\x12$\n\x04nixl\x18\x05 \x01(\x0b\x32\x14.baton.v1.PushKVNixlH\x00\x42\x06\n\x04part\"H\n\nPushKVNixl\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x11\n\taddresses\x18\x02 \x03(\x04\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\"!\n\rPushKVTrailer\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\x04\"<\n\x0ePushKVResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\xe6\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x04 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12\x18\n\x10generated_before\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"H\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\x9d\x01\n\x0eSessionCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x33\n\x08generate\x18\x02 \x01(\x0b\x32\x1f.baton.v1.DecodeGenerateRequestH\x00\x12)\n\x06\x61ttach\x18\x03 \x01(\x0b\x32\x17.baton.v1.AttachRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x04 \x01(\x08H\x00\x42\t\n\x07\x63ommand\"f\n\x0bSessionStep\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"4\n\x0cSessionSteps\x12$\n\x05steps\x18\x01 \x03(\x0b\x32\x15.baton.v1.SessionStep2\x85\x03\n\x06\x44\x65\x63ode\x12=\n\x06PushKV\x12\x17.baton.v1.PushKVRequest\x1a\x18.baton.v1.PushKVResponse(\x01\x12I\n\x08Generate\x12\x1f.baton.v1.DecodeGenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12?\n\x06\x41ttach\x12\x17.baton.v1.AttachRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12?\n\x07Session\x12\x18.baton.v1.SessionCommand\x1a\x16.baton.v1.SessionSteps(\x01\x30\x01\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/decode.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\x1a\x11\x62\x61ton/v1/kv.proto\"\xe8\x02\n\x0cPushKVHeader\x12\x1e\n\x02kv\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHeader\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x11\n\tpartition\x18\t \x03(\r\x12\x1b\n\x13\x66irst_token_follows\x18\n \x01(\x08\x12\x35\n\x14\x66irst_token_logprobs\x18\x0b \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\"u\n\x10PushKVFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x11\n\tpartition\x18\x03 \x03(\r\x12)\n\x08logprobs\x18\x04 \x01(\x0b\x32\x17.baton.v1.TokenLogprobs\"\xd7\x01\n\rPushKVRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.baton.v1.PushKVHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12*\n\x07trailer\x18\x03 \x01(\x0b\x32\x17.baton.v1.PushKVTrailerH\x00\x12\x31\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x1a.baton.v1.PushKVFirstTokenH\x00\x12$\n\x04nixl\x18\x05 \x01(\x0b\x32\x14.baton.v1.PushKVNixlH\x00\x42\x06\n\x04part\"H\n\nPushKVNixl\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x11\n\taddresses\x18\x02 \x03(\x04\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\"!\n\rPushKVTrailer\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\x04\"<\n\x0ePushKVResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\xe6\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x04 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12\x18\n\x10generated_before\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"H\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\x9d\x01\n\x0eSessionCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x33\n\x08generate\x18\x02 \x01(\x0b\x32\x1f.baton.v1.DecodeGenerateRequestH\x00\x12)\n\x06\x61ttach\x18\x03 \x01(\x0b\x32\x17.baton.v1.AttachRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x04 \x01(\x08H\x00\x42\t\n\x07\x63ommand\"f\n\x0bSessionStep\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"4\n\x0cSessionSteps\x12$\n\x05steps\x18\x01 \x03(\x0b\x32\x15.baton.v1.SessionStep2\x85\x03\n\x06\x44\x65\x63ode\x12=\n\x06PushKV\x12\x17.baton.v1.PushKVRequest\x1a\x18.baton.v1.PushKVResponse(\x01\x12I\n\x08Generate\x12\x1f.baton.v1.DecodeGenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12?\n\x06\x41ttach\x12\x17.baton.v1.AttachRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12?\n\x07Session\x12\x18.baton.v1.SessionCommand\x1a\x16.baton.v1.SessionSteps(\x01\x30\x01\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.api.v1.decode_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PUSHKVHEADER']._serialized_start=78
-  _globals['_PUSHKVHEADER']._serialized_end=383
-  _globals['_PUSHKVFIRSTTOKEN']._serialized_start=385
-  _globals['_PUSHKVFIRSTTOKEN']._serialized_end=459
-  _globals['_PUSHKVREQUEST']._serialized_start=462
-  _globals['_PUSHKVREQUEST']._serialized_end=677
-  _globals['_PUSHKVNIXL']._serialized_start=679
-  _globals['_PUSHKVNIXL']._serialized_end=751
-  _globals['_PUSHKVTRAILER']._serialized_start=753
-  _globals['_PUSHKVTRAILER']._serialized_end=786
-  _globals['_PUSHKVRESPONSE']._serialized_start=788
-  _globals['_PUSHKVRESPONSE']._serialized_end=848
-  _globals['_DECODEGENERATEREQUEST']._serialized_start=851
-  _globals['_DECODEGENERATEREQUEST']._serialized_end=1081
-  _globals['_ATTACHREQUEST']._serialized_start=1083
-  _globals['_ATTACHREQUEST']._serialized_end=1155
-  _globals['_SESSIONCOMMAND']._serialized_start=1158
-  _globals['_SESSIONCOMMAND']._serialized_end=1315
-  _globals['_SESSIONSTEP']._serialized_start=1317
-  _globals['_SESSIONSTEP']._serialized_end=1419
-  _globals['_SESSIONSTEPS']._serialized_start=1421
-  _globals['_SESSIONSTEPS']._serialized_end=1473
-  _globals['_DECODE']._serialized_start=1476
-  _globals['_DECODE']._serialized_end=1865
+  _globals['_PUSHKVHEADER']._serialized_end=438
+  _globals['_PUSHKVFIRSTTOKEN']._serialized_start=440
+  _globals['_PUSHKVFIRSTTOKEN']._serialized_end=557
+  _globals['_PUSHKVREQUEST']._serialized_start=560
+  _globals['_PUSHKVREQUEST']._serialized_end=775
+  _globals['_PUSHKVNIXL']._serialized_start=777
+  _globals['_PUSHKVNIXL']._serialized_end=849
+  _globals['_PUSHKVTRAILER']._serialized_start=851
+  _globals['_PUSHKVTRAILER']._serialized_end=884
+  _globals['_PUSHKVRESPONSE']._serialized_start=886
+  _globals['_PUSHKVRESPONSE']._serialized_end=946
+  _globals['_DECODEGENERATEREQUEST']._serialized_start=949
+  _globals['_DECODEGENERATEREQUEST']._serialized_end=1179
+  _globals['_ATTACHREQUEST']._serialized_start=1181
+  _globals['_ATTACHREQUEST']._serialized_end=1253
+  _globals['_SESSIONCOMMAND']._serialized_start=1256
+  _globals['_SESSIONCOMMAND']._serialized_end=1413
+  _globals['_SESSIONSTEP']._serialized_start=1415
+  _globals['_SESSIONSTEP']._serialized_end=1517
+  _globals['_SESSIONSTEPS']._serialized_start=1519
+  _globals['_SESSIONSTEPS']._serialized_end=1571
+  _globals['_DECODE']._serialized_start=1574
+  _globals['_DECODE']._serialized_end=1963
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PushKVHeader(_message.Message):
-    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation", "cache_salt", "prefill_s", "partition", "first_token_follows")
+    __slots__ = ("kv", "prompt_token_ids", "first_token_id", "sampling", "compression", "decode_incarnation", "cache_salt", "prefill_s", "partition", "first_token_follows", "first_token_logprobs")
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class PushKVHeader(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     kv: _kv_pb2.KVHeader
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -30,17 +31,20 @@ class PushKVHeader(_message.Message):
     prefill_s: float
     partition: _containers.RepeatedScalarFieldContainer[int]
     first_token_follows: bool
-    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ..., first_token_follows: _Optional[bool] = ...) -> None: ...
+    first_token_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, kv: _Optional[_Union[_kv_pb2.KVHeader, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ..., first_token_follows: _Optional[bool] = ..., first_token_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class PushKVFirstToken(_message.Message):
-    __slots__ = ("token_id", "prefill_s", "partition")
+    __slots__ = ("token_id", "prefill_s", "partition", "logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     prefill_s: float
     partition: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., prefill_s: _Optional[float] = ..., partition: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer", "first_token", "nixl")

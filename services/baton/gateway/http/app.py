@@ -16,6 +16,7 @@ reading is cut off after ``gateway.stall_s`` and its request aborted the same wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,20 +29,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.api import convert
-from baton.api.requests import GenerateRequest, GenerationStep
+from baton.api.requests import FinishReason, GenerationStep
 from baton.config import HttpConfig
 from baton.errors import InvalidArgument, ResourceExhausted, TooLarge
 from baton.gateway.generations import Generations
+from baton.gateway.http.answers import Answer, Choice, error_body, returned_choices, total_usage
 from baton.gateway.http.chat_template import ChatTemplate
+from baton.gateway.http.choice_stream import ChoiceStream
+from baton.gateway.http.generation_plan import PlannedGeneration, plan_generations
 from baton.gateway.http.model_routes import ModelRoutes
-from baton.gateway.http.protocol import (
-    Answer,
-    BadParameter,
-    Completion,
-    chat_request,
-    completion_request,
-    error_body,
-)
+from baton.gateway.http.protocol import BadParameter, Completion, chat_request, completion_request
 from baton.gateway.served_model import UnknownModel
 from baton.security.api_keys import ApiKeys
 
@@ -215,19 +212,26 @@ class OpenAIServer:
                 self.model.check_name(completion.model)
                 named = request.headers.get("X-Request-Id")
                 request_id = named or f"{'chatcmpl' if completion.chat else 'cmpl'}-{uuid.uuid4().hex}"
-                generate = await asyncio.get_running_loop().run_in_executor(
-                    None, self._generate_request, completion, request_id)
+                planned = await asyncio.get_running_loop().run_in_executor(
+                    None, plan_generations, completion, request_id, self.model, self.chat_template)
             except Exception as e:
                 self.generations.count_refused(e)
                 raise
             answer = Answer(chat=completion.chat, response_id=request_id, model=self.model.info.id,
-                            created=int(time.time()))
-            async with aclosing(self.generations.generate(generate, arrival, request[IDENTITY],
+                            created=int(time.time()), token_text=self.model.token_text,
+                            logprobs=completion.logprobs is not None, echo=completion.echo,
+                            prompt_logprobs=completion.prompt_logprobs is not None)
+            owner = request[IDENTITY]
+            if len(planned) > 1:
+                return await self._several(request, answer, completion, planned, arrival, owner)
+            async with aclosing(self.generations.generate(planned[0].request, arrival, owner,
                                                           made_id=not named)) as steps:
                 first = await anext(steps)  # admission errors are raised here, as HTTP statuses
                 if completion.stream:
-                    return await self._stream(request, answer, completion, first, steps)
-                return await self._whole(answer, completion, first, steps)
+                    return await self._stream(request, answer, completion, planned[0], first, steps)
+                choice = await self._gather(planned[0], first, steps, completion.max_tokens == 0)
+                return web.json_response(answer.whole(returned_choices([choice], completion),
+                                                      choice.last.usage, completion.return_token_ids))
         finally:
             self.streams -= 1
             if not self.streams:
@@ -241,89 +245,135 @@ class OpenAIServer:
         except (ValueError, UnicodeDecodeError) as e:
             raise InvalidArgument(f"the request body is not valid JSON: {e}") from None
 
-    def _generate_request(self, completion: Completion, request_id: str) -> GenerateRequest:
-        """The generation a completion asks for (runs in the executor: it renders the chat
-        template and tokenizes). A chat without ``max_tokens`` may fill the model's context."""
-        if not completion.chat:
-            token_ids = completion.token_ids
-            if completion.text is not None:
-                token_ids = self.model.encode_text(completion.text, completion.add_special_tokens)
-            return GenerateRequest(request_id=request_id, model=completion.model,
-                                   token_ids=token_ids,
-                                   sampling=completion.sampling, compression=completion.compression,
-                                   prefill_route=completion.prefill_route)
-        text = self.chat_template.render(
-            completion.messages, completion.add_generation_prompt and not completion.continue_final_message,
-            continue_final_message=completion.continue_final_message,
-            template=completion.chat_template, **completion.template_kwargs)
-        token_ids = self.model.encode_text(text, completion.add_special_tokens)
-        max_tokens = completion.max_tokens
-        if max_tokens is None:
-            max_tokens = self.model.info.max_model_len - len(token_ids)
-            if max_tokens < 1:
-                raise InvalidArgument(f"the conversation is {len(token_ids)} tokens, the model's "
-                                      f"whole context of {self.model.info.max_model_len}")
-        return GenerateRequest(request_id=request_id, model=completion.model, token_ids=token_ids,
-                               sampling=dataclasses.replace(completion.sampling, max_tokens=max_tokens),
-                               compression=completion.compression,
-                               prefill_route=completion.prefill_route)
+    @staticmethod
+    async def _gather(planned: PlannedGeneration, first: GenerationStep, steps,
+                      echo_only: bool = False) -> Choice:
+        """One generation, whole (``echo_only``: max_tokens 0, the token generated for it
+        left out)."""
+        choice = Choice(planned.index, first, prompt_ids=planned.prompt_ids,
+                        prompt_text=planned.prompt_text, prompt_logprobs=first.prompt_logprobs)
+        step = first
+        while True:
+            choice.text += step.text
+            choice.token_ids += step.token_ids
+            choice.logprobs += step.logprobs
+            choice.last = step
+            if step.finish_reason is not None:
+                if echo_only:
+                    choice.text, choice.token_ids, choice.logprobs = "", [], []
+                    choice.last = dataclasses.replace(step, finish_reason=FinishReason.LENGTH)
+                return choice
+            step = await anext(steps)
 
-    async def _whole(self, answer: Answer, completion: Completion, first: GenerationStep,
-                     steps) -> web.Response:
-        texts, token_ids, last = [first.text], list(first.token_ids), first
-        async for step in steps:
-            texts.append(step.text)
-            token_ids += step.token_ids
-            last = step
-        return web.json_response(answer.whole(
-            "".join(texts), last, token_ids if completion.return_token_ids else None))
+    async def _several(self, request: web.Request, answer: Answer, completion: Completion,
+                       planned: list[PlannedGeneration], arrival: float, owner: str
+                       ) -> web.StreamResponse:
+        """n, best_of or several prompts: the generations run side by side; the first
+        failure to admit one fails the request (the others are aborted)."""
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [await stack.enter_async_context(aclosing(self.generations.generate(
+                plan.request, arrival, owner, made_id=True))) for plan in planned]
+            firsts = [await anext(steps) for steps in streams]
+            if completion.stream:
+                return await self._stream_several(request, answer, completion, planned, firsts,
+                                                  streams)
+            choices = await asyncio.gather(*(
+                self._gather(plan, first, steps, completion.max_tokens == 0)
+                for plan, first, steps in zip(planned, firsts, streams)))
+            return web.json_response(answer.whole(returned_choices(choices, completion),
+                                                  total_usage(choices, completion),
+                                                  completion.return_token_ids))
 
     async def _stream(self, request: web.Request, answer: Answer, completion: Completion,
-                      first: GenerationStep, steps) -> web.StreamResponse:
+                      planned: PlannedGeneration, first: GenerationStep, steps) -> web.StreamResponse:
+        response = await self._open_stream(request, answer)
+        choice = ChoiceStream(answer, completion, planned, 0)
+        step = first
+        try:
+            while True:
+                for chunk in choice.chunks(step):
+                    await self._send(request, response, chunk)
+                if step.finish_reason is not None:
+                    if completion.include_usage:
+                        await self._send(request, response, answer.usage_chunk(step))
+                    break
+                step = await anext(steps)
+        except ConnectionError:  # the client left: closing ``steps`` aborts the request
+            return response
+        except Exception as e:  # noqa: BLE001 - told to the client in the stream (and logged)
+            await self._send_error(request, response, answer, e)
+        return await self._close_stream(request, response)
+
+    async def _stream_several(self, request: web.Request, answer: Answer, completion: Completion,
+                              planned: list[PlannedGeneration], firsts: list[GenerationStep],
+                              streams: list) -> web.StreamResponse:
+        """Chunks of every choice as their steps come (each chunk names its choice)."""
+        response = await self._open_stream(request, answer)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, first: GenerationStep, steps) -> None:
+            try:
+                step = first
+                await queue.put((index, step))
+                while step.finish_reason is None:
+                    step = await anext(steps)
+                    await queue.put((index, step))
+            except Exception as e:  # noqa: BLE001 - the stream reports it, as one choice's end
+                await queue.put((index, e))
+
+        choices = [ChoiceStream(answer, completion, plan, plan.index) for plan in planned]
+        lasts: dict[int, GenerationStep] = {}
+        async with asyncio.TaskGroup() as group:
+            pumps = [group.create_task(pump(index, first, steps))
+                     for index, (first, steps) in enumerate(zip(firsts, streams))]
+            try:
+                while len(lasts) < len(planned):
+                    index, step = await queue.get()
+                    if isinstance(step, Exception):
+                        raise step
+                    for chunk in choices[index].chunks(step):
+                        await self._send(request, response, chunk)
+                    if step.finish_reason is not None:
+                        lasts[index] = step
+                if completion.include_usage:
+                    gathered = [Choice(i, last) for i, last in sorted(lasts.items())]
+                    await self._send(request, response, answer.usage_chunk(
+                        gathered[0].last, total_usage(gathered, completion)))
+            except ConnectionError:
+                return response
+            except Exception as e:  # noqa: BLE001 - told to the client in the stream (and logged)
+                await self._send_error(request, response, answer, e)
+            finally:
+                for task in pumps:
+                    task.cancel()
+        return await self._close_stream(request, response)
+
+    async def _open_stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
                                                "X-Request-Id": answer.response_id})
         await response.prepare(request)
-        try:
-            await self._events(request, response, answer, completion, first, steps)
-        except ConnectionError:  # the client left: closing ``steps`` aborts the request
-            pass
         return response
 
-    async def _events(self, request: web.Request, response: web.StreamResponse, answer: Answer,
-                      completion: Completion, first: GenerationStep, steps) -> None:
-        usage = completion.include_usage
-
-        def ids(step: GenerationStep) -> tuple[int, ...] | None:
-            return step.token_ids if completion.return_token_ids else None
-
-        if answer.chat:  # the role comes first, alone
-            await self._send(request, response, answer.chunk("", None, usage, role=True))
-        step = first
+    async def _send_error(self, request: web.Request, response: web.StreamResponse,
+                          answer: Answer, error: Exception) -> None:
+        """A failure after the stream began: an error chunk (then [DONE])."""
+        status = http_status(error)
+        if status == 500:
+            log.error("stream %s failed", answer.response_id, exc_info=error)
         try:
-            while True:
-                # A chat's last chunk carries only the finish reason: content goes before it.
-                separate_finish = answer.chat and step.finish_reason is not None
-                if step.token_ids or step.text or (step.finish_reason and not separate_finish):
-                    await self._send(request, response, answer.chunk(
-                        step.text, None if separate_finish else step.finish_reason, usage,
-                        token_ids=ids(step)))
-                if separate_finish:
-                    await self._send(request, response, answer.chunk(None, step.finish_reason, usage))
-                if step.finish_reason is not None:
-                    if usage:
-                        await self._send(request, response, answer.usage_chunk(step))
-                    break
-                step = await anext(steps)
+            await self._send(request, response, error_body(status, str(error), *_error_fields(error)))
         except ConnectionError:
-            raise
-        except Exception as e:
-            status = http_status(e)
-            if status == 500:
-                log.exception("stream %s failed", answer.response_id)
-            await self._send(request, response, error_body(status, str(e), *_error_fields(e)))
-        await self._send(request, response, "[DONE]")
-        await response.write_eof()
+            pass
+
+    async def _close_stream(self, request: web.Request, response: web.StreamResponse
+                            ) -> web.StreamResponse:
+        try:
+            await self._send(request, response, "[DONE]")
+            await response.write_eof()
+        except ConnectionError:
+            pass
+        return response
 
     async def _send(self, request: web.Request, response: web.StreamResponse,
                     body: dict | str) -> None:

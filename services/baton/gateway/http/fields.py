@@ -23,36 +23,34 @@ class BadParameter(InvalidArgument):
 
 
 # Read by the request parsers (baton.gateway.http.protocol), on both endpoints.
-HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                 "stop_token_ids", "ignore_eos", "stream", "stream_options", "return_token_ids",
-                 "compression", "prefill_route", "add_special_tokens"}
+HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                 "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "allowed_token_ids", "bad_words", "n", "best_of", "prompt_logprobs",
+                 "skip_special_tokens", "truncate_prompt_tokens", "cache_salt", "stream",
+                 "stream_options", "return_token_ids", "compression", "prefill_route",
+                 "add_special_tokens"}
 HONOURED = {
-    "completions": HONOURED_BOTH | {"prompt"},
+    "completions": HONOURED_BOTH | {"prompt", "echo", "logprobs"},
     "chat": HONOURED_BOTH | {"messages", "add_generation_prompt", "max_completion_tokens",
                              "continue_final_message", "chat_template", "chat_template_kwargs",
-                             "documents",
+                             "documents", "logprobs", "top_logprobs",
                              "parallel_tool_calls"},  # the last: no tools are ever offered
 }
 # Fields OpenAI or vLLM document that baton takes only at their neutral value (what a client
 # that does not use them sends): any other value is refused, never silently ignored.
 _NEUTRAL_BOTH: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
-    "logit_bias": (None, {}), "use_beam_search": (None, False), "min_p": (None, 0),
-    "prompt_logprobs": (None, 0), "allowed_token_ids": (None, []), "bad_words": (None, []),
+    "use_beam_search": (None, False),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "guided_decoding_backend": (None,), "structured_outputs": (None,),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
-    "priority": (None, 0), "cache_salt": (None, ""),
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0),
 }
 NEUTRAL = {
-    "completions": {**_NEUTRAL_BOTH, "echo": (None, False), "suffix": (None, ""),
-                    "logprobs": (None,), "response_format": (None, {"type": "text"})},
-    "chat": {**_NEUTRAL_BOTH, "logprobs": (None, False), "top_logprobs": (None, 0),
-             "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-             "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-             "reasoning_effort": (None,)},
+    "completions": {**_NEUTRAL_BOTH, "suffix": (None, ""),
+                    "response_format": (None, {"type": "text"})},
+    "chat": {**_NEUTRAL_BOTH, "tools": (None, []), "functions": (None, []),
+             "tool_choice": (None, "none"), "function_call": (None, "none"),
+             "response_format": (None, {"type": "text"}), "reasoning_effort": (None,)},
 }
 # Documented, and without effect on what is generated: accepted, with a warning.
 IGNORED = {"user", "metadata", "store", "service_tier", "request_id", "modalities", "audio",

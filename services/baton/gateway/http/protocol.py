@@ -9,8 +9,7 @@ names it when set to something baton cannot do, or ignored with a warning
 "local"). Values go through the same checks as the gRPC API (``SamplingParams`` and the
 gateway's prompt checks).
 
-Responses: ``completion_body``/``chunk`` build the JSON OpenAI's clients parse, and
-``error_body`` the ``{"error": {...}}`` of a failure.
+Answers are built in ``baton.gateway.http.answers``.
 """
 
 from __future__ import annotations
@@ -18,15 +17,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from baton.api.requests import PREFILL_ROUTES, FinishReason, GenerationStep, Usage
+from baton.api.requests import PREFILL_ROUTES
 from baton.gateway.http.fields import BadParameter, check_fields, short
-from baton.model.sampling import CompressionParams, SamplingParams
+from baton.sampling.params import MAX_LOGPROBS, CompressionParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-                  FinishReason.ABORTED: "abort"}
+MAX_CHOICES = 128  # n, best_of, and prompts x best_of in one request
+# The fields _sampling reads, in the order a ValueError's message is searched for the one it names.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+                   "stop_token_ids", "stop", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "allowed_token_ids", "logprobs")
 
 
 @dataclass
@@ -39,8 +41,8 @@ class Completion:
     compression: CompressionParams
     stream: bool = False
     include_usage: bool = False
-    text: str | None = None  # the prompt as text, or ...
-    token_ids: tuple[int, ...] | None = None  # ... as token ids (completions only)
+    # completions: each prompt as text or as token ids (choices: prompt by prompt, n each)
+    prompts: list[str | tuple[int, ...]] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # chat: role/content, content as text
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # chat: the last message left open, to be continued
@@ -49,7 +51,15 @@ class Completion:
     # the tokenizer's own additions (a Llama tokenizer's BOS): vLLM's defaults, on for a
     # completion's text prompt, off for chat (the template writes them)
     add_special_tokens: bool = True
-    max_tokens: int | None = None  # None (chat only): up to the model's context
+    max_tokens: int | None = None  # None (chat only): up to the model's context; 0: echo only
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # choices generated per prompt, the n most likely returned
+    echo: bool = False  # completions: the prompt before its completion (and its logprobs)
+    logprobs: int | None = None  # alternatives reported per token (None: no log probabilities)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's, beside the choices
+    bad_words: list[str] = field(default_factory=list)  # tokenized with the prompt
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
+    cache_salt: str = ""
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
     prefill_route: str = "auto"  # baton's extension: pin the prefill to "chain" or "local"
 
@@ -59,15 +69,22 @@ def completion_request(body: object, defaults: dict | None = None) -> Completion
     the model's temperature, top_p and top_k for a body that leaves them out."""
     body = _object(body, "the request body")
     check_fields(body, "completions")
-    text, token_ids = _prompt(body.get("prompt"))
-    max_tokens = _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=1)
-    return Completion(chat=False, model=_model(body), text=text, token_ids=token_ids,
-                      add_special_tokens=_boolean(body, "add_special_tokens", True),
-                      sampling=_sampling(body, max_tokens, defaults), compression=_compression(body),
-                      stream=_boolean(body, "stream", False),
-                      include_usage=_include_usage(body), max_tokens=max_tokens,
-                      return_token_ids=_boolean(body, "return_token_ids", False),
-                      prefill_route=_prefill_route(body))
+    prompts = _prompts(body.get("prompt"))
+    echo = _boolean(body, "echo", False)
+    max_tokens = _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=0)
+    if max_tokens == 0 and not echo:
+        raise BadParameter("max_tokens", "max_tokens 0 generates nothing: it is taken only with "
+                                         "echo (the prompt's log probabilities)")
+    logprobs = _integer(body, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    prompt_logprobs = _prompt_logprobs(body, logprobs if echo else None)
+    completion = Completion(
+        chat=False, model=_model(body), prompts=prompts,
+        add_special_tokens=_boolean(body, "add_special_tokens", True),
+        sampling=_sampling(body, max(max_tokens, 1), defaults, logprobs, prompt_logprobs),
+        echo=echo, logprobs=logprobs, prompt_logprobs=_integer(body, "prompt_logprobs", None),
+        max_tokens=max_tokens, **_common(body))
+    _check_choices(completion)
+    return completion
 
 
 def chat_request(body: object, defaults: dict | None = None) -> Completion:
@@ -79,18 +96,57 @@ def chat_request(body: object, defaults: dict | None = None) -> Completion:
                                                      "add_generation_prompt cannot both be true")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, limit, None, minimum=1)
-    return Completion(chat=True, model=_model(body), messages=_messages(body.get("messages")),
-                      add_generation_prompt=_boolean(body, "add_generation_prompt", True),
-                      continue_final_message=_boolean(body, "continue_final_message", False),
-                      chat_template=_optional_text(body, "chat_template"),
-                      template_kwargs=_template_kwargs(body),
-                      add_special_tokens=_boolean(body, "add_special_tokens", False),
-                      sampling=_sampling(body, max_tokens or 1, defaults),
-                      compression=_compression(body),
-                      stream=_boolean(body, "stream", False),
-                      include_usage=_include_usage(body), max_tokens=max_tokens,
-                      return_token_ids=_boolean(body, "return_token_ids", False),
-                      prefill_route=_prefill_route(body))
+    logprobs = None
+    if _boolean(body, "logprobs", False):
+        logprobs = _integer(body, "top_logprobs", 0, minimum=0, maximum=MAX_LOGPROBS)
+    elif body.get("top_logprobs"):
+        raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
+    prompt_logprobs = _prompt_logprobs(body, None)
+    completion = Completion(
+        chat=True, model=_model(body), messages=_messages(body.get("messages")),
+        add_generation_prompt=_boolean(body, "add_generation_prompt", True),
+        continue_final_message=_boolean(body, "continue_final_message", False),
+        chat_template=_optional_text(body, "chat_template"),
+        template_kwargs=_template_kwargs(body),
+        add_special_tokens=_boolean(body, "add_special_tokens", False),
+        sampling=_sampling(body, max_tokens or 1, defaults, logprobs, prompt_logprobs),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, **_common(body))
+    _check_choices(completion)
+    return completion
+
+
+def _common(body: dict) -> dict:
+    """The fields both endpoints read alike, as ``Completion`` keywords."""
+    n = _integer(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
+    truncate = _integer(body, "truncate_prompt_tokens", None, minimum=1)
+    return {"compression": _compression(body), "stream": _boolean(body, "stream", False),
+            "include_usage": _include_usage(body),
+            "return_token_ids": _boolean(body, "return_token_ids", False),
+            "prefill_route": _prefill_route(body), "n": n,
+            "best_of": _integer(body, "best_of", n, minimum=1, maximum=MAX_CHOICES),
+            "bad_words": _strings(body, "bad_words"), "truncate_prompt_tokens": truncate,
+            "cache_salt": _optional_text(body, "cache_salt") or ""}
+
+
+def _check_choices(completion: Completion) -> None:
+    if completion.best_of < completion.n:
+        raise BadParameter("best_of", f"best_of {completion.best_of} must be >= n {completion.n}")
+    if completion.best_of > completion.n and completion.stream:
+        raise BadParameter("best_of", "best_of > n cannot stream: the best choices are known "
+                                      "only at the end")
+    total = completion.best_of * max(len(completion.prompts), 1)
+    if total > MAX_CHOICES:
+        raise BadParameter("best_of" if completion.best_of > completion.n else "n",
+                           f"{total} generations in one request (prompts x best_of); at most "
+                           f"{MAX_CHOICES}")
+
+
+def _prompt_logprobs(body: dict, echoed: int | None) -> int | None:
+    """vLLM's ``prompt_logprobs``, or a completion's ``logprobs`` when it echoes the prompt."""
+    asked = _integer(body, "prompt_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    if asked is None:
+        return echoed
+    return asked if echoed is None else max(asked, echoed)
 
 
 # --- reading fields --------------------------------------------------------------------------
@@ -108,21 +164,37 @@ def _model(body: dict) -> str:
     return model
 
 
-def _prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
-    """A completions prompt: a string, a list of token ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadParameter("prompt", "the prompt is empty")
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
-        return None, tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadParameter("prompt", f"a list of {len(prompt)} prompts is not supported: send one "
-                                     f"request per prompt")
-    raise BadParameter("prompt", f"prompt must be a non-empty string or list of token ids, got "
-                                 f"{short(prompt)}")
+def _prompts(prompt: object) -> list[str | tuple[int, ...]]:
+    """A completions prompt: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(_is_int(token) for token in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadParameter("prompt", f"prompt must be a non-empty string or list of token ids, "
+                                     f"or a list of them, got {short(prompt)}")
+    prompts: list[str | tuple[int, ...]] = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, str) and item:
+            prompts.append(item)
+        elif isinstance(item, list) and item and all(_is_int(token) for token in item):
+            prompts.append(tuple(item))
+        else:
+            where = "prompt" if len(prompt) == 1 else f"prompt[{index}]"
+            raise BadParameter("prompt", f"{where} must be a non-empty string or list of token "
+                                         f"ids, got {short(item)}")
+    return prompts
+
+
+def _strings(body: dict, name: str) -> list[str]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not (isinstance(value, list) and all(isinstance(item, str) and item for item in value)):
+        raise BadParameter(name, f"{name} must be a string or a list of non-empty strings, got "
+                                 f"{short(value)}")
+    return value
 
 
 def _optional_text(body: dict, name: str) -> str | None:
@@ -187,33 +259,60 @@ def _content(content: object, index: int) -> str:
                                    f"text parts, got {short(content)}")
 
 
-def _sampling(body: dict, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, defaults: dict | None = None,
+              logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     defaults = defaults or {}
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise BadParameter("stop", f"stop must be a string or a list of strings, got {short(stop)}")
-    stop_token_ids = body.get("stop_token_ids") or []
-    if not (isinstance(stop_token_ids, list) and all(_is_int(t) for t in stop_token_ids)):
-        raise BadParameter("stop_token_ids", f"stop_token_ids must be a list of integers, got "
-                                             f"{short(stop_token_ids)}")
+    stop = _strings(body, "stop")
+    stop_token_ids = _token_ids(body, "stop_token_ids") or []
     top_k = _integer(body, "top_k", defaults.get("top_k", 0), minimum=-1)
     try:
         return SamplingParams(temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
                               top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
-                              top_k=max(top_k, 0),
+                              top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0),
                               seed=_integer(body, "seed", None), max_tokens=max_tokens,
+                              min_tokens=_integer(body, "min_tokens", 0, minimum=0, maximum=max_tokens),
                               stop=stop, stop_token_ids=stop_token_ids,
-                              ignore_eos=_boolean(body, "ignore_eos", False))
+                              include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
+                              ignore_eos=_boolean(body, "ignore_eos", False),
+                              presence_penalty=_number(body, "presence_penalty", 0.0),
+                              frequency_penalty=_number(body, "frequency_penalty", 0.0),
+                              repetition_penalty=_number(body, "repetition_penalty", 1.0),
+                              logit_bias=_logit_bias(body),
+                              allowed_token_ids=_token_ids(body, "allowed_token_ids"),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              skip_special_tokens=_boolean(body, "skip_special_tokens", True))
     except BadParameter:
         raise
     except ValueError as e:  # the shared checks name the value; find the field they mean
-        names = [name for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop",
-                                   "stop_token_ids") if name in str(e)]
+        names = [name for name in SAMPLING_FIELDS if name in str(e)]
         raise BadParameter(names[0] if names else "", str(e)) from None
+
+
+def _token_ids(body: dict, name: str) -> list[int] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not (isinstance(value, list) and all(_is_int(t) and t >= 0 for t in value)):
+        raise BadParameter(name, f"{name} must be a list of token ids (integers >= 0), got "
+                                 f"{short(value)}")
+    return value
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) to biases."""
+    value = body.get("logit_bias") or {}
+    if not isinstance(value, dict):
+        raise BadParameter("logit_bias", f"logit_bias must be an object, got {short(value)}")
+    bias = {}
+    for key, amount in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+        if not _is_number(amount):
+            raise BadParameter("logit_bias", f"logit_bias[{key!r}] must be a number, got {short(amount)}")
+        bias[token] = float(amount)
+    return bias
 
 
 def _compression(body: dict) -> CompressionParams:
@@ -255,7 +354,8 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _integer(body: dict, name: str, default, minimum: int | None = None):
+def _integer(body: dict, name: str, default, minimum: int | None = None,
+             maximum: int | None = None):
     value = body.get(name)
     if value is None:
         return default
@@ -265,6 +365,8 @@ def _integer(body: dict, name: str, default, minimum: int | None = None):
         raise BadParameter(name, f"{name} must be an integer, got {short(value)}")
     if minimum is not None and value < minimum:
         raise BadParameter(name, f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise BadParameter(name, f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -284,99 +386,3 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise BadParameter(name, f"{name} must be true or false, got {short(value)}")
     return value
-
-
-# --- answers ---------------------------------------------------------------------------------
-
-def usage_body(usage: Usage | None) -> dict:
-    usage = usage or Usage()
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
-
-
-def baton_body(request_id: str, step: GenerationStep) -> dict:
-    """baton's own account of a finished request, beside OpenAI's fields: where it ran, what
-    its KV cost and its timings (what the gRPC API's last message carries)."""
-    usage, timings, route = step.usage or Usage(), step.timings, step.route
-    body = {"request_id": request_id,
-            "kv_tokens_kept": usage.kv_tokens_kept, "kv_tokens_full": usage.kv_tokens_full,
-            "kv_bytes_shipped": usage.kv_bytes_shipped}
-    if route is not None:
-        body["route"] = {"decode_address": route.decode_address, "chain_id": route.chain_id,
-                         "path": "chain" if route.chain_id else "local", "reason": route.reason}
-    if timings is not None:
-        body["timings"] = {"ttft_s": timings.ttft_s, "prefill_s": timings.prefill_s,
-                           "kv_push_s": timings.kv_push_s, "total_s": timings.total_s,
-                           "mean_time_between_tokens_s": timings.mean_time_between_tokens_s}
-    return body
-
-
-@dataclass
-class Answer:
-    """How one request is answered: its ids and the shape of its JSON."""
-
-    chat: bool
-    response_id: str
-    model: str
-    created: int
-
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.chat else "text_completion"
-
-    def _head(self, object_name: str) -> dict:
-        return {"id": self.response_id, "object": object_name, "created": self.created,
-                "model": self.model}
-
-    def whole(self, text: str, last: GenerationStep, token_ids: list[int] | None = None) -> dict:
-        """The non-streaming response (``token_ids`` when asked for)."""
-        choice = {"index": 0, "logprobs": None, "finish_reason": FINISH_REASONS[last.finish_reason]}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return {**self._head(self.object), "choices": [choice], "usage": usage_body(last.usage),
-                "baton": baton_body(self.response_id, last)}
-
-    def chunk(self, text: str | None, finish_reason: FinishReason | None, include_usage: bool,
-              role: bool = False, token_ids: tuple[int, ...] | None = None) -> dict:
-        """One streamed chunk: ``text`` (None: no content, e.g. the chat's last chunk), the
-        finish reason on the last; ``role`` on a chat stream's first; ``token_ids`` when
-        asked for."""
-        choice = {"index": 0, "logprobs": None,
-                  "finish_reason": FINISH_REASONS[finish_reason] if finish_reason else None}
-        if self.chat:
-            delta = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        if token_ids is not None:
-            choice["token_ids"] = list(token_ids)
-        body = {**self._head(f"{self.object}.chunk" if self.chat else self.object),
-                "choices": [choice]}
-        if include_usage:  # OpenAI: every chunk has "usage", null but the last
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, last: GenerationStep) -> dict:
-        """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
-        return {**self._head(f"{self.object}.chunk" if self.chat else self.object), "choices": [],
-                "usage": usage_body(last.usage), "baton": baton_body(self.response_id, last)}
-
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "invalid_request_error", 409: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               502: "server_error", 503: "service_unavailable", 504: "timeout"}
-ERROR_CODES = {401: "invalid_api_key", 409: "duplicate_request_id", 413: "request_too_large",
-               429: "overloaded", 503: "unavailable"}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
-                      "param": param or None, "code": code or ERROR_CODES.get(status)}}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from baton.model.sampling import Sampler, SamplingParams, StopStringMatcher
+from baton.sampling.params import SamplingParams
+from baton.sampling.sampler import Sampler
+from baton.sampling.stops import StopStringMatcher
 
 
 @pytest.mark.parametrize("fields, message", [
