@@ -95,6 +95,9 @@ class HttpConfig:
                                     "whose samples GET /metrics adds to the gateway's own: `baton "
                                     "up --autoscale` writes the planner's targets there; empty = "
                                     "none")
+    tool_call_parser: str = setting("", "the format the model writes tool calls in (vLLM's "
+                                    "--tool-call-parser names); empty = the one its chat template "
+                                    "teaches", choices=("", "hermes", "llama3_json", "mistral"))
 
     def __post_init__(self) -> None:
         require(bool(self.host), "http host must not be empty")

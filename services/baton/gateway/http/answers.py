@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.api.requests import FinishReason, GenerationStep, Usage
+from baton.gateway.http.chat_output import ChatOutput
 from baton.gateway.http.protocol import Completion
 from baton.sampling.logprobs import TokenLogprobs
 
@@ -63,6 +64,7 @@ class Choice:
     prompt_ids: tuple[int, ...] = ()
     prompt_text: str = ""  # echoed before the text
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    chat_output: ChatOutput | None = None  # a chat's: how its text becomes the message
 
     @property
     def cumulative_logprob(self) -> float:
@@ -98,7 +100,10 @@ class Answer:
             body = {"index": choice.index, "logprobs": None,
                     "finish_reason": FINISH_REASONS[choice.last.finish_reason]}
             if self.chat:
-                body["message"] = {"role": "assistant", "content": choice.text}
+                output = choice.chat_output or ChatOutput(None, None)
+                body["message"] = output.message(choice.text)
+                body["finish_reason"] = output.finish_reason(
+                    body["finish_reason"], called=bool(body["message"].get("tool_calls")))
                 if self.logprobs:
                     body["logprobs"] = self.chat_logprobs(choice.logprobs)
             else:
@@ -113,16 +118,20 @@ class Answer:
         return {**self._head(self.object), "choices": bodies, "usage": usage_body(usage),
                 "baton": baton_body(self.response_id, choices[0].last)}
 
-    def chunk(self, text: str | None, finish_reason: FinishReason | None, include_usage: bool,
+    def chunk(self, text: str | None, finish_reason: FinishReason | str | None, include_usage: bool,
               role: bool = False, token_ids: tuple[int, ...] | None = None, index: int = 0,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, delta: dict | None = None) -> dict:
         """One streamed chunk: ``text`` (None: no content, e.g. the chat's last chunk), the
         finish reason on the last; ``role`` on a chat stream's first; ``token_ids`` when
-        asked for; ``logprobs`` already shaped (``chat_logprobs`` or ``completion_logprobs``)."""
-        choice = {"index": index, "logprobs": logprobs,
-                  "finish_reason": FINISH_REASONS[finish_reason] if finish_reason else None}
+        asked for; ``logprobs`` already shaped (``chat_logprobs`` or ``completion_logprobs``);
+        ``delta``: a chat's delta as ``ChatOutput`` read it, in place of ``text``."""
+        if isinstance(finish_reason, FinishReason):
+            finish_reason = FINISH_REASONS[finish_reason]
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
-            delta = {"role": "assistant"} if role else {}
+            delta = dict(delta) if delta is not None else {}
+            if role:
+                delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta

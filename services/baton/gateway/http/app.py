@@ -34,6 +34,7 @@ from baton.config import HttpConfig
 from baton.errors import InvalidArgument, ResourceExhausted, TooLarge
 from baton.gateway.generations import Generations
 from baton.gateway.http.answers import Answer, Choice, error_body, returned_choices, total_usage
+from baton.gateway.http.chat_output import ChatOutput
 from baton.gateway.http.chat_template import ChatTemplate
 from baton.gateway.http.choice_stream import ChoiceStream
 from baton.gateway.http.generation_plan import PlannedGeneration, plan_generations
@@ -229,7 +230,8 @@ class OpenAIServer:
                 first = await anext(steps)  # admission errors are raised here, as HTTP statuses
                 if completion.stream:
                     return await self._stream(request, answer, completion, planned[0], first, steps)
-                choice = await self._gather(planned[0], first, steps, completion.max_tokens == 0)
+                choice = await self._gather(planned[0], first, steps, completion.max_tokens == 0,
+                                            self._chat_output(completion, planned[0]))
                 return web.json_response(answer.whole(returned_choices([choice], completion),
                                                       choice.last.usage, completion.return_token_ids))
         finally:
@@ -247,11 +249,12 @@ class OpenAIServer:
 
     @staticmethod
     async def _gather(planned: PlannedGeneration, first: GenerationStep, steps,
-                      echo_only: bool = False) -> Choice:
+                      echo_only: bool = False, output: ChatOutput | None = None) -> Choice:
         """One generation, whole (``echo_only``: max_tokens 0, the token generated for it
         left out)."""
         choice = Choice(planned.index, first, prompt_ids=planned.prompt_ids,
-                        prompt_text=planned.prompt_text, prompt_logprobs=first.prompt_logprobs)
+                        prompt_text=planned.prompt_text, prompt_logprobs=first.prompt_logprobs,
+                        chat_output=output)
         step = first
         while True:
             choice.text += step.text
@@ -278,7 +281,8 @@ class OpenAIServer:
                 return await self._stream_several(request, answer, completion, planned, firsts,
                                                   streams)
             choices = await asyncio.gather(*(
-                self._gather(plan, first, steps, completion.max_tokens == 0)
+                self._gather(plan, first, steps, completion.max_tokens == 0,
+                             self._chat_output(completion, plan))
                 for plan, first, steps in zip(planned, firsts, streams)))
             return web.json_response(answer.whole(returned_choices(choices, completion),
                                                   total_usage(choices, completion),
@@ -287,7 +291,7 @@ class OpenAIServer:
     async def _stream(self, request: web.Request, answer: Answer, completion: Completion,
                       planned: PlannedGeneration, first: GenerationStep, steps) -> web.StreamResponse:
         response = await self._open_stream(request, answer)
-        choice = ChoiceStream(answer, completion, planned, 0)
+        choice = ChoiceStream(answer, completion, planned, 0, self._chat_output(completion, planned))
         step = first
         try:
             while True:
@@ -321,7 +325,8 @@ class OpenAIServer:
             except Exception as e:  # noqa: BLE001 - the stream reports it, as one choice's end
                 await queue.put((index, e))
 
-        choices = [ChoiceStream(answer, completion, plan, plan.index) for plan in planned]
+        choices = [ChoiceStream(answer, completion, plan, plan.index,
+                                self._chat_output(completion, plan)) for plan in planned]
         lasts: dict[int, GenerationStep] = {}
         async with asyncio.TaskGroup() as group:
             pumps = [group.create_task(pump(index, first, steps))
@@ -347,6 +352,14 @@ class OpenAIServer:
                 for task in pumps:
                     task.cancel()
         return await self._close_stream(request, response)
+
+    def _chat_output(self, completion: Completion, planned: PlannedGeneration) -> ChatOutput | None:
+        """How a chat choice's text becomes its message (None for a completion)."""
+        if not completion.chat:
+            return None
+        source = self.chat_template.source_of(completion.chat_template)
+        return ChatOutput.for_request(completion.tools, source, planned.prompt_text,
+                                      completion.template_kwargs, self.config.tool_call_parser)
 
     async def _open_stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",

@@ -71,6 +71,11 @@ class ChatTemplate:
             raise ValueError(f"the chat template of {directory} is not valid Jinja: {e}") from e
         return template
 
+    def source_of(self, template: str | None = None) -> str:
+        """The template a request renders with: its own (a name among the checkpoint's, or a
+        source), else the checkpoint's."""
+        return self.named.get(template, template) if template else self.source
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, *,
                tools: list[dict] | None = None, documents: list[dict] | None = None,
                continue_final_message: bool = False, template: str | None = None,
@@ -78,7 +83,7 @@ class ChatTemplate:
         """The prompt text of ``messages``; ``template``: a name among the checkpoint's, or a
         template's own source. Raises TemplateError (INVALID_ARGUMENT) when the template
         refuses them or cannot be compiled."""
-        source = self.named.get(template, template) if template else self.source
+        source = self.source_of(template)
         if continue_final_message:
             messages = _open_last(messages)
         try:

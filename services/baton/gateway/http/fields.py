@@ -34,8 +34,8 @@ HONOURED = {
     "completions": HONOURED_BOTH | {"prompt", "echo", "logprobs"},
     "chat": HONOURED_BOTH | {"messages", "add_generation_prompt", "max_completion_tokens",
                              "continue_final_message", "chat_template", "chat_template_kwargs",
-                             "documents", "logprobs", "top_logprobs",
-                             "parallel_tool_calls"},  # the last: no tools are ever offered
+                             "documents", "logprobs", "top_logprobs", "tools", "tool_choice",
+                             "parallel_tool_calls", "functions", "function_call"},
 }
 # Fields OpenAI or vLLM document that baton takes only at their neutral value (what a client
 # that does not use them sends): any other value is refused, never silently ignored.
@@ -48,9 +48,8 @@ _NEUTRAL_BOTH: dict[str, tuple[Any, ...]] = {
 NEUTRAL = {
     "completions": {**_NEUTRAL_BOTH, "suffix": (None, ""),
                     "response_format": (None, {"type": "text"})},
-    "chat": {**_NEUTRAL_BOTH, "tools": (None, []), "functions": (None, []),
-             "tool_choice": (None, "none"), "function_call": (None, "none"),
-             "response_format": (None, {"type": "text"}), "reasoning_effort": (None,)},
+    "chat": {**_NEUTRAL_BOTH, "response_format": (None, {"type": "text"}),
+             "reasoning_effort": (None,)},
 }
 # Documented, and without effect on what is generated: accepted, with a warning.
 IGNORED = {"user", "metadata", "store", "service_tier", "request_id", "modalities", "audio",

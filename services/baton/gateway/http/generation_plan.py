@@ -24,15 +24,19 @@ class PlannedGeneration:
     prompt_index: int
     request: GenerateRequest
     prompt_ids: tuple[int, ...]
-    prompt_text: str = ""  # what an echo shows of the prompt
+    prompt_text: str = ""  # what an echo shows of the prompt; a chat's rendered conversation
 
 
 def plan_generations(completion: Completion, request_id: str, model: ServedModel,
                      chat_template: ChatTemplate | None) -> list[PlannedGeneration]:
-    prompts = [_chat_prompt(completion, model, chat_template)] if completion.chat else [
-        model.encode_text(prompt, completion.add_special_tokens) if isinstance(prompt, str)
-        else prompt for prompt in completion.prompts]
-    texts = [prompt if isinstance(prompt, str) else None for prompt in completion.prompts]
+    if completion.chat:
+        rendered = _render_chat(completion, chat_template)
+        prompts = [model.encode_text(rendered, completion.add_special_tokens)]
+        texts: list[str | None] = [rendered]  # what reasoning is read against
+    else:
+        prompts = [model.encode_text(prompt, completion.add_special_tokens)
+                   if isinstance(prompt, str) else prompt for prompt in completion.prompts]
+        texts = [prompt if isinstance(prompt, str) else None for prompt in completion.prompts]
     sampling = completion.sampling
     if completion.bad_words:
         sampling = dataclasses.replace(sampling, bad_words_ids=_bad_words_ids(completion.bad_words, model))
@@ -42,7 +46,7 @@ def plan_generations(completion: Completion, request_id: str, model: ServedModel
         prompt_text = texts[prompt_index] if prompt_index < len(texts) else None
         if completion.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-completion.truncate_prompt_tokens:]
-            prompt_text = None
+            prompt_text = prompt_text if completion.chat else None
         if completion.echo and prompt_text is None:
             prompt_text = model.tokenizer.decode(list(prompt_ids))
         prompt_sampling = sampling
@@ -65,13 +69,15 @@ def plan_generations(completion: Completion, request_id: str, model: ServedModel
     return planned
 
 
-def _chat_prompt(completion: Completion, model: ServedModel,
-                 chat_template: ChatTemplate) -> tuple[int, ...]:
-    text = chat_template.render(
+def _render_chat(completion: Completion, chat_template: ChatTemplate) -> str:
+    """The conversation as the template writes it, with the tools offered (none when the
+    request chose "none")."""
+    tools = completion.tools
+    offered = tools.tools if tools is not None and tools.tool_choice != "none" else None
+    return chat_template.render(
         completion.messages, completion.add_generation_prompt and not completion.continue_final_message,
         continue_final_message=completion.continue_final_message,
-        template=completion.chat_template, **completion.template_kwargs)
-    return model.encode_text(text, completion.add_special_tokens)
+        template=completion.chat_template, tools=offered, **completion.template_kwargs)
 
 
 def _bad_words_ids(words: list[str], model: ServedModel) -> list[list[int]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from baton.api.requests import PREFILL_ROUTES
 from baton.gateway.http.fields import BadParameter, check_fields, short
+from baton.gateway.http.tool_choice import ToolRequest, validate_tools
 from baton.sampling.params import MAX_LOGPROBS, CompressionParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -60,6 +61,7 @@ class Completion:
     bad_words: list[str] = field(default_factory=list)  # tokenized with the prompt
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     cache_salt: str = ""
+    tools: ToolRequest | None = None  # chat: the tools offered, and how the model must use them
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
     prefill_route: str = "auto"  # baton's extension: pin the prefill to "chain" or "local"
 
@@ -102,8 +104,10 @@ def chat_request(body: object, defaults: dict | None = None) -> Completion:
     elif body.get("top_logprobs"):
         raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
     prompt_logprobs = _prompt_logprobs(body, None)
+    tools = validate_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
+                           functions=body.get("functions"), function_call=body.get("function_call"))
     completion = Completion(
-        chat=True, model=_model(body), messages=_messages(body.get("messages")),
+        chat=True, tools=tools if tools.tools else None, model=_model(body), messages=_messages(body.get("messages")),
         add_generation_prompt=_boolean(body, "add_generation_prompt", True),
         continue_final_message=_boolean(body, "continue_final_message", False),
         chat_template=_optional_text(body, "chat_template"),
