@@ -1,0 +1,1 @@
+"""Constraining what a request may generate: grammars and their token bitmasks."""
