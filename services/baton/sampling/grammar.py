@@ -133,6 +133,11 @@ def _forbid_unlisted_properties(schema: Any, in_all_of: bool = False) -> None:
                 _forbid_unlisted_properties(member)
 
 
+def _library_message(error: str) -> str:
+    """llguidance's error without the parser's state dump that follows it."""
+    return error.split("\n<state>", 1)[0].strip()
+
+
 def _import_library():
     try:
         import llguidance
@@ -211,7 +216,7 @@ class GrammarState:
     @property
     def error(self) -> str:
         """Why the last ``accept`` failed ("" if none did)."""
-        return self._matcher.get_error().split("\n", 1)[0] if self._matcher.is_error() else ""
+        return _library_message(self._matcher.get_error()) if self._matcher.is_error() else ""
 
     def replay(self, token_ids: list[int]) -> bool:
         """Rebuilds the state from the start through ``token_ids`` (a request that moved
@@ -278,7 +283,7 @@ class GrammarCompiler:
         # building the matcher compiles the grammar (without the GIL); errors land in it
         matcher = library.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid {spec.kind}: {matcher.get_error().splitlines()[0]}")
+            raise GrammarError(f"invalid {spec.kind}: {_library_message(matcher.get_error())}")
         return matcher
 
     def _library_grammar(self, spec: GrammarSpec) -> str:
