@@ -28,10 +28,11 @@ def test_new_bitmask_allows_everything():
     assert torch.equal(logits, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [31, 32, 33, 1000])
-def test_every_row_matches_the_reference(vocab):
+def test_every_row_matches_the_reference(vocab, dtype):
     bitmask = random_bitmask(4, vocab, seed=vocab)
-    logits = torch.randn(4, vocab)
+    logits = torch.randn(4, vocab).to(dtype)
     original = logits.clone()
     apply_bitmask(logits, bitmask)
     for row in range(4):
@@ -60,6 +61,9 @@ def test_ids_past_the_mask_are_disallowed():
     logits = torch.zeros(2, 40)
     apply_bitmask(logits, new_bitmask(2, 32))
     assert torch.isfinite(logits[:, :32]).all() and torch.isinf(logits[:, 32:]).all()
+    logits = torch.zeros(3, 40)
+    apply_bitmask(logits, new_bitmask(3, 32), rows=[1])
+    assert torch.isinf(logits[1, 32:]).all() and torch.isfinite(logits[[0, 2]]).all()
 
 
 def test_a_mask_wider_than_the_logits():
