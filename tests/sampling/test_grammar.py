@@ -81,20 +81,24 @@ def text_of(tokenizer: Tokenizer, token_ids: list[int]) -> str:
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
     """An object schema: typed, bounded properties (so random tokens end), enums, arrays,
-    nested objects, a random ``required`` list."""
+    nested objects, alternatives, a random ``required`` list; at the top, sometimes a
+    definition referred to."""
     properties = {f"{rng.choice('abcdefgh')}{i}": random_property(rng, depth)
                   for i in range(rng.randint(1, 5 if depth == 0 else 3))}
     required = [name for name in properties if rng.random() < 0.6]
     schema = {"type": "object", "properties": properties}
     if required:
         schema["required"] = required
+    if depth == 0 and rng.random() < 0.3:
+        schema["$defs"] = {"item": random_schema(rng, depth=2)}
+        properties["ref"] = {"$ref": "#/$defs/item"}
     return schema
 
 
 def random_property(rng: random.Random, depth: int) -> dict:
     kinds = ["integer", "number", "string", "pattern", "enum", "boolean", "null", "array"]
     if depth < 2:
-        kinds.append("object")
+        kinds += ["object", "anyOf"]
     kind = rng.choice(kinds)
     if kind == "integer":
         low = rng.randint(-50, 50)
@@ -113,6 +117,8 @@ def random_property(rng: random.Random, depth: int) -> dict:
                 "minItems": rng.randint(0, 1), "maxItems": rng.randint(1, 3)}
     if kind == "object":
         return random_schema(rng, depth + 1)
+    if kind == "anyOf":
+        return {"anyOf": [random_property(rng, depth + 1), random_property(rng, depth + 1)]}
     return {"type": kind}
 
 
@@ -275,19 +281,28 @@ def test_what_the_library_rejects(compiler, kind, text, message):
         compiler.compile(GrammarSpec(kind, text))
 
 
-def test_strict_leaves_all_of_members_open():
+def test_strict_closes_objects_but_not_combined_parts():
     spec = GrammarSpec("json_schema", json.dumps({
-        "allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
-                  {"properties": {"b": {"type": "object", "properties": {}}}}],
-        "properties": {"properties": {"type": "object"}},
+        "type": "object",
+        "properties": {
+            # a property named "properties" is a property, not a keyword
+            "properties": {"type": ["object", "null"]},
+            "parts": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                {"properties": {"b": {"type": "object"}}}]},
+            "ref": {"$ref": "#/$defs/item", "properties": {"c": {"type": "null"}}},
+        },
+        "$defs": {"item": {"type": "object", "properties": {"d": {"type": "null"}}}},
     }))
     schema = spec.schema()
-    assert "additionalProperties" not in schema["allOf"][0]
-    assert schema["allOf"][1]["properties"]["b"]["additionalProperties"] is False
-    # a property named "properties" is a property, not a keyword
-    assert schema["properties"]["properties"] == {"type": "object",
-                                                  "additionalProperties": False}
     assert schema["additionalProperties"] is False
+    assert schema["properties"]["properties"]["additionalProperties"] is False
+    parts = schema["properties"]["parts"]
+    assert "additionalProperties" not in parts and "additionalProperties" not in parts["allOf"][0]
+    assert parts["allOf"][1]["properties"]["b"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema["properties"]["ref"]
+    assert schema["$defs"]["item"]["additionalProperties"] is False
+    assert "additionalProperties" not in GrammarSpec("json_schema", spec.text,
+                                                     strict=False).schema()
 
 
 def test_mask_row_of_the_wrong_width(compiler):

@@ -7,11 +7,11 @@ and checked there. One ``GrammarCompiler`` per model turns a spec into a
 takes a ``GrammarState`` from it, which writes the ids allowed next into its row of the
 batch's bitmask (``baton.sampling.bitmask``) and advances on the sampled token.
 
-llguidance rather than xgrammar (docs/runtime-log.md, "Structured outputs"): it compiles a
-schema lazily, so a request's new schema costs about a millisecond where xgrammar spends a
-fraction of a second per schema over a real vocabulary before the first token; its mask
-costs tens of microseconds a row; and it installs without dependencies. It is imported
-only when a compiler is built, so baton runs without it.
+llguidance rather than xgrammar (docs/runtime-log.md, "Structured outputs"): it walks the
+tokenizer's trie lazily, step by step, where xgrammar builds a schema's whole token-mask
+cache before the first token, a cost that grows with the vocabulary and lands in the time
+to first token of every request that brings a new schema; and it installs without
+dependencies. It is imported only when a compiler is built, so baton runs without it.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from baton.sampling.bitmask import num_words
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 PACKAGE = "llguidance"
-# Distinct schemas a model keeps compiled: a compiled grammar is small (its lexer grows
-# with use), and clients that send a schema tend to send the same few again.
+# Distinct specs a model keeps compiled: clients that send a schema tend to send the same
+# few again, and the bound keeps one-off schemas from piling up.
 DEFAULT_MAX_CACHED_GRAMMARS = 256
 # Schema keywords whose value is one subschema, a list of them, or a name -> subschema map.
 _ONE_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then",
@@ -111,12 +111,16 @@ def _parse_json(text: str, what: str) -> Any:
 
 def _forbid_unlisted_properties(schema: Any, in_all_of: bool = False) -> None:
     """Sets ``additionalProperties: false`` on every object schema that leaves it open, in
-    place. The members of an ``allOf`` are left open: each lists only part of the
-    properties the others allow."""
+    place. A schema combined with others (an ``allOf`` member, or one holding ``allOf`` or
+    a ``$ref`` beside its properties) is left open: each part lists only some of the
+    properties the whole allows."""
     if not isinstance(schema, dict):
         return
-    is_object = schema.get("type") == "object" or "properties" in schema
-    if (is_object and not in_all_of and "additionalProperties" not in schema
+    types = schema.get("type")
+    is_object = ("properties" in schema or types == "object"
+                 or (isinstance(types, list) and "object" in types))
+    combined = in_all_of or "allOf" in schema or "$ref" in schema
+    if (is_object and not combined and "additionalProperties" not in schema
             and "unevaluatedProperties" not in schema):
         schema["additionalProperties"] = False
     for keyword in _ONE_SUBSCHEMA:
@@ -173,14 +177,14 @@ class CompiledGrammar:
 
     def __init__(self, spec: GrammarSpec, start: Any, mask_words: int) -> None:
         self.spec = spec
+        self.mask_words = mask_words  # int32 words in a bitmask row its states fill
         self._start = start  # an llguidance LLMatcher that never advances
-        self._mask_words = mask_words
 
     def new_state(self) -> GrammarState:
         return GrammarState(self)
 
     def _fresh_matcher(self) -> Any:
-        return self._start.deep_copy()  # shares the compiled grammar: ~1 µs
+        return self._start.deep_copy()  # cheap: the copy shares the compiled grammar
 
 
 class GrammarState:
@@ -193,7 +197,7 @@ class GrammarState:
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the ids allowed next into ``bitmask[row]`` (a ``new_bitmask`` of the
         compiler's ``vocab_size``); once terminated, only the EOS ids."""
-        words = self.grammar._mask_words
+        words = self.grammar.mask_words
         if (bitmask.dtype != torch.int32 or bitmask.device.type != "cpu"
                 or bitmask.dim() != 2 or bitmask.shape[1] != words
                 or not bitmask.is_contiguous()):
@@ -242,6 +246,7 @@ class GrammarCompiler:
             raise ValueError(f"max_cached_grammars {max_cached_grammars} must be >= 1")
         self._library = _import_library()
         self._tokenizer = self._library_tokenizer(info)
+        # the width of the bitmask rows its states fill: new_bitmask(batch, vocab_size)
         self.vocab_size = self._tokenizer.vocab_size
         self._max_cached = max_cached_grammars
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
@@ -290,8 +295,9 @@ class GrammarCompiler:
         library = self._library
         if spec.kind in ("json_schema", "json_object"):
             schema = spec.schema() if spec.kind == "json_schema" else {"type": "object"}
+            # overrides: the spec decides, whatever "x-guidance" options the schema carries
             return library.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": spec.any_whitespace})
+                schema, overrides={"whitespace_flexible": spec.any_whitespace})
         if spec.kind == "choice":
             return library.grammar_from("choice", json.dumps(spec.choices()))
         return library.grammar_from(spec.kind, spec.text)  # "regex" or "grammar"
