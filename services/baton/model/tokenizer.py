@@ -38,6 +38,11 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (grammar libraries read their token
+        tables from it)."""
+        return self._tokenizer.to_str()
+
 
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas for streaming.
