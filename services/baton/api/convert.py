@@ -32,6 +32,7 @@ from baton.api.requests import (
 from baton.api.v1 import api_pb2, common_pb2, decode_pb2, prefill_pb2
 from baton.errors import ServiceError
 from baton.routing.store import WorkerLoad
+from baton.sampling.grammar import GrammarSpec
 from baton.sampling.logprobs import TokenLogprobs
 from baton.sampling.params import SamplingParams
 
@@ -95,7 +96,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         allowed_token_ids=params.allowed_token_ids or [],
         bad_words=[common_pb2.TokenSequence(ids=words) for words in params.bad_words_ids],
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
-        skip_special_tokens=params.skip_special_tokens)
+        skip_special_tokens=params.skip_special_tokens,
+        structured=None if params.structured is None else common_pb2.StructuredOutput(
+            kind=params.structured.kind, text=params.structured.text,
+            strict=params.structured.strict, any_whitespace=params.structured.any_whitespace))
 
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "seed", "max_tokens", "ignore_eos",
@@ -115,7 +119,14 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
                           logit_bias=dict(message.logit_bias),
                           allowed_token_ids=list(message.allowed_token_ids) or None,
                           bad_words_ids=[list(words.ids) for words in message.bad_words],
-                          **optional)
+                          structured=_structured_from_proto(message), **optional)
+
+
+def _structured_from_proto(message: common_pb2.SamplingParams) -> GrammarSpec | None:
+    if not message.HasField("structured"):
+        return None
+    structured = message.structured
+    return GrammarSpec(structured.kind, structured.text, structured.strict, structured.any_whitespace)
 
 
 def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprobs:

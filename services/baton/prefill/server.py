@@ -34,6 +34,7 @@ from baton.runahead.break_even import Link, kv_bytes_per_token
 from baton.runahead.request import ModelSource
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import ChainRank
+from baton.sampling.grammars import ModelGrammars
 from baton.security.mtls import Mtls
 from baton.serving import (
     AsyncGrpcServer,
@@ -132,7 +133,10 @@ class PrefillServer:
                                  lambda: self.rank.model.dtype,
                                  nixl=open_plane(self.config.kv_transport.kind, "prefill",
                                                  listen_host(self.config.server.listen)),
-                                 kv_device=lambda: self.rank.model.device)
+                                 kv_device=lambda: self.rank.model.device,
+                                 grammars=ModelGrammars(self.model_source.tokenizer,
+                                                        self.model_config.vocab_size,
+                                                        self.model_config.eos_token_ids))
         else:
             self.sink = RankSink(on_ready, on_fail)
         def build() -> ChainRank:

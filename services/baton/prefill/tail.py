@@ -40,6 +40,7 @@ from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.pyramid import PromptCompressor, compressor_factory, request_config
 from baton.runahead.request import ChainResult
+from baton.sampling.grammars import ModelGrammars
 from baton.sampling.sampler import Draw, Sampler, draw
 from baton.security.mtls import Mtls
 from baton.transfer.codec import kv_header
@@ -60,14 +61,17 @@ class TailSink:
                  mtls: Mtls | None = None, by_layer: bool = False,
                  kv_dtype: Callable[[], torch.dtype] = lambda: torch.float32,
                  nixl: NixlAgent | None = None,
-                 kv_device: Callable[[], torch.device] = lambda: torch.device("cpu")) -> None:
+                 kv_device: Callable[[], torch.device] = lambda: torch.device("cpu"),
+                 grammars: ModelGrammars | None = None) -> None:
         """``by_layer``: ship each layer as it is computed (``on_layer``), the first token
         before the last layer; otherwise the whole cache once the logits exist, the first
         token on the header. ``kv_dtype``, ``kv_device``: the model's, once it is loaded (by
         layer from a GPU, a thread of the tail's sends each layer once its copy to the host is
         done, while the chain computes on). ``nixl``: this process's agent, for pods that read
-        over NIXL (None: gRPC to every pod)."""
+        over NIXL (None: gRPC to every pod). ``grammars``: the structured outputs' (None:
+        a request with one fails)."""
         self.model_config = model_config
+        self.grammars = grammars
         self.model_id = model_id
         self.revision = revision
         self.pyramid = pyramid
@@ -133,7 +137,8 @@ class TailSink:
         request = shipment.request
         try:
             push_start = time.monotonic()
-            first = first_draw(request, result.first_token_logits, self.model_config.eos_token_ids)
+            first = first_draw(request, result.first_token_logits, self.model_config.eos_token_ids,
+                               self.grammars)
             shipment.finish(FirstToken(first.token_id, result.ttft_s, tuple(result.boundaries),
                                        first.logprobs),
                             result.layers)
@@ -161,10 +166,18 @@ class TailSink:
         self._shipper.shutdown(wait=False)
 
 
-def first_draw(request: PrefillRequest, logits, eos_token_ids) -> Draw:
-    """The request's first token from the chain's last logits, drawn as a decode pod draws it."""
+def first_draw(request: PrefillRequest, logits, eos_token_ids,
+               grammars: ModelGrammars | None = None) -> Draw:
+    """The request's first token from the chain's last logits, drawn as a decode pod draws it
+    (under its grammar's mask too)."""
     params = request.sampling
-    sampler = Sampler(params, request.prompt_token_ids, params.stop_ids(eos_token_ids))
+    grammar = None
+    if params.structured is not None:
+        if grammars is None:
+            raise ValueError("this chain's tail cannot apply structured outputs")
+        grammar = grammars.state(params.structured)
+    sampler = Sampler(params, request.prompt_token_ids, params.stop_ids(eos_token_ids),
+                      grammar=grammar)
     return draw(logits[None, :], [sampler], [0])[0]
 
 

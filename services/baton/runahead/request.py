@@ -20,6 +20,7 @@ from baton.kv import LayerKV
 from baton.model import CausalLM, ModelConfig, load_checkpoint
 from baton.model.limits import check_prompt_ids
 from baton.model.presets import PRESETS, random_model
+from baton.model.tokenizer import Tokenizer
 from baton.runahead.partition import even_boundaries, validate_boundaries
 from baton.runahead.transport import RankCounters
 
@@ -51,6 +52,14 @@ class ModelSource:
         config = ModelConfig.from_file(resolve_model(self.path).directory / "config.json")
         config.cap_context(self.max_model_len)
         return config
+
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer (None for a preset: random weights have none)."""
+        if self.preset:
+            return None
+        from baton.model.hub import resolve_model
+
+        return Tokenizer.from_dir(resolve_model(self.path).directory)
 
     def load(self, device: torch.device) -> CausalLM:
         if self.preset:

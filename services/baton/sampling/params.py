@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from baton.sampling.grammar import GrammarSpec
+
 FINISH_STOP = "stop"  # a stop token id, an end-of-sequence token or a stop string
 FINISH_LENGTH = "length"  # max_tokens, the model's context or the KV pool's capacity
 FINISH_ABORT = "abort"
@@ -62,6 +64,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # in the text: special tokens' text left out
+    structured: GrammarSpec | None = None  # what the output must be (JSON schema, regex, ...)
     # Per-request KV compression overrides; the engine hands them to its compressor factory.
     compression: CompressionParams = field(default_factory=CompressionParams)
 
@@ -125,7 +128,7 @@ class SamplingParams:
         """Whether anything changes the model's logits before the draw (penalties, biases,
         masks): the logits the log probabilities and the greedy choice are taken from."""
         return (self.penalizes or bool(self.logit_bias) or self.allowed_token_ids is not None
-                or bool(self.bad_words_ids) or self.min_tokens > 0)
+                or bool(self.bad_words_ids) or self.min_tokens > 0 or self.structured is not None)
 
     @property
     def fast_path(self) -> bool:

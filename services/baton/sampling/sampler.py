@@ -9,8 +9,8 @@ its penalties and grammar continue where they were). Sampling runs on the CPU wh
 model's device, so a seed means the same thing on CPU and CUDA.
 
 ``draw`` processes all of a step's rows at once: penalties, biases and masks
-(``baton.sampling.processors``), the log probabilities, then temperature, min-p, top-k and
-top-p as tensors over the rows; only the seeded draw itself is one call per row. The chain's
+(``baton.sampling.processors``), the structured-output grammars' masks, the log
+probabilities, then temperature, min-p, top-k and top-p as tensors over the rows; only the seeded draw itself is one call per row. The chain's
 tail draws a first token with the same function, so a token means the same on every route.
 """
 
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.sampling.bitmask import apply_bitmask, new_bitmask
+from baton.sampling.grammar import GrammarState
 from baton.sampling.logprobs import TokenLogprobs, logprobs_of
 from baton.sampling.params import SamplingParams
 from baton.sampling.processors import process_logits
@@ -32,17 +34,22 @@ class Sampler:
     """One request's sampler: its parameters, seed, stop tokens and the tokens it generated."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (),
-                 stop_ids: Iterable[int] = (), generated: Sequence[int] = ()) -> None:
+                 stop_ids: Iterable[int] = (), generated: Sequence[int] = (),
+                 grammar: GrammarState | None = None) -> None:
+        """``grammar``: the request's matcher, already past ``generated``."""
         self.params = params
+        self.grammar = grammar
         self.seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.prompt_ids = prompt_ids  # the prompt proper, for the repetition penalty
         self.stop_ids = frozenset(stop_ids)  # held off while min_tokens are not reached
         self.generated: list[int] = list(generated)
         self._generator = None if params.greedy else torch.Generator(device="cpu")
 
-    def accept(self, token_id: int) -> None:
-        """A token of this request was chosen (here, or on another pod before a move)."""
+    def accept(self, token_id: int) -> bool:
+        """A token of this request was chosen; False when its grammar does not allow it (a
+        token chosen without the grammar's mask)."""
         self.generated.append(token_id)
+        return self.grammar is None or self.grammar.accept(token_id)
 
     def sample(self, logits: torch.Tensor, position: int) -> int:
         """One row's token (a step of one): ``draw`` on it alone."""
@@ -70,6 +77,7 @@ def draw(logits: torch.Tensor, samplers: list[Sampler], positions: list[int]) ->
     scores = logits.to("cpu", torch.float32)
     if any(s.params.processes_logits for s in samplers):
         scores = process_logits(scores.clone(), samplers, positions)
+        _mask_by_grammar(scores, samplers)
     tokens = scores.argmax(dim=1).tolist()
     random_rows = [row for row, s in enumerate(samplers) if not s.params.greedy]
     if random_rows:
@@ -83,6 +91,16 @@ def draw(logits: torch.Tensor, samplers: list[Sampler], positions: list[int]) ->
     for row, entry in zip(reporting, reported):
         logprobs[row] = entry
     return [Draw(token, entry) for token, entry in zip(tokens, logprobs)]
+
+
+def _mask_by_grammar(scores: torch.Tensor, samplers: list[Sampler]) -> None:
+    """Every token its row's grammar does not allow next goes to -inf, in one call."""
+    rows = [row for row, s in enumerate(samplers) if s.grammar is not None]
+    if rows:
+        bitmask = new_bitmask(len(samplers), scores.shape[1])
+        for row in rows:
+            samplers[row].grammar.fill_mask(bitmask, row)
+        apply_bitmask(scores, bitmask, rows)
 
 
 def _distributions(scores: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:

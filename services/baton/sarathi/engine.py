@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Sequence as SequenceOf
@@ -31,6 +32,8 @@ from baton.kv.pool import KVPool
 from baton.model.limits import check_prompt
 from baton.model.llama import CausalLM
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
+from baton.sampling.grammar import GrammarState
+from baton.sampling.grammars import ModelGrammars
 from baton.sampling.logprobs import TokenLogprobs, logprobs_of
 from baton.sampling.params import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from baton.sampling.sampler import Sampler, draw
@@ -43,6 +46,7 @@ from baton.sarathi.request import GenerationResult, RequestOutput, Sequence, Sta
 from baton.sarathi.runner import ModelRunner, StepLogits
 from baton.sarathi.scheduler import SchedulerOutput, create_scheduler
 
+log = logging.getLogger(__name__)
 Prompt = str | SequenceOf[int]
 
 
@@ -50,10 +54,14 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None,
                  scheduler: SchedulerConfig | None = None, kv: KVPoolConfig | None = None,
                  compressor_factory: CompressorFactory | None = None,
-                 pool: KVPool | None = None, model_revision: str = "") -> None:
-        """``model_revision``: names the weights in the prefix cache's block hashes."""
+                 pool: KVPool | None = None, model_revision: str = "",
+                 grammars: ModelGrammars | None = None) -> None:
+        """``model_revision``: names the weights in the prefix cache's block hashes;
+        ``grammars``: the structured outputs' (default: over ``tokenizer``)."""
         self.model = model
         self.tokenizer = tokenizer
+        self.grammars = grammars or ModelGrammars(lambda: tokenizer, model.config.vocab_size,
+                                                  model.config.eos_token_ids)
         self.compressor_factory = compressor_factory
         scheduler = scheduler or SchedulerConfig()
         self._init_pool(pool, kv or KVPoolConfig(), model_revision, scheduler)
@@ -106,9 +114,10 @@ class Engine:
         if not 0 <= generated_before <= len(prompt_ids):
             raise ValueError(f"generated_before {generated_before} is not within the prompt's "
                              f"{len(prompt_ids)} tokens")
+        grammar = self._grammar(params, prompt_ids[len(prompt_ids) - generated_before:])
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, None, None, None, generated_before,
-                   cache_salt))
+        self._put(("add", request_id, prompt_ids, params, grammar, None, None, None,
+                   generated_before, cache_salt))
         return request_id
 
     def add_prefilled_request(self, prompt_ids: SequenceOf[int], kv: list[LayerKV],
@@ -133,9 +142,10 @@ class Engine:
                                  f"expected ({self.model.config.vocab_size},)")
         else:
             self._check_token(first_token, "first_token")
+        grammar = self._grammar(params, ())
         request_id = self._claim_id(request_id)
-        self._put(("add", request_id, prompt_ids, params, kv, first_token, first_logprobs, 0,
-                   cache_salt))
+        self._put(("add", request_id, prompt_ids, params, grammar, kv, first_token, first_logprobs,
+                   0, cache_salt))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -289,12 +299,12 @@ class Engine:
             future.set_exception(e)
 
     def _admit_message(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       kv: list[LayerKV] | None, first_token: int | torch.Tensor | None,
+                       grammar: GrammarState | None, kv: list[LayerKV] | None, first_token: int | torch.Tensor | None,
                        first_logprobs: TokenLogprobs | None, generated_before: int,
                        cache_salt: str, outputs: dict[str, RequestOutput]) -> None:
         stop_ids = params.stop_ids(self.model.config.eos_token_ids)
         own_prompt = len(prompt_ids) - generated_before  # the tokens before any was generated
-        sampler = Sampler(params, prompt_ids[:own_prompt], stop_ids, prompt_ids[own_prompt:])
+        sampler = Sampler(params, prompt_ids[:own_prompt], stop_ids, prompt_ids[own_prompt:], grammar)
         decoder = None
         if self.tokenizer is not None:
             decoder = IncrementalDecoder(self.tokenizer, params.skip_special_tokens)
@@ -319,20 +329,27 @@ class Engine:
     def _accept_token(self, seq: Sequence, token: int, outputs: dict[str, RequestOutput],
                       logprobs: TokenLogprobs | None = None) -> None:
         seq.output_ids.append(token)
-        seq.sampler.accept(token)
+        follows_grammar = seq.sampler.accept(token)
         output = self._output_of(seq, outputs)
         output.new_token_ids.append(token)
         if logprobs is not None:
             output.logprobs.append(logprobs)
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) == 1:
             output.prompt_logprobs = seq.prompt_logprobs
-        if token in seq.stop_ids:
+        if token in seq.stop_ids or not follows_grammar:
+            if not follows_grammar:
+                log.error("request %s: token %d does not follow its grammar (%s); it ends here",
+                          seq.request_id, token, seq.sampler.grammar.error)
             output.text_delta += self._flush_text(seq)
             self._finish(seq, FINISH_STOP, outputs)
             return
         delta = seq.decoder.push(token) if seq.decoder else ""
         emitted, stopped = seq.stop_matcher.push(delta)
         output.text_delta += emitted
+        grammar = seq.sampler.grammar
+        if grammar is not None and grammar.is_terminated() and not stopped:
+            output.text_delta += self._flush_text(seq)  # the output is whole: nothing may follow
+            stopped = True
         if stopped:
             self._finish(seq, FINISH_STOP, outputs)
         elif (len(seq.output_ids) >= seq.params.max_tokens
@@ -395,6 +412,13 @@ class Engine:
         if len(prompt_ids) >= self.memory.capacity_tokens():
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV pool holds "
                              f"{self.memory.capacity_tokens()} tokens")
+
+    def _grammar(self, params: SamplingParams, generated: SequenceOf[int]) -> GrammarState | None:
+        """The request's grammar matcher past ``generated`` (compiled here, on the caller's
+        thread: a schema that cannot be is refused at once)."""
+        if params.structured is None:
+            return None
+        return self.grammars.state(params.structured, generated)
 
     def _check_token(self, token: int, what: str) -> None:
         if not 0 <= token < self.model.config.vocab_size:

@@ -28,6 +28,8 @@ HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                  "allowed_token_ids", "bad_words", "n", "best_of", "prompt_logprobs",
                  "skip_special_tokens", "truncate_prompt_tokens", "cache_salt", "stream",
+                 "response_format", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "structured_outputs",
                  "stream_options", "return_token_ids", "compression", "prefill_route",
                  "add_special_tokens"}
 HONOURED = {
@@ -41,18 +43,14 @@ HONOURED = {
 # that does not use them sends): any other value is refused, never silently ignored.
 _NEUTRAL_BOTH: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_decoding_backend": (None,), "structured_outputs": (None,),
     "spaces_between_special_tokens": (None, True), "priority": (None, 0),
 }
 NEUTRAL = {
-    "completions": {**_NEUTRAL_BOTH, "suffix": (None, ""),
-                    "response_format": (None, {"type": "text"})},
-    "chat": {**_NEUTRAL_BOTH, "response_format": (None, {"type": "text"}),
-             "reasoning_effort": (None,)},
+    "completions": {**_NEUTRAL_BOTH, "suffix": (None, "")},
+    "chat": {**_NEUTRAL_BOTH, "reasoning_effort": (None,)},
 }
 # Documented, and without effect on what is generated: accepted, with a warning.
-IGNORED = {"user", "metadata", "store", "service_tier", "request_id", "modalities", "audio",
+IGNORED = {"guided_decoding_backend", "user", "metadata", "store", "service_tier", "request_id", "modalities", "audio",
            "prediction", "web_search_options", "echo_prompt", "mm_processor_kwargs", "kv_transfer_params"}
 _warned: set[str] = set()
 

@@ -14,12 +14,16 @@ Answers are built in ``baton.gateway.http.answers``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
 from baton.api.requests import PREFILL_ROUTES
 from baton.gateway.http.fields import BadParameter, check_fields, short
+from baton.gateway.http.structured import structured_output
 from baton.gateway.http.tool_choice import ToolRequest, validate_tools
+from baton.sampling.grammar import GrammarSpec
 from baton.sampling.params import MAX_LOGPROBS, CompressionParams, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -86,7 +90,7 @@ def completion_request(body: object, defaults: dict | None = None) -> Completion
         echo=echo, logprobs=logprobs, prompt_logprobs=_integer(body, "prompt_logprobs", None),
         max_tokens=max_tokens, **_common(body))
     _check_choices(completion)
-    return completion
+    return _constrained(completion, body)
 
 
 def chat_request(body: object, defaults: dict | None = None) -> Completion:
@@ -116,7 +120,22 @@ def chat_request(body: object, defaults: dict | None = None) -> Completion:
         sampling=_sampling(body, max_tokens or 1, defaults, logprobs, prompt_logprobs),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, **_common(body))
     _check_choices(completion)
-    return completion
+    return _constrained(completion, body)
+
+
+def _constrained(completion: Completion, body: dict) -> Completion:
+    """The completion with the structure its output must take, if it asks for one."""
+    named = structured_output(body)
+    tools = completion.tools
+    if tools is not None and tools.forced:
+        if named is not None:
+            raise BadParameter(named[0], f"{named[0]} cannot be combined with a tool_choice that "
+                                         f"forces a call")
+        named = ("tool_choice", GrammarSpec("json_schema", json.dumps(tools.schema()), strict=False))
+    if named is None:
+        return completion
+    return dataclasses.replace(completion, sampling=dataclasses.replace(
+        completion.sampling, structured=named[1]))
 
 
 def _common(body: dict) -> dict:
