@@ -33,6 +33,21 @@ VARIANTS = {
                   "num_key_value_heads": 2, "head_dim": 32, "num_experts": 6,
                   "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False,
                   "mlp_only_layers": [1]},
+    # RoPE scalings over a Llama: the scenario's prompts (11 to 37 tokens) straddle YaRN's
+    # original context of 16; dynamic NTK is exact up to max_position_embeddings, the longest
+    # sequence served (baton.model.rope); LongRoPE's original context of 8 is shorter than
+    # every prompt, so transformers, like baton on a 1024-token context, takes the long factors.
+    "llama_yarn": {"architecture": "LlamaForCausalLM", "head_dim": 16,
+                   "rope": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16}},
+    "llama_dynamic": {"architecture": "LlamaForCausalLM", "head_dim": 16,
+                      "max_position_embeddings": 48,
+                      "rope": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0}},
+    "llama_longrope": {"architecture": "LlamaForCausalLM", "head_dim": 16,
+                       "rope": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                "original_max_position_embeddings": 8,
+                                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                "long_factor": [1.0, 1.5, 2.2, 3.4, 5.1, 7.7, 11.6, 17.4]}},
 }
 
 
@@ -74,6 +89,7 @@ EQUIVALENCE_CASES = [
     ("mistral", 8, 2), ("mistral", 8, 8),
     ("qwen3", 4, 2), ("qwen3", 8, 1),
     ("mixtral", 4, 2), ("qwen3_moe", 4, 2),
+    ("llama_yarn", 4, 2), ("llama_dynamic", 4, 1), ("llama_longrope", 4, 2),
 ]
 
 

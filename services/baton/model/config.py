@@ -26,7 +26,9 @@ ARCHITECTURES = {
 }
 # Families that normalise each head's queries and keys (RMSNorm over head_dim) before RoPE.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# RoPE scalings defined against the context the checkpoint was pretrained with
+ROPE_TYPES_WITH_ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")
 
 
 @dataclass
@@ -39,7 +41,10 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int = 0  # 0 = hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 2048  # the longest sequence served (see cap_context)
+    # config.json's max_position_embeddings, which RoPE scalings are defined against
+    # (0 = max_position_embeddings; cap_context leaves it)
+    checkpoint_max_position_embeddings: int = 0
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     attention_bias: bool = False  # q/k/v biases (always on for Qwen2)
@@ -59,6 +64,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.checkpoint_max_position_embeddings == 0:
+            self.checkpoint_max_position_embeddings = self.max_position_embeddings
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                              f"1..num_experts {self.num_experts}")
@@ -136,7 +143,7 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
+            "max_position_embeddings": self.checkpoint_max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope_theta": theta,
             "rope_scaling": None if rope_type == "default" else rope,
@@ -176,12 +183,20 @@ class ModelConfig:
         if not rope:
             rope = dict(data.get("rope_scaling") or {})
             rope["rope_theta"] = data.get("rope_theta", 10000.0)
+        if "partial_rotary_factor" in data:  # Phi-3 and others keep it beside the rope dict
+            rope.setdefault("partial_rotary_factor", data["partial_rotary_factor"])
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         rope.setdefault("rope_type", "default")
         if rope["rope_type"] not in ROPE_TYPES:
             raise CheckpointError(source, "rope_scaling.rope_type",
                                   f"{rope['rope_type']!r} is not supported; supported: {ROPE_TYPES}")
+        if rope["rope_type"] in ROPE_TYPES_WITH_ORIGINAL_CONTEXT:
+            # as transformers standardises it: Phi-3 keeps it beside rope_scaling, not in it
+            rope["original_max_position_embeddings"] = (
+                data.get("original_max_position_embeddings")
+                or rope.get("original_max_position_embeddings")
+                or data.get("max_position_embeddings", 2048))
         sliding = None
         if family in ("mistral", "mixtral"):
             sliding = data.get("sliding_window")

@@ -58,7 +58,7 @@ class SelfAttention(nn.Module):
         if self.qkv is not None:
             fused = self.qkv.output(x)
             if (cpu_kernels.elementwise_fits(fused) and self.head_dim % 32 == 0
-                    and not self.qk_norm):
+                    and not self.qk_norm and cos.shape[-1] == self.head_dim):
                 # RoPE in place on the q and k heads of the fused output, one pass
                 cpu_kernels.kernels().rotary_(fused, cos.view(n, -1), sin.view(n, -1),
                                               self.num_heads + self.num_kv_heads, self.head_dim)
