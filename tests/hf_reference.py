@@ -48,6 +48,12 @@ VARIANTS = {
                                 "original_max_position_embeddings": 8,
                                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                                 "long_factor": [1.0, 1.5, 2.2, 3.4, 5.1, 7.7, 11.6, 17.4]}},
+    # q/k/v and gate/up fused in the checkpoint, LongRoPE over half of each head (partial
+    # rotary), and a sliding window shorter than the scenario's longer prompts
+    "phi3": {"architecture": "Phi3ForCausalLM", "sliding_window": 20,
+             "rope": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                      "original_max_position_embeddings": 8,
+                      "short_factor": [1.0, 1.2, 1.7, 2.9], "long_factor": [1.0, 2.0, 4.5, 9.0]}},
 }
 
 
@@ -65,7 +71,8 @@ def save_random_hf_model(config: ModelConfig, directory: Path, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
+    # no padding id: some families' defaults (Phi-3's 32000) lie outside a tiny vocabulary
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict(), pad_token_id=None)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     # Non-trivial norms and biases so that a swapped weight shows up in the logits.
     with torch.no_grad():
@@ -90,6 +97,7 @@ EQUIVALENCE_CASES = [
     ("qwen3", 4, 2), ("qwen3", 8, 1),
     ("mixtral", 4, 2), ("qwen3_moe", 4, 2),
     ("llama_yarn", 4, 2), ("llama_dynamic", 4, 1), ("llama_longrope", 4, 2),
+    ("phi3", 4, 2), ("phi3", 4, 4),
 ]
 
 

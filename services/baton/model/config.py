@@ -2,7 +2,8 @@
 
 Supports Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM (per-head q/k RMSNorm, an explicit head_dim), and the sparse mixtures of
-experts MixtralForCausalLM and Qwen3MoeForCausalLM, both the transformers-4 layout (``rope_theta`` +
+experts MixtralForCausalLM and Qwen3MoeForCausalLM, Phi3ForCausalLM (fused projections in
+its checkpoints, ``baton.model.weight_names``; LongRoPE over part of each head), both the transformers-4 layout (``rope_theta`` +
 ``rope_scaling``) and the transformers-5 layout (``rope_parameters``).
 """
 
@@ -23,7 +24,10 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
 }
+# Families whose sliding_window (when set) masks keys older than that in every layer
+SLIDING_WINDOW_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families that normalise each head's queries and keys (RMSNorm over head_dim) before RoPE.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -152,8 +156,12 @@ class ModelConfig:
         }
         if self.family in ("llama", "qwen3", "qwen3_moe"):
             data["attention_bias"] = self.attention_bias
-        if self.family in ("mistral", "mixtral"):
+        if self.family in SLIDING_WINDOW_FAMILIES:
             data["sliding_window"] = self.sliding_window
+        if "partial_rotary_factor" in rope:  # where transformers reads it for every rope type
+            data["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+        if self.family == "phi3" and "original_max_position_embeddings" in rope:
+            data["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         if self.family == "mixtral":
             data.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
         if self.family == "qwen3_moe":
@@ -188,6 +196,8 @@ class ModelConfig:
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         rope.setdefault("rope_type", "default")
+        if family == "phi3" and rope["rope_type"] in ("su", "yarn"):  # Phi-3's older names
+            rope["rope_type"] = "longrope"
         if rope["rope_type"] not in ROPE_TYPES:
             raise CheckpointError(source, "rope_scaling.rope_type",
                                   f"{rope['rope_type']!r} is not supported; supported: {ROPE_TYPES}")
@@ -196,9 +206,9 @@ class ModelConfig:
             rope["original_max_position_embeddings"] = (
                 data.get("original_max_position_embeddings")
                 or rope.get("original_max_position_embeddings")
-                or data.get("max_position_embeddings", 2048))
+                or (4096 if family == "phi3" else data.get("max_position_embeddings", 2048)))
         sliding = None
-        if family in ("mistral", "mixtral"):
+        if family in SLIDING_WINDOW_FAMILIES:
             sliding = data.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe") and data.get("use_sliding_window"):
             raise CheckpointError(source, "use_sliding_window",
