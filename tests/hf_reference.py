@@ -54,7 +54,23 @@ VARIANTS = {
              "rope": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                       "original_max_position_embeddings": 8,
                       "short_factor": [1.0, 1.2, 1.7, 2.9], "long_factor": [1.0, 2.0, 4.5, 9.0]}},
+    # Gemma: GELU-tanh MLP, sandwich norms, query_pre_attn_scalar other than head_dim, an
+    # 8-token window on layers 0 and 2 (the prompts run past it), and caps small enough that
+    # tanh bends the scores and logits of these random weights
+    "gemma2": {"architecture": "Gemma2ForCausalLM", "head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
+               "query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.1,
+               "final_logit_softcapping": 0.5, "sliding_window": 8, "tie_word_embeddings": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # Gemma 3: q/k norms, no soft-capping, the global layer's RoPE scaled and the sliding
+    # layers' at a base of their own
+    "gemma3": {"architecture": "Gemma3ForCausalLM", "head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
+               "qk_norm": True, "query_pre_attn_scalar": 24, "sliding_window": 8,
+               "tie_word_embeddings": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+               "rope": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+               "rope_local": {"rope_type": "default", "rope_theta": 10000.0}},
 }
+GEMMA_VARIANTS = ("gemma2", "gemma3")
 
 
 def tiny_config(variant: str = "llama2", **overrides) -> ModelConfig:
@@ -73,7 +89,9 @@ def save_random_hf_model(config: ModelConfig, directory: Path, seed: int = 0):
     torch.manual_seed(seed)
     # no padding id: some families' defaults (Phi-3's 32000) lie outside a tiny vocabulary
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict(), pad_token_id=None)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    # Gemma's soft-capping is transformers' eager attention's alone
+    eager = {"attn_implementation": "eager"} if config.gemma_layout else {}
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **eager)
     # Non-trivial norms and biases so that a swapped weight shows up in the logits.
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -98,6 +116,7 @@ EQUIVALENCE_CASES = [
     ("mixtral", 4, 2), ("qwen3_moe", 4, 2),
     ("llama_yarn", 4, 2), ("llama_dynamic", 4, 1), ("llama_longrope", 4, 2),
     ("phi3", 4, 2), ("phi3", 4, 4),
+    ("gemma2", 4, 2), ("gemma2", 4, 1), ("gemma3", 4, 2), ("gemma3", 2, 2),
 ]
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 1e-4
 
 
-@pytest.mark.parametrize("variant", ["phi3"])
+@pytest.mark.parametrize("variant", ["phi3", "gemma2", "gemma3"])
 def test_a_chain_of_a_newer_family_equals_single_process_prefill(tmp_path, variant):
     config = tiny_config(variant)
     model = random_model(config, seed=5)

@@ -39,7 +39,7 @@ from baton.kv.dense import LayerKV
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.model.sampling import Sampler
-from baton.pyramid import PromptCompressor, compressor_factory, request_config
+from baton.pyramid import PromptCompressor, check_model, compressor_factory, request_config
 from baton.runahead.request import ChainResult
 from baton.security.mtls import Mtls
 from baton.transfer.codec import kv_header
@@ -67,6 +67,8 @@ class TailSink:
         layer from a GPU, a thread of the tail's sends each layer once its copy to the host is
         done, while the chain computes on). ``nixl``: this process's agent, for pods that read
         over NIXL (None: gRPC to every pod)."""
+        if pyramid.enabled:  # refused at start, not on the first request
+            check_model(model_config)
         self.model_config = model_config
         self.model_id = model_id
         self.revision = revision
