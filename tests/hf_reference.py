@@ -33,7 +33,44 @@ VARIANTS = {
                   "num_key_value_heads": 2, "head_dim": 32, "num_experts": 6,
                   "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False,
                   "mlp_only_layers": [1]},
+    # RoPE scalings over a Llama: the scenario's prompts (11 to 37 tokens) straddle YaRN's
+    # original context of 16; dynamic NTK is exact up to max_position_embeddings, the longest
+    # sequence served (baton.model.rope); LongRoPE's original context of 8 is shorter than
+    # every prompt, so transformers, like baton on a 1024-token context, takes the long factors.
+    "llama_yarn": {"architecture": "LlamaForCausalLM", "head_dim": 16,
+                   "rope": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16}},
+    "llama_dynamic": {"architecture": "LlamaForCausalLM", "head_dim": 16,
+                      "max_position_embeddings": 48,
+                      "rope": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0}},
+    "llama_longrope": {"architecture": "LlamaForCausalLM", "head_dim": 16,
+                       "rope": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                "original_max_position_embeddings": 8,
+                                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                "long_factor": [1.0, 1.5, 2.2, 3.4, 5.1, 7.7, 11.6, 17.4]}},
+    # q/k/v and gate/up fused in the checkpoint, LongRoPE over half of each head (partial
+    # rotary), and a sliding window shorter than the scenario's longer prompts
+    "phi3": {"architecture": "Phi3ForCausalLM", "sliding_window": 20,
+             "rope": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                      "original_max_position_embeddings": 8,
+                      "short_factor": [1.0, 1.2, 1.7, 2.9], "long_factor": [1.0, 2.0, 4.5, 9.0]}},
+    # Gemma: GELU-tanh MLP, sandwich norms, query_pre_attn_scalar other than head_dim, an
+    # 8-token window on layers 0 and 2 (the prompts run past it), and caps small enough that
+    # tanh bends the scores and logits of these random weights
+    "gemma2": {"architecture": "Gemma2ForCausalLM", "head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
+               "query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.1,
+               "final_logit_softcapping": 0.5, "sliding_window": 8, "tie_word_embeddings": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # Gemma 3: q/k norms, no soft-capping, the global layer's RoPE scaled and the sliding
+    # layers' at a base of their own
+    "gemma3": {"architecture": "Gemma3ForCausalLM", "head_dim": 16, "hidden_act": "gelu_pytorch_tanh",
+               "qk_norm": True, "query_pre_attn_scalar": 24, "sliding_window": 8,
+               "tie_word_embeddings": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+               "rope": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+               "rope_local": {"rope_type": "default", "rope_theta": 10000.0}},
 }
+GEMMA_VARIANTS = ("gemma2", "gemma3")
 
 
 def tiny_config(variant: str = "llama2", **overrides) -> ModelConfig:
@@ -50,8 +87,11 @@ def save_random_hf_model(config: ModelConfig, directory: Path, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    # no padding id: some families' defaults (Phi-3's 32000) lie outside a tiny vocabulary
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict(), pad_token_id=None)
+    # Gemma's soft-capping is transformers' eager attention's alone
+    eager = {"attn_implementation": "eager"} if config.gemma_layout else {}
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **eager)
     # Non-trivial norms and biases so that a swapped weight shows up in the logits.
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -74,6 +114,9 @@ EQUIVALENCE_CASES = [
     ("mistral", 8, 2), ("mistral", 8, 8),
     ("qwen3", 4, 2), ("qwen3", 8, 1),
     ("mixtral", 4, 2), ("qwen3_moe", 4, 2),
+    ("llama_yarn", 4, 2), ("llama_dynamic", 4, 1), ("llama_longrope", 4, 2),
+    ("phi3", 4, 2), ("phi3", 4, 4),
+    ("gemma2", 4, 2), ("gemma2", 4, 1), ("gemma3", 4, 2), ("gemma3", 2, 2),
 ]
 
 

@@ -6,6 +6,9 @@ PyramidInfer-pruned caches all need. The mask is built from absolute positions
 bottom-right-aligned causal mask whenever the keys are a prefix followed by the
 queries' own tokens — and stays right when the prefix has been pruned, because
 pruning keeps original positions.
+
+Gemma 2's soft-capped scores (cap * tanh(scores / cap) before the softmax) are beyond the
+fused kernels: its layers take an explicit torch path, ``_soft_capped``.
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ def visibility_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor,
-           key_positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+           key_positions: torch.Tensor, sliding_window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new tokens.
 
     q: [T, H, D]; k, v: [S, Hkv, D] with S >= T, the last T keys being the
     queries' own tokens; positions: [T] and [S]. Returns [T, H, D].
     """
     num_queries, num_keys = q.shape[0], k.shape[0]
+    if softcap is not None:
+        mask = visibility_mask(query_positions, key_positions, sliding_window)
+        return _attend_grouped(q, k, v, mask, softcap)
     window_matters = sliding_window is not None and num_keys > sliding_window
     if (not window_matters and cpu_kernels.causal_attention_fits(q, k)
             and (num_queries == num_keys or _prefix_then_own(query_positions, key_positions))):
@@ -77,7 +84,7 @@ MAX_GROUPED_QUERIES = 512
 
 
 def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor | None) -> torch.Tensor:
+                    mask: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """GQA without copying K/V: the G query heads that share a KV head become G*T query
     rows of that head, all under the same [T, S] mask (None: every key visible).
     q: [T, H, D]; k, v: [S, Hkv, D]."""
@@ -87,8 +94,14 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # rows of KV head h: (group g, query t) -> g * T + t
     grouped = q.view(num_queries, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3)
     grouped = grouped.reshape(1, num_kv_heads, groups * num_queries, head_dim)
-    out = F.scaled_dot_product_attention(grouped, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=None if mask is None else mask.repeat(groups, 1))
+    mask = None if mask is None else mask.repeat(groups, 1)
+    keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if softcap is not None:
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device
+                                                     ).masked_fill_(~mask, float("-inf"))
+        out = _soft_capped(grouped, keys, values, bias, softcap)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
     out = out.view(num_kv_heads, groups, num_queries, head_dim).permute(2, 0, 1, 3)
     return out.reshape(num_queries, num_heads, head_dim)
 
@@ -155,7 +168,7 @@ def decode_attention_bias(query_positions: torch.Tensor, key_positions: torch.Te
 
 
 def attend_decode_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        bias: torch.Tensor) -> torch.Tensor:
+                        bias: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """One new token for each of B sequences, attended in one padded kernel call.
 
     q: [B, H, D]; k, v: [B, S, Hkv, D] padded; bias: ``decode_attention_bias``.
@@ -166,6 +179,22 @@ def attend_decode_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # GQA without copying K/V: the G query heads that share a KV head become G "query
     # rows" of that head (head h reads KV head h // G), so q: [B, Hkv, G, D].
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=bias)
+    if softcap is not None:
+        out = _soft_capped(grouped, k.transpose(1, 2), v.transpose(1, 2), bias, softcap)
+    else:
+        out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=bias)
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _soft_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                 softcap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T / sqrt(D) / cap) + bias) v, as transformers' eager attention
+    computes it (the softmax in fp32). q: [..., R, D]; k, v: [..., S, D]; bias broadcasts
+    to [..., R, S] (-inf where hidden)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

@@ -115,7 +115,7 @@ class AttentionPlan:
             self._decode_queries: list[torch.Tensor] = []  # each layer's, while observed
 
     def attend(self, layer: int, q, k, v, positions, sliding_window,
-               rows: Sequence[int] | None = None) -> torch.Tensor:
+               rows: Sequence[int] | None = None, softcap: float | None = None) -> torch.Tensor:
         """Every row's k, v go to its cache; returns [N, H, D], the attention output of every
         row, or (given ``rows``) of the decode batch and of each segment from its first row
         among ``rows`` to its end (other rows are left unset)."""
@@ -133,17 +133,17 @@ class AttentionPlan:
                     continue
                 first = min(inside)  # to the end: attend() takes the segment's last queries
             out[first:end] = attend(q[first:end], k_all, v_all, positions[first:end],
-                                    key_positions, sliding_window)
+                                    key_positions, sliding_window, softcap)
         if self.decode is not None:
-            self._attend_decode(layer, q, k, v, positions, sliding_window, out)
+            self._attend_decode(layer, q, k, v, positions, sliding_window, softcap, out)
         return out
 
-    def _attend_decode(self, layer, q, k, v, positions, sliding_window, out) -> None:
+    def _attend_decode(self, layer, q, k, v, positions, sliding_window, softcap, out) -> None:
         rows, step = self.decode_rows, self.decode.step
         step.write(layer, k[rows], v[rows], positions[rows])
         q, positions, out = q[rows], positions[rows], out[rows]  # views of the decode rows
         for index, group in enumerate(step.groups):
-            self._attend_group(index, group, layer, q, positions, sliding_window, out)
+            self._attend_group(index, group, layer, q, positions, sliding_window, softcap, out)
         if self.keeps_queries:
             self._decode_queries.append(q)
             if layer == self.num_layers - 1:
@@ -154,7 +154,7 @@ class AttentionPlan:
                     observe_decode(self.decode.observers, queries, positions.tolist())
 
     def _attend_group(self, index: int, group: DecodeGroup, layer: int, q, positions,
-                      sliding_window, out) -> None:
+                      sliding_window, softcap, out) -> None:
         rows, step = group.rows, self.decode.step
         if self.in_place:
             out[rows] = cpu_kernels.kernels().paged_decode_attention(
@@ -167,8 +167,9 @@ class AttentionPlan:
         if bias is None or not group.uniform or sliding_window is not None:
             bias = decode_attention_bias(positions[rows], key_positions, lengths, k_pad.shape[1],
                                          sliding_window, q.dtype)
-            self._biases[index] = bias
-        out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias)
+            if sliding_window is None:  # a windowed bias is its layer's alone (Gemma alternates)
+                self._biases[index] = bias
+        out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias, softcap)
 
 
 def observe_decode(observers: Sequence[DecodeObserver | None], queries: torch.Tensor,

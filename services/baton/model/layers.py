@@ -1,9 +1,11 @@
-"""The layers of a Llama-family decoder, Hugging Face's parameter names and all: RMSNorm,
-attention's projections (RoPE applied), the gated MLP, fused projections, a decoder layer
-and the backbone (``model.*``).
+"""The layers of a Llama-family decoder, Hugging Face's parameter names and all: RMSNorm
+(and Gemma's 1 + w form), attention's projections (RoPE applied), the gated MLP, fused
+projections, a decoder layer (with Gemma's sandwich norms) and the backbone (``model.*``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,25 @@ class RMSNorm(nn.Module):
         return x32.to(dtype).mul_(self.weight)  # a fresh tensor either way: scale it in place
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as w - 1 and everything is computed in fp32
+    before the one cast back (Llama casts before the weight)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> nn.Module:
+    return (OffsetRMSNorm if config.gemma_layout else RMSNorm)(size, config.rms_norm_eps)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -43,10 +64,15 @@ class SelfAttention(nn.Module):
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv: FusedLinear | None = None
-        if config.qk_norm:  # Qwen3: each head's queries and keys normalised before RoPE
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if config.qk_norm:  # Qwen3, Gemma 3: each head's queries and keys normed before RoPE
+            self.q_norm = make_norm(config, self.head_dim)
+            self.k_norm = make_norm(config, self.head_dim)
         self.qk_norm = config.qk_norm
+        # Gemma scales scores by query_pre_attn_scalar^-1/2, not head_dim^-1/2: the queries
+        # are scaled by the ratio, and every attention kernel keeps its own scale.
+        self.query_scale = 1.0
+        if config.query_pre_attn_scalar:
+            self.query_scale = math.sqrt(self.head_dim / config.query_pre_attn_scalar)
 
     def fuse(self) -> None:
         """One matmul for q, k and v (see ``CausalLM.fuse_projections``)."""
@@ -58,12 +84,12 @@ class SelfAttention(nn.Module):
         if self.qkv is not None:
             fused = self.qkv.output(x)
             if (cpu_kernels.elementwise_fits(fused) and self.head_dim % 32 == 0
-                    and not self.qk_norm):
+                    and not self.qk_norm and cos.shape[-1] == self.head_dim):
                 # RoPE in place on the q and k heads of the fused output, one pass
                 cpu_kernels.kernels().rotary_(fused, cos.view(n, -1), sin.view(n, -1),
                                               self.num_heads + self.num_kv_heads, self.head_dim)
                 q, k, v = fused.split(self.qkv.sizes, dim=-1)
-                return (q.view(n, self.num_heads, self.head_dim),
+                return (self._scaled(q.view(n, self.num_heads, self.head_dim)),
                         k.view(n, self.num_kv_heads, self.head_dim),
                         v.view(n, self.num_kv_heads, self.head_dim))
             q, k, v = fused.split(self.qkv.sizes, dim=-1)
@@ -74,7 +100,10 @@ class SelfAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return self._scaled(apply_rotary(q, cos, sin)), apply_rotary(k, cos, sin), v
+
+    def _scaled(self, q: torch.Tensor) -> torch.Tensor:
+        return q if self.query_scale == 1.0 else q * self.query_scale
 
 
 # On the CPU a prompt-sized batch goes through the MLP in blocks of rows whose gate/up
@@ -92,6 +121,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up: FusedLinear | None = None
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else SiLU
 
     def fuse(self) -> None:
         """One matmul for gate and up (see ``CausalLM.fuse_projections``)."""
@@ -116,12 +146,13 @@ class MLP(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             fused = self.gate_up.output(x)
-            if cpu_kernels.elementwise_fits(fused) and fused.shape[1] % 32 == 0:
+            if not self.gelu and cpu_kernels.elementwise_fits(fused) and fused.shape[1] % 32 == 0:
                 return self.down_proj(cpu_kernels.kernels().silu_and_mul(fused))  # one pass
             gate, up = fused.split(self.gate_up.sizes, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate).mul_(up))
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(activated.mul_(up))
 
 
 class FusedLinear:
@@ -177,12 +208,31 @@ class DecoderLayer(nn.Module):
             setattr(self, self.feed_forward_name, SparseMoE(config))
         else:
             self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        # Llama's post_attention_layernorm is the feed-forward's input norm; Gemma's norms
+        # attention's output, and two more norm the feed-forward's input and output
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.sandwich_norms = config.gemma_layout
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
 
     @property
     def feed_forward(self) -> nn.Module:
         return getattr(self, self.feed_forward_name)
+
+    def add_attention(self, hidden: torch.Tensor, attention: torch.Tensor) -> None:
+        """hidden += o_proj(attention) (normed first under sandwich norms); in place."""
+        out = self.self_attn.o_proj(attention)
+        hidden.add_(self.post_attention_layernorm(out) if self.sandwich_norms else out)
+
+    def add_feed_forward(self, hidden: torch.Tensor) -> None:
+        """hidden += the feed-forward of its normed self; in place."""
+        if self.sandwich_norms:
+            out = self.feed_forward(self.pre_feedforward_layernorm(hidden))
+            hidden.add_(self.post_feedforward_layernorm(out))
+        else:
+            hidden.add_(self.feed_forward(self.post_attention_layernorm(hidden)))
 
 
 class Backbone(nn.Module):
@@ -193,4 +243,12 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, index)
                                     for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
+        # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to their dtype
+        self.embedding_scale = config.hidden_size ** 0.5 if config.gemma_layout else None
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(token_ids)
+        if self.embedding_scale is not None:
+            hidden.mul_(torch.tensor(self.embedding_scale).to(hidden.dtype))
+        return hidden

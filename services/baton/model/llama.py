@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) with one forward for every use.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3, the MoE
+families) with one forward for every use.
 
 Design: the linear layers run once over a flat batch of N tokens that may come
 from several sequences (SARATHI's ``[prefill chunk | decode tokens]``), while
@@ -48,6 +49,8 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3's sliding layers rotate by a RoPE of their own
+        self.rotary_local = None if config.rope_local is None else RotaryEmbedding(config, config.rope_local)
         keep_freed_memory()
 
     def fuse_projections(self) -> CausalLM:
@@ -70,9 +73,9 @@ class CausalLM(nn.Module):
         """Does decode attention read the paged cache where it lies (baton's CPU kernel),
         rather than gathering each group of sequences into padded tensors? Then the pool
         need not cut a decode batch into groups of similar width. Not under a sliding
-        window."""
+        window nor soft-capping."""
         config = self.config
-        return (config.sliding_window is None
+        return (config.sliding_window is None and config.attn_logit_softcapping is None
                 and cpu_kernels.paged_decode_fits(self.dtype, self.device, config.head_dim,
                                                   config.num_attention_heads,
                                                   config.num_key_value_heads))
@@ -95,8 +98,10 @@ class CausalLM(nn.Module):
         """
         covered = sum(s.length for s in segments) + (decode.size if decode else 0)
         assert covered == token_ids.shape[0], "segments and decode batch must cover the batch"
-        hidden = self.model.embed_tokens(token_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        hidden = self.model.embed(token_ids)
+        rotations = self.rotary.cos_sin(positions, hidden.dtype)
+        local_rotations = (None if self.rotary_local is None
+                           else self.rotary_local.cos_sin(positions, hidden.dtype))
         plan = AttentionPlan(segments, decode, token_ids.shape[0], len(self.model.layers))
         if decode is not None:
             plan.in_place = self.reads_decode_cache_in_place()
@@ -109,20 +114,23 @@ class CausalLM(nn.Module):
         narrow = bool(segments)
         wanted = ([] if output_rows is None else output_rows.tolist()) if narrow else None
         last = len(self.model.layers) - 1
+        config = self.config
         with attention_kernels(hidden.device):
             for layer_index, layer in enumerate(self.model.layers):
-                attn = layer.self_attn
-                q, k, v = attn.project(layer.input_layernorm(hidden), cos, sin)
+                cos, sin = local_rotations if config.uses_local_rope(layer_index) else rotations
+                q, k, v = layer.self_attn.project(layer.input_layernorm(hidden), cos, sin)
                 rows = wanted if layer_index == last else None
-                out = plan.attend(layer_index, q, k, v, positions, self.config.sliding_window, rows)
+                out = plan.attend(layer_index, q, k, v, positions,
+                                  config.layer_sliding_window(layer_index), rows,
+                                  config.attn_logit_softcapping)
                 if rows is not None:
                     if not rows:
                         return hidden[:0]
                     hidden, out = hidden[output_rows], out[output_rows]  # fresh tensors
                 # In place: the residual stream is this forward's own tensor (fresh from the
                 # embedding), and a 4096-token step would otherwise allocate two per layer.
-                hidden.add_(attn.o_proj(out.reshape(out.shape[0], -1)))
-                hidden.add_(layer.feed_forward(layer.post_attention_layernorm(hidden)))
+                layer.add_attention(hidden, out.reshape(out.shape[0], -1))
+                layer.add_feed_forward(hidden)
         if output_rows is None:
             return hidden[:0]
         return self.model.norm(hidden if wanted is not None else hidden[output_rows])
@@ -130,7 +138,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] final hidden states -> [R, vocab] logits in fp32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 # --- The two entry points the engines call -------------------------------------------------

@@ -21,6 +21,7 @@ from baton.model.errors import CheckpointError
 from baton.model.hub import resolve_model
 from baton.model.llama import CausalLM
 from baton.model.tokenizer import Tokenizer
+from baton.model.weight_names import TensorSlice, checkpoint_source, checkpoint_tensors
 
 
 @dataclass
@@ -85,20 +86,22 @@ def load_weights(model: CausalLM, directory: Path) -> None:
     expected = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    by_file: dict[Path, list[str]] = {}
+    by_file: dict[Path, list[tuple[str, TensorSlice]]] = {}
     for name in expected:
-        if name not in files:
-            source = files and next(iter(files.values())).name or "model.safetensors"
-            raise CheckpointError(str(directory / source), name, "is missing")
-        by_file.setdefault(files[name], []).append(name)
+        source = checkpoint_source(model.config, name)
+        if source.name not in files:
+            shard = files and next(iter(files.values())).name or "model.safetensors"
+            raise CheckpointError(str(directory / shard), source.name, "is missing")
+        by_file.setdefault(files[source.name], []).append((name, source))
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
-            for name in names:
-                tensor = f.get_tensor(name)
+            for name, source in names:
+                tensor = f.get_slice(source.name)[source.start:source.end]
                 parameter = expected[name]
                 if tuple(tensor.shape) != tuple(parameter.shape):
-                    raise CheckpointError(str(path), name, f"has shape {tuple(tensor.shape)}, "
-                                          f"expected {tuple(parameter.shape)}")
+                    where = "" if source.name == name else f" (rows {source.start}:{source.end}, for {name})"
+                    raise CheckpointError(str(path), source.name + where, f"has shape "
+                                          f"{tuple(tensor.shape)}, expected {tuple(parameter.shape)}")
                 with torch.no_grad():
                     parameter.copy_(tensor.to(parameter.dtype))
 
@@ -132,4 +135,5 @@ def save_checkpoint(model: CausalLM, directory: Path, dtype: torch.dtype = torch
     tensors = {name: p.detach().to("cpu", dtype, copy=True) for name, p in model.named_parameters()}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    tensors = checkpoint_tensors(model.config, tensors)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -38,7 +38,7 @@ from baton.config import MtlsConfig, PyramidConfig
 from baton.kv.dense import LayerKV
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
-from baton.pyramid import PromptCompressor, compressor_factory, request_config
+from baton.pyramid import PromptCompressor, check_model, compressor_factory, request_config
 from baton.runahead.request import ChainResult
 from baton.sampling.grammars import ModelGrammars
 from baton.sampling.sampler import Draw, Sampler, draw
@@ -70,6 +70,8 @@ class TailSink:
         done, while the chain computes on). ``nixl``: this process's agent, for pods that read
         over NIXL (None: gRPC to every pod). ``grammars``: the structured outputs' (None:
         a request with one fails)."""
+        if pyramid.enabled:  # refused at start, not on the first request
+            check_model(model_config)
         self.model_config = model_config
         self.grammars = grammars
         self.model_id = model_id

@@ -29,6 +29,7 @@ from baton.pyramid.engine_hook import PyramidSequenceCompressor, engine_compress
 from baton.pyramid.generation import GenerationCompressor, RecentQueries
 from baton.pyramid.prefill import (
     PromptCompressor,
+    check_model,
     compressor_factory,
     prefill_compressed,
     request_config,
@@ -49,6 +50,7 @@ __all__ = [
     "PromptCompressor",
     "PyramidSequenceCompressor",
     "RecentQueries",
+    "check_model",
     "compressor_factory",
     "engine_compressor_factory",
     "generation_keep_counts",

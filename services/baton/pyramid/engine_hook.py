@@ -32,7 +32,7 @@ from baton.config import PyramidConfig
 from baton.kv import KVPool, LayerKV
 from baton.model import ModelConfig
 from baton.pyramid.generation import GenerationCompressor, RecentQueries
-from baton.pyramid.prefill import PromptCompressor, request_config
+from baton.pyramid.prefill import PromptCompressor, check_model, request_config
 from baton.pyramid.schedule import recent_window
 from baton.sampling.params import SamplingParams
 
@@ -76,12 +76,16 @@ class PyramidSequenceCompressor:
 def engine_compressor_factory(config: PyramidConfig, model_config: ModelConfig
                               ) -> Callable[[list[int], SamplingParams], PyramidSequenceCompressor | None]:
     """``factory(token_ids, params)`` for ``baton.sarathi.Engine``: None when the request
-    (or the deployment, unless the request turns it on) runs without compression."""
+    (or the deployment, unless the request turns it on) runs without compression. Raises
+    ValueError at once, when the deployment compresses, for a model it cannot compress."""
+    if config.enabled:
+        check_model(model_config)
 
     def factory(token_ids: list[int], params: SamplingParams) -> PyramidSequenceCompressor | None:
         settings = request_config(config, params.compression.enabled, params.compression.keep_ratio)
         if not settings.enabled:
             return None
+        check_model(model_config)
         return PyramidSequenceCompressor(settings, model_config, len(token_ids))
 
     return factory

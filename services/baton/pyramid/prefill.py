@@ -149,9 +149,21 @@ class PromptCompressor:
                 pool.retain(seq_id, layer, keep)
 
 
+def check_model(model_config: ModelConfig) -> None:
+    """Raise ValueError for a model whose attention PyramidInfer cannot score: it ranks keys
+    by softmax(q k / sqrt(head_dim)) under one window for every layer, and Gemma's
+    per-layer windows, soft-capped scores and query_pre_attn_scalar would make it keep
+    other keys than the model attends to."""
+    variations = model_config.attention_variations()
+    if variations:
+        raise ValueError(f"PyramidInfer compression does not support {model_config.architecture}'s "
+                         f"{', '.join(variations)}; turn compression off for this model")
+
+
 def compressor_factory(config: PyramidConfig,
                        model_config: ModelConfig) -> Callable[[int], PromptCompressor]:
     """``make_observer(prompt_length) -> PromptCompressor`` for a chain tail or an engine."""
+    check_model(model_config)
     return functools.partial(PromptCompressor, config, model_config.num_hidden_layers,
                              sliding_window=model_config.sliding_window)
 
