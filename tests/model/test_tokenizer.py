@@ -48,9 +48,9 @@ def test_each_push_decodes_a_window_not_the_whole_output(tokenizer):
     decode = tokenizer.decode
 
     class Counting(Tokenizer):
-        def decode(self, token_ids):
+        def decode(self, token_ids, skip_special_tokens=True):
             calls.append(len(token_ids))
-            return decode(token_ids)
+            return decode(token_ids, skip_special_tokens)
 
     counting = Counting(tokenizer._tokenizer)
     token_ids = tokenizer.encode("word " * 400)
