@@ -241,3 +241,87 @@ def test_streams_on_a_decode_pod_that_stops_answering_move_within_seconds(chaos_
     assert streams.errors == []
     assert streams.tokens == expected[:16]
     assert elapsed_s < 30
+
+
+CONSTRAINED_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12, "pattern": "^[a-z]*$"},
+    "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+               "maxItems": 6},
+    "ok": {"type": "boolean"}}, "required": ["name", "values", "ok"], "additionalProperties": False}
+
+
+def constrained(index: int) -> SamplingParams:
+    """Seeded, penalized, a JSON schema and log probabilities: everything a moved stream must
+    carry to the next pod (its grammar rebuilt by replay, its penalties from the tokens)."""
+    import json
+
+    from baton.sampling.grammar import GrammarSpec
+
+    return SamplingParams(temperature=0.9, seed=500 + index, max_tokens=80, logprobs=2,
+                          repetition_penalty=1.2, frequency_penalty=0.3,
+                          structured=GrammarSpec("json_schema", json.dumps(CONSTRAINED_SCHEMA)))
+
+
+def stream_all(address: str, prompts: list[list[int]], started: threading.Event | None = None):
+    """Each prompt streamed on its own thread: (tokens, log probabilities, text) each."""
+    results: list = [None] * len(prompts)
+    counts = [0] * len(prompts)
+
+    def one(index: int) -> None:
+        client = BatonClient(address)
+        tokens, logprobs, text = [], [], ""
+        try:
+            request = GenerateRequest(token_ids=tuple(prompts[index]), sampling=constrained(index),
+                                      compression=NO_COMPRESSION, prefill_route="local")
+            for step in client.stream(request, timeout_s=180):
+                tokens += step.token_ids
+                logprobs += [entry.logprob for entry in step.logprobs]
+                text += step.text
+                counts[index] = len(tokens)
+                if started is not None and min(counts) >= 4:
+                    started.set()
+            results[index] = (tokens, logprobs, text)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            results[index] = e
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
+def test_a_constrained_stream_moved_by_a_decode_pod_kill_is_the_same_valid_json(chaos_cluster,
+                                                                                reference):
+    import json
+
+    import jsonschema
+
+    cluster, _ = chaos_cluster
+    _, source = reference
+    prompts = [source[9000 + i * 41: 9000 + i * 41 + 24] for i in range(8)]
+    serves_a_new_request(cluster.gateway_address)
+    threads, calm = stream_all(cluster.gateway_address, prompts)
+    for thread in threads:
+        thread.join(200)
+    started = threading.Event()
+    threads, moved = stream_all(cluster.gateway_address, prompts, started)
+    assert started.wait(60), "the streams did not start"
+    victim = cluster.child("decode-0")
+    address = re.findall(r"decode pod (\S+) serves", victim.log_path.read_text())[-1]
+    failed = f"decode pod {address} failed after"
+    moves_before = cluster.child("gateway").log_tail(1_000_000).count(failed)
+    kill(victim.process)
+    for thread in threads:
+        thread.join(200)
+    moves = cluster.child("gateway").log_tail(1_000_000).count(failed)
+    assert moves > moves_before, "no stream was on the killed pod"
+    for (tokens, logprobs, text), after in zip(calm, moved):
+        assert not isinstance(after, Exception), after
+        moved_tokens, moved_logprobs, moved_text = after
+        assert moved_tokens == tokens and moved_text == text
+        assert moved_logprobs == pytest.approx(logprobs, abs=1e-4)
+        assert len(logprobs) == len(tokens)
+        jsonschema.validate(json.loads(text), CONSTRAINED_SCHEMA)
+    serves_a_new_request(cluster.gateway_address)
