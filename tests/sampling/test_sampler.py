@@ -105,3 +105,73 @@ def test_text_that_only_starts_like_a_stop_string_is_released():
     assert matcher.push("ART") == ("START", False)
     assert matcher.push("x S") == ("x ", False)
     assert matcher.flush() == "S"
+
+
+# --- the batched draw: processors, log probabilities, rows alike alone or together --------
+
+from baton.sampling.sampler import draw
+
+
+def dense_penalties(logits: torch.Tensor, prompt: list[int], generated: list[int],
+                    repetition: float, frequency: float, presence: float) -> torch.Tensor:
+    """vLLM's definition, over the whole vocabulary."""
+    scores = logits.clone()
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=len(scores)).float()
+    seen = counts > 0
+    seen[torch.tensor(prompt)] = True
+    scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+    return scores - frequency * counts - presence * (counts > 0)
+
+
+def test_penalties_equal_their_dense_definition_on_the_tokens_seen():
+    logits = random_logits(1, vocab=200)
+    prompt, generated = [3, 5, 5, 9], [5, 7, 7, 7, 11]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4,
+                            presence_penalty=0.2, logprobs=3)
+    sampler = Sampler(params, prompt, generated=generated)
+    expected = dense_penalties(logits, prompt, generated, 1.3, 0.4, 0.2)
+    picked = draw(logits[None, :], [sampler], [len(generated)])[0]
+    assert picked.token_id == int(expected.argmax())
+    assert picked.logprobs.logprob == pytest.approx(
+        torch.log_softmax(expected, -1)[picked.token_id].item(), abs=1e-5)
+    sampler.accept(picked.token_id)  # the counts follow the accepted tokens
+    again = dense_penalties(logits, prompt, [*generated, picked.token_id], 1.3, 0.4, 0.2)
+    assert draw(logits[None, :], [sampler], [6])[0].token_id == int(again.argmax())
+
+
+def test_bias_allowed_bad_words_and_min_tokens_shape_the_choice():
+    logits = random_logits(2, vocab=50)
+    best = int(logits.argmax())
+    biased = Sampler(SamplingParams(temperature=0.0, logit_bias={7: 100.0}))
+    assert draw(logits[None, :], [biased], [0])[0].token_id == 7
+    allowed = Sampler(SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]))
+    assert draw(logits[None, :], [allowed], [0])[0].token_id == (1 if logits[1] > logits[2] else 2)
+    banned = Sampler(SamplingParams(temperature=0.0, bad_words_ids=[[4, best]]), generated=[4])
+    assert draw(logits[None, :], [banned], [1])[0].token_id != best
+    not_after_other = Sampler(SamplingParams(temperature=0.0, bad_words_ids=[[4, best]]), generated=[3])
+    assert draw(logits[None, :], [not_after_other], [1])[0].token_id == best
+    held = Sampler(SamplingParams(temperature=0.0, min_tokens=2), stop_ids=[best])
+    assert draw(logits[None, :], [held], [1])[0].token_id != best
+    assert draw(logits[None, :], [held], [2])[0].token_id == best
+
+
+def test_min_p_drops_the_unlikely():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = Sampler(SamplingParams(min_p=0.2, seed=0)).probabilities(logits)  # below 0.1: out
+    assert torch.allclose(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+
+
+def test_rows_draw_alike_alone_and_in_a_batch():
+    logits = torch.stack([random_logits(seed, vocab=300) for seed in range(6)])
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(seed=1, top_k=20),
+              SamplingParams(seed=2, top_p=0.8, min_p=0.05, logprobs=0),
+              SamplingParams(seed=3, repetition_penalty=1.5), SamplingParams(seed=4),
+              SamplingParams(temperature=0.0, logit_bias={5: 3.0})]
+    together = draw(logits, [Sampler(p, [1, 2, 3]) for p in params], [4] * 6)
+    alone = [draw(logits[row][None, :], [Sampler(p, [1, 2, 3])], [4])[0]
+             for row, p in enumerate(params)]
+    assert together == alone
+    reported = together[0].logprobs
+    expected = torch.log_softmax(logits[0], -1)
+    assert reported.rank == 1 and reported.logprob == pytest.approx(expected.max().item(), abs=1e-6)
+    assert [token for token, _ in reported.top] == torch.topk(expected, 2).indices.tolist()

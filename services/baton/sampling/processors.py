@@ -25,31 +25,28 @@ def process_logits(scores: torch.Tensor, samplers: list, positions: list[int]) -
 
 
 def _penalize(scores: torch.Tensor, samplers: list, rows: list[int]) -> None:
-    vocab = scores.shape[1]
-    counts = _token_counts([s.generated for s in samplers], vocab)
-    in_output = counts > 0
-    repetition = [s.params.repetition_penalty for s in samplers]
-    subset = scores[rows]
-    if any(value != 1.0 for value in repetition):
-        seen = in_output | (_token_counts([s.prompt_ids for s in samplers], vocab) > 0)
-        penalty = torch.tensor(repetition)[:, None].expand_as(subset)
-        penalized = torch.where(subset > 0, subset / penalty, subset * penalty)
-        subset = torch.where(seen, penalized, subset)
-    frequency = torch.tensor([s.params.frequency_penalty for s in samplers])[:, None]
-    presence = torch.tensor([s.params.presence_penalty for s in samplers])[:, None]
-    subset = subset - frequency * counts - presence * in_output
-    scores[rows] = subset
-
-
-def _token_counts(histories: list, vocab: int) -> torch.Tensor:
-    """[len(histories), vocab]: how many times each token occurs in each history."""
-    counts = torch.zeros(len(histories), vocab)
-    lengths = [len(history) for history in histories]
-    if sum(lengths):
-        rows = torch.repeat_interleave(torch.arange(len(histories)), torch.tensor(lengths))
-        tokens = torch.tensor([token for history in histories for token in history], dtype=torch.long)
-        counts.index_put_((rows, tokens), torch.ones(len(tokens)), accumulate=True)
-    return counts
+    """Only the tokens each request saw are read and written (a few hundred, where the
+    vocabulary may have a hundred thousand)."""
+    pairs_rows, pairs_tokens, counts, repetition, frequency, presence = [], [], [], [], [], []
+    for row, sampler in zip(rows, samplers):
+        generated, generated_counts, prompt_only = sampler.penalized_tokens()
+        params = sampler.params
+        tokens = generated + (prompt_only if params.repetition_penalty != 1.0 else [])
+        pairs_rows += [row] * len(tokens)
+        pairs_tokens += tokens
+        counts += generated_counts + [0] * (len(tokens) - len(generated))
+        repetition += [params.repetition_penalty] * len(tokens)
+        frequency += [params.frequency_penalty] * len(tokens)
+        presence += [params.presence_penalty] * len(tokens)
+    if not pairs_rows:
+        return
+    index = (torch.tensor(pairs_rows), torch.tensor(pairs_tokens, dtype=torch.long))
+    values = scores[index]
+    penalty = torch.tensor(repetition)
+    values = torch.where(values > 0, values / penalty, values * penalty)
+    times = torch.tensor(counts, dtype=torch.float32)
+    values -= torch.tensor(frequency) * times + torch.tensor(presence) * (times > 0)
+    scores[index] = values
 
 
 def _bias(scores: torch.Tensor, samplers: list) -> None:

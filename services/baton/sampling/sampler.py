@@ -1,7 +1,7 @@
 """Turning a step's logits into tokens: one ``Sampler`` per request, one ``draw`` per step.
 
-Design: every request owns a ``Sampler`` with its own ``torch.Generator``; the token at
-generated position p is drawn with the generator seeded from (seed, p). So a seeded request
+Design: every request owns a ``Sampler``; the token at generated position p is drawn by
+inverting the distribution's cumulative sum at a uniform number seeded from (seed, p). So a seeded request
 samples the same tokens alone or in any batch, before or after being preempted and recomputed
 (recomputed tokens are never re-sampled), and after its stream moved to another pod mid-way
 (the new pod is told how many tokens came before, and they are the sampler's history again:
@@ -43,12 +43,15 @@ class Sampler:
         self.prompt_ids = prompt_ids  # the prompt proper, for the repetition penalty
         self.stop_ids = frozenset(stop_ids)  # held off while min_tokens are not reached
         self.generated: list[int] = list(generated)
-        self._generator = None if params.greedy else torch.Generator(device="cpu")
+        self._counts: dict[int, int] | None = None  # generated tokens' counts, once penalties need them
+        self._prompt_only: list[int] = []
 
     def accept(self, token_id: int) -> bool:
         """A token of this request was chosen; False when its grammar does not allow it (a
         token chosen without the grammar's mask)."""
         self.generated.append(token_id)
+        if self._counts is not None:
+            self._count(token_id)
         return self.grammar is None or self.grammar.accept(token_id)
 
     def sample(self, logits: torch.Tensor, position: int) -> int:
@@ -60,9 +63,24 @@ class Sampler:
         scores = process_logits(logits[None, :].to("cpu", torch.float32).clone(), [self], [0])
         return _distributions(scores, [self])[0]
 
-    def draw_one(self, probs: torch.Tensor, position: int) -> int:
-        self._generator.manual_seed(_position_seed(self.seed, position))
-        return int(torch.multinomial(probs, 1, generator=self._generator))
+    def penalized_tokens(self) -> tuple[list[int], list[int], list[int]]:
+        """What the penalties read, kept up to date token by token: (the distinct generated
+        tokens, how many times each was generated, the distinct tokens of the prompt that were
+        not generated). Lists the size of what the request saw, never of the vocabulary."""
+        if self._counts is None:
+            self._counts = {}
+            for token in self.generated:
+                self._count(token)
+            self._prompt_only = [token for token in dict.fromkeys(self.prompt_ids)
+                                 if token not in self._counts]
+        return list(self._counts), list(self._counts.values()), self._prompt_only
+
+    def _count(self, token: int) -> None:
+        self._counts[token] = self._counts.get(token, 0) + 1
+
+    def uniform(self, position: int) -> float:
+        """The request's uniform draw in [0, 1) for generated position ``position``."""
+        return random.Random(_position_seed(self.seed, position)).random()
 
 
 @dataclass(frozen=True)
@@ -82,8 +100,9 @@ def draw(logits: torch.Tensor, samplers: list[Sampler], positions: list[int]) ->
     random_rows = [row for row, s in enumerate(samplers) if not s.params.greedy]
     if random_rows:
         probs = _distributions(scores[random_rows], [samplers[row] for row in random_rows])
-        for index, row in enumerate(random_rows):
-            tokens[row] = samplers[row].draw_one(probs[index], positions[row])
+        uniforms = [samplers[row].uniform(positions[row]) for row in random_rows]
+        for row, token in zip(random_rows, _inverse_cdf(probs, uniforms)):
+            tokens[row] = token
     reporting = [row for row, s in enumerate(samplers) if s.params.logprobs is not None]
     reported = logprobs_of(scores[reporting], [tokens[row] for row in reporting],
                            [samplers[row].params.logprobs for row in reporting])
@@ -101,6 +120,16 @@ def _mask_by_grammar(scores: torch.Tensor, samplers: list[Sampler]) -> None:
         for row in rows:
             samplers[row].grammar.fill_mask(bitmask, row)
         apply_bitmask(scores, bitmask, rows)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """Each row's token where its cumulative probability first passes its uniform draw: one
+    cumulative sum and one search for all rows (a token of probability 0 is never drawn).
+    (torch.multinomial costs many times more a row: docs/runtime-log.md.)"""
+    cumulative = probs.to(torch.float64).cumsum(dim=1)
+    targets = torch.tensor(uniforms, dtype=torch.float64)[:, None] * cumulative[:, -1:]
+    drawn = torch.searchsorted(cumulative, targets, right=True)
+    return drawn[:, 0].clamp(max=probs.shape[1] - 1).tolist()
 
 
 def _distributions(scores: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
