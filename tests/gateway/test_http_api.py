@@ -296,7 +296,7 @@ def test_a_bad_completion_field_is_named(body, param, words):
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {}}]), ("top_logprobs", 2),
     ("tool_choice", {"type": "function", "function": {"name": "unknown"}}),
-    ("cache_salt", 7), ("priority", 3), ("chat_template_kwargs", {"tools": []}),
+    ("cache_salt", 7), ("priority", "high"), ("chat_template_kwargs", {"tools": []}),
     ("documents", "a document"),
 ])
 def test_a_bad_chat_field_is_refused_by_name(field, value):

@@ -199,3 +199,17 @@ def test_token_at_reads_the_prompt_then_the_output():
     seq.prompt_ids = [5, 6, 7]
     seq.output_ids += [8, 9]
     assert [seq.token_at(i) for i in range(seq.num_tokens)] == seq.token_ids == [5, 6, 7, 8, 9]
+
+
+def test_waiting_prompts_are_admitted_by_priority_then_arrival():
+    # vLLM's rule: a lower priority value goes first; equal ones keep their arrival order
+    scheduler = make_scheduler(max_running=1)
+    priorities = [0, 5, -1, 0, -1]
+    for index, priority in enumerate(priorities):
+        seq = new_sequence(index, 8)
+        seq.params = SamplingParams(max_tokens=1, priority=priority)
+        scheduler.add(seq)
+    assert [seq.request_id for seq in scheduler.waiting] == ["seq-2", "seq-4", "seq-0", "seq-3",
+                                                              "seq-1"]
+    plan = scheduler.schedule()
+    assert [chunk.seq.request_id for chunk in plan.prefills] == ["seq-2"]

@@ -96,7 +96,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         allowed_token_ids=params.allowed_token_ids or [],
         bad_words=[common_pb2.TokenSequence(ids=words) for words in params.bad_words_ids],
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
-        skip_special_tokens=params.skip_special_tokens,
+        skip_special_tokens=params.skip_special_tokens, priority=params.priority,
         structured=None if params.structured is None else common_pb2.StructuredOutput(
             kind=params.structured.kind, text=params.structured.text,
             strict=params.structured.strict, any_whitespace=params.structured.any_whitespace))
@@ -119,7 +119,8 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
                           logit_bias=dict(message.logit_bias),
                           allowed_token_ids=list(message.allowed_token_ids) or None,
                           bad_words_ids=[list(words.ids) for words in message.bad_words],
-                          structured=_structured_from_proto(message), **optional)
+                          structured=_structured_from_proto(message), priority=message.priority,
+                          **optional)
 
 
 def _structured_from_proto(message: common_pb2.SamplingParams) -> GrammarSpec | None:

@@ -103,7 +103,10 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         self.held_s = timeout_s + PUSH_TIMEOUT_S
         self.max_queued_requests = max_queued_requests
         self.unavailable: str | None = "the prefill chain is still starting"
-        self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
+        # (priority, order, entry): lower priority values first (vLLM's rule), then arrival;
+        # the stop sign (None) ahead of everything
+        self._queue: queue.PriorityQueue[tuple[float, int, Pending | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
         self._lock = threading.Lock()
         self._live: dict[str, Pending] = {}  # request id -> its pending entry
         self._chain_ids = itertools.count()
@@ -112,7 +115,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
 
     def next_request(self, timeout_s: float) -> ChainRequest | None:
         try:
-            pending = self._queue.get(timeout=timeout_s)
+            _, _, pending = self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return None
         if pending is None:
@@ -125,7 +128,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
         return pending.chain_request
 
     def stop_chain(self) -> None:
-        self._queue.put(None)
+        self._queue.put((float("-inf"), next(self._order), None))
 
     @property
     def load(self) -> WorkerLoad:
@@ -216,7 +219,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
                                                     self.num_ranks, self.model_config, boundaries,
                                                     self.mode, details=details), loop)
             self._live[request.request_id] = pending
-        self._queue.put(pending)
+        self._queue.put((request.sampling.priority, next(self._order), pending))
         self._publish_load()
         return pending
 

@@ -65,6 +65,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # in the text: special tokens' text left out
     structured: GrammarSpec | None = None  # what the output must be (JSON schema, regex, ...)
+    # Admission order where requests wait (a decode pod, a chain): lower first, vLLM's rule.
+    # It rides with the sampling parameters, which cross every hop a request makes.
+    priority: int = 0
     # Per-request KV compression overrides; the engine hands them to its compressor factory.
     compression: CompressionParams = field(default_factory=CompressionParams)
 

@@ -9,7 +9,7 @@ whether the pool can hold it; ``ModelRunner`` runs it. Between them travels a
 ``SchedulerOutput``: the prefill chunks (first in the flat batch) and the
 decodes of one iteration.
 
-Queues: ``waiting`` (arrival order; preempted sequences go back to its front),
+Queues: ``waiting`` (priority, then arrival order; preempted sequences go back to its front),
 ``prefilling`` (admitted, prompt partly computed) and ``running`` (decoding).
 """
 
@@ -80,7 +80,12 @@ class Scheduler(abc.ABC):
     # --- queues ----------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Waiting in order of priority (a lower value first, vLLM's rule), then arrival."""
+        priority = seq.params.priority
+        index = len(self.waiting)
+        while index and self.waiting[index - 1].params.priority > priority:
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of every queue and free its KV (finish or abort)."""

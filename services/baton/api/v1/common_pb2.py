@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\xab\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x05\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12*\n\tbad_words\x18\x11 \x03(\x0b\x32\x17.baton.v1.TokenSequence\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x08\x88\x01\x01\x12.\n\nstructured\x18\x15 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"V\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\x16\n\x0e\x61ny_whitespace\x18\x04 \x01(\x08\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"g\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"]\n\x11\x43ompressionParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nkeep_ratio\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_enabledB\r\n\x0b_keep_ratio\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_kept\x18\x03 \x01(\x04\x12\x16\n\x0ekv_tokens_full\x18\x04 \x01(\x04\x12\x18\n\x10kv_bytes_shipped\x18\x05 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"\x85\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x11\n\tkv_push_s\x18\x04 \x01(\x01\x12\"\n\x1amean_time_between_tokens_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\"T\n\x05Route\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x10\n\x08\x63hain_id\x18\x02 \x01(\t\x12\x11\n\tpartition\x18\x03 \x03(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xb7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x06 \x01(\x0b\x32\x11.baton.v1.Timings\x12\x1e\n\x05route\x18\x07 \x01(\x0b\x32\x0f.baton.v1.Route\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xad\x01\n\nWorkerLoad\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\r\x12\x19\n\x11running_sequences\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\"\x0e\n\x0cStatsRequest*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/common.proto\x12\x08\x62\x61ton.v1\"\xbd\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x05\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12*\n\tbad_words\x18\x11 \x03(\x0b\x32\x17.baton.v1.TokenSequence\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x08\x88\x01\x01\x12.\n\nstructured\x18\x15 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x12\x10\n\x08priority\x18\x16 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"V\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\x16\n\x0e\x61ny_whitespace\x18\x04 \x01(\x08\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"g\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"]\n\x11\x43ompressionParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\nkeep_ratio\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_enabledB\r\n\x0b_keep_ratio\"\xa1\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_kept\x18\x03 \x01(\x04\x12\x16\n\x0ekv_tokens_full\x18\x04 \x01(\x04\x12\x18\n\x10kv_bytes_shipped\x18\x05 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"\x85\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x11\n\tkv_push_s\x18\x04 \x01(\x01\x12\"\n\x1amean_time_between_tokens_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\"T\n\x05Route\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x10\n\x08\x63hain_id\x18\x02 \x01(\t\x12\x11\n\tpartition\x18\x03 \x03(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\xb7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\"\n\x07timings\x18\x06 \x01(\x0b\x32\x11.baton.v1.Timings\x12\x1e\n\x05route\x18\x07 \x01(\x0b\x32\x0f.baton.v1.Route\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xad\x01\n\nWorkerLoad\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\r\x12\x19\n\x11running_sequences\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\"\x0e\n\x0cStatsRequest*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2127
-  _globals['_FINISHREASON']._serialized_end=2249
+  _globals['_FINISHREASON']._serialized_start=2145
+  _globals['_FINISHREASON']._serialized_end=2267
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=847
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=654
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=702
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=849
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=935
-  _globals['_TOKENSEQUENCE']._serialized_start=937
-  _globals['_TOKENSEQUENCE']._serialized_end=965
-  _globals['_TOKENLOGPROBS']._serialized_start=967
-  _globals['_TOKENLOGPROBS']._serialized_end=1070
-  _globals['_COMPRESSIONPARAMS']._serialized_start=1072
-  _globals['_COMPRESSIONPARAMS']._serialized_end=1165
-  _globals['_USAGE']._serialized_start=1168
-  _globals['_USAGE']._serialized_end=1329
-  _globals['_TIMINGS']._serialized_start=1332
-  _globals['_TIMINGS']._serialized_end=1465
-  _globals['_ROUTE']._serialized_start=1467
-  _globals['_ROUTE']._serialized_end=1551
-  _globals['_GENERATERESPONSE']._serialized_start=1554
-  _globals['_GENERATERESPONSE']._serialized_end=1865
-  _globals['_ABORTREQUEST']._serialized_start=1867
-  _globals['_ABORTREQUEST']._serialized_end=1901
-  _globals['_ABORTRESPONSE']._serialized_start=1903
-  _globals['_ABORTRESPONSE']._serialized_end=1933
-  _globals['_WORKERLOAD']._serialized_start=1936
-  _globals['_WORKERLOAD']._serialized_end=2109
-  _globals['_STATSREQUEST']._serialized_start=2111
-  _globals['_STATSREQUEST']._serialized_end=2125
+  _globals['_SAMPLINGPARAMS']._serialized_end=865
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=672
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=720
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=867
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=953
+  _globals['_TOKENSEQUENCE']._serialized_start=955
+  _globals['_TOKENSEQUENCE']._serialized_end=983
+  _globals['_TOKENLOGPROBS']._serialized_start=985
+  _globals['_TOKENLOGPROBS']._serialized_end=1088
+  _globals['_COMPRESSIONPARAMS']._serialized_start=1090
+  _globals['_COMPRESSIONPARAMS']._serialized_end=1183
+  _globals['_USAGE']._serialized_start=1186
+  _globals['_USAGE']._serialized_end=1347
+  _globals['_TIMINGS']._serialized_start=1350
+  _globals['_TIMINGS']._serialized_end=1483
+  _globals['_ROUTE']._serialized_start=1485
+  _globals['_ROUTE']._serialized_end=1569
+  _globals['_GENERATERESPONSE']._serialized_start=1572
+  _globals['_GENERATERESPONSE']._serialized_end=1883
+  _globals['_ABORTREQUEST']._serialized_start=1885
+  _globals['_ABORTREQUEST']._serialized_end=1919
+  _globals['_ABORTRESPONSE']._serialized_start=1921
+  _globals['_ABORTRESPONSE']._serialized_end=1951
+  _globals['_WORKERLOAD']._serialized_start=1954
+  _globals['_WORKERLOAD']._serialized_end=2127
+  _globals['_STATSREQUEST']._serialized_start=2129
+  _globals['_STATSREQUEST']._serialized_end=2143
 # @@protoc_insertion_point(module_scope)

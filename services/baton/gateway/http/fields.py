@@ -27,7 +27,7 @@ HONOURED_BOTH = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                  "allowed_token_ids", "bad_words", "n", "best_of", "prompt_logprobs",
-                 "skip_special_tokens", "truncate_prompt_tokens", "cache_salt", "stream",
+                 "skip_special_tokens", "truncate_prompt_tokens", "cache_salt", "priority", "stream",
                  "response_format", "guided_json", "guided_regex", "guided_choice",
                  "guided_grammar", "structured_outputs",
                  "stream_options", "return_token_ids", "compression", "prefill_route",
@@ -43,7 +43,7 @@ HONOURED = {
 # that does not use them sends): any other value is refused, never silently ignored.
 _NEUTRAL_BOTH: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
-    "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+    "spaces_between_special_tokens": (None, True),
 }
 NEUTRAL = {
     "completions": {**_NEUTRAL_BOTH, "suffix": (None, "")},

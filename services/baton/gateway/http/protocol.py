@@ -303,7 +303,8 @@ def _sampling(body: dict, max_tokens: int, defaults: dict | None = None,
                               logit_bias=_logit_bias(body),
                               allowed_token_ids=_token_ids(body, "allowed_token_ids"),
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              skip_special_tokens=_boolean(body, "skip_special_tokens", True))
+                              skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+                              priority=_integer(body, "priority", 0, minimum=-2**31, maximum=2**31 - 1))
     except BadParameter:
         raise
     except ValueError as e:  # the shared checks name the value; find the field they mean
