@@ -412,3 +412,16 @@ def test_a_completions_text_prompt_gets_the_tokenizers_bos_as_vllm_gives_it(tmp_
         assert body["tokens"] == [bos, *plain["tokens"]]
     finally:
         with_bos.close()
+
+
+def test_the_architecture_doc_says_what_happens_to_every_field():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("| field | endpoints | what baton does |"):]
+    table = table[:table.index("\n\n")]
+    named = set(fields.IGNORED)
+    for endpoint in ("completions", "chat"):
+        named |= set(fields.HONOURED[endpoint]) | set(fields.NEUTRAL[endpoint])
+    missing = sorted(name for name in named if f"`{name}`" not in table)
+    assert not missing, f"docs/architecture.md's field table does not name {missing}"

@@ -1,7 +1,7 @@
 """A checkpoint's ``generation_config.json``: the sampling its authors ship as the default
 and the extra end-of-sequence ids (Llama 3's instruct models end turns with ``<|eot_id|>``,
 which config.json does not list). As vLLM's ``--generation-config auto``: a request that
-leaves temperature, top_p or top_k out gets the checkpoint's; what baton cannot apply is
+leaves temperature, top_p, top_k, min_p or repetition_penalty out gets the checkpoint's; what baton cannot apply is
 named in the log at start, never silently taken as applied.
 """
 
@@ -17,10 +17,10 @@ from baton.model.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 FILE = "generation_config.json"
-APPLIED = ("temperature", "top_p", "top_k")
-# Sampling settings baton cannot apply yet, with the value that changes nothing.
-UNAPPLIED = {"repetition_penalty": 1.0, "num_beams": 1, "min_p": 0.0, "presence_penalty": 0.0,
-             "frequency_penalty": 0.0, "no_repeat_ngram_size": 0}
+# vLLM's defaults from the file: what a request that leaves the field out gets.
+APPLIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Sampling settings baton cannot apply, with the value that changes nothing.
+UNAPPLIED = {"num_beams": 1, "no_repeat_ngram_size": 0}
 
 
 @dataclass(frozen=True)
