@@ -159,3 +159,11 @@ def test_a_forced_tool_call_validates_streamed_and_not(api, model_id, tool_choic
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert streamed == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+
+
+def test_a_schema_the_grammar_cannot_take_is_a_400_naming_the_field(api, model_id):
+    with pytest.raises(openai.BadRequestError) as error:
+        api.completions.create(model=model_id, prompt="x", max_tokens=4, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "n", "schema": {"not": {"type": "string"}}}}})
+    assert error.value.body["param"] == "response_format" and "not" in error.value.body["message"]

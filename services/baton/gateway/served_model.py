@@ -7,6 +7,7 @@ oversized or out-of-vocabulary prompt is INVALID_ARGUMENT here, with the numbers
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from baton.model.generation_config import GenerationConfig
 from baton.model.hub import resolve_model
 from baton.model.limits import check_prompt
 from baton.model.tokenizer import Tokenizer
+from baton.sampling.grammars import ModelGrammars
 
 
 class UnknownModel(NotFound):
@@ -41,6 +43,12 @@ class ServedModel:
     model_id: str = ""
     # generation_config.json's temperature, top_p and top_k: a request that leaves one out
     sampling_defaults: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def grammars(self) -> ModelGrammars:
+        """Structured outputs' grammars, compiled at the door: a bad one is the client's 400."""
+        return ModelGrammars(lambda: self.tokenizer, self.config.vocab_size,
+                             self.config.eos_token_ids)
 
     @classmethod
     def load(cls, source: ModelSourceConfig) -> ServedModel:

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from baton.api.requests import GenerateRequest
 from baton.errors import InvalidArgument
 from baton.gateway.http.chat_template import ChatTemplate
+from baton.gateway.http.fields import BadParameter
 from baton.gateway.http.protocol import Completion
 from baton.gateway.served_model import ServedModel
+from baton.sampling.grammar import GrammarError
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ def plan_generations(completion: Completion, request_id: str, model: ServedModel
                    if isinstance(prompt, str) else prompt for prompt in completion.prompts]
         texts = [prompt if isinstance(prompt, str) else None for prompt in completion.prompts]
     sampling = completion.sampling
+    if sampling.structured is not None:  # compiled here once (cached): a bad one is the client's 400
+        try:
+            model.grammars.compile(sampling.structured)
+        except GrammarError as e:
+            raise BadParameter(completion.structured_field, f"{completion.structured_field}: {e}") from None
     if completion.bad_words:
         sampling = dataclasses.replace(sampling, bad_words_ids=_bad_words_ids(completion.bad_words, model))
     planned = []

@@ -66,6 +66,7 @@ class Completion:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     cache_salt: str = ""
     tools: ToolRequest | None = None  # chat: the tools offered, and how the model must use them
+    structured_field: str = ""  # the field that asked for sampling.structured
     return_token_ids: bool = False  # vLLM's extension: the generated ids beside the text
     prefill_route: str = "auto"  # baton's extension: pin the prefill to "chain" or "local"
 
@@ -134,7 +135,7 @@ def _constrained(completion: Completion, body: dict) -> Completion:
         named = ("tool_choice", GrammarSpec("json_schema", json.dumps(tools.schema()), strict=False))
     if named is None:
         return completion
-    return dataclasses.replace(completion, sampling=dataclasses.replace(
+    return dataclasses.replace(completion, structured_field=named[0], sampling=dataclasses.replace(
         completion.sampling, structured=named[1]))
 
 
