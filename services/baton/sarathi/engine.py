@@ -34,16 +34,18 @@ from baton.model.llama import CausalLM
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
 from baton.sampling.grammar import GrammarState
 from baton.sampling.grammars import ModelGrammars
-from baton.sampling.logprobs import TokenLogprobs, logprobs_of
+from baton.sampling.logprobs import TokenLogprobs
 from baton.sampling.params import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from baton.sampling.sampler import Sampler, draw
 from baton.sampling.stops import StopStringMatcher
 from baton.sarathi.budget import measure_token_budget
 from baton.sarathi.decode_graphs import DecodeGraphs
+from baton.sarathi.drivers import generate_all
 from baton.sarathi.hooks import CompressorFactory
 from baton.sarathi.memory import KVManager, build_pool
 from baton.sarathi.request import GenerationResult, RequestOutput, Sequence, Status
-from baton.sarathi.runner import ModelRunner, StepLogits
+from baton.sarathi.runner import ModelRunner
+from baton.sarathi.sampling_step import draw_tokens, score_prompts
 from baton.sarathi.scheduler import SchedulerOutput, create_scheduler
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ class Engine:
         stream that moved here), so sampling goes on at that position. ``cache_salt``: the
         tenant's; the prefix cache shares blocks only among requests with the same one."""
         params = params or SamplingParams()
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.prompt_ids(prompt)
         self._check(prompt_ids, params)
         if not 0 <= generated_before <= len(prompt_ids):
             raise ValueError(f"generated_before {generated_before} is not within the prompt's "
@@ -132,7 +134,7 @@ class Engine:
         comes as its ``LandedLayer``-s. ``first_logprobs``: the sampled first token's log
         probabilities, where the request asked for them."""
         params = params or SamplingParams()
-        prompt_ids = self._prompt_ids(list(prompt_ids))
+        prompt_ids = self.prompt_ids(list(prompt_ids))
         self._check(prompt_ids, params)
         if len(kv) != self.pool.num_layers:
             raise ValueError(f"prefilled KV has {len(kv)} layers, the model {self.pool.num_layers}")
@@ -208,64 +210,21 @@ class Engine:
             full = len(seq.prompt_ids) * self.pool.num_layers
             kept = self._compress(seq) if seq.compressor is not None else full
             seq.kv_entries = (kept, full)
-        self._score_prompts(logits)
-        self._sample(sampling, logits, outputs)
+        score_prompts(logits)
+        for seq, picked in zip(sampling, draw_tokens(sampling, logits)):
+            self._accept_token(seq, picked.token_id, outputs, picked.logprobs)
         for seq in plan.decodes:
             if seq.compressor is not None and seq.status is Status.RUNNING:
                 seq.compressor.after_decode(self.pool, seq.request_id)
-
-    def _score_prompts(self, logits: StepLogits) -> None:
-        """The prompt log probabilities of this step's chunks that report them: the row at
-        position p scores prompt token p + 1 (the last prompt row's is the first sample's)."""
-        for rows in logits.prompt_rows:
-            seq = rows.seq
-            if rows.start == 0:  # (again, after a preemption)
-                seq.prompt_logprobs = []
-            count = min(rows.count, len(seq.prompt_ids) - 1 - rows.start)
-            targets = seq.prompt_ids[rows.start + 1:rows.start + 1 + count]
-            block = logits.logits[rows.first_row:rows.first_row + count].to("cpu")
-            seq.prompt_logprobs += logprobs_of(block, targets, [seq.params.prompt_logprobs] * count)
-
-    def _sample(self, sampling: list[Sequence], logits, outputs: dict[str, RequestOutput]) -> None:
-        """Each sampling sequence's token: the step's argmax for a greedy request with nothing
-        else to do, one batched ``draw`` over the rows of all the others."""
-        drawn_rows = [index for index, seq in enumerate(sampling) if not seq.params.fast_path]
-        greedy, drawn = logits.pick(drawn_rows)
-        tokens: list[int] = greedy
-        logprobs: list[TokenLogprobs | None] = [None] * len(sampling)
-        if drawn_rows:
-            draws = draw(torch.stack([drawn[index] for index in drawn_rows]),
-                         [sampling[index].sampler for index in drawn_rows],
-                         [sampling[index].num_generated for index in drawn_rows])
-            for index, picked in zip(drawn_rows, draws):
-                tokens[index], logprobs[index] = picked.token_id, picked.logprobs
-        for seq, token, entry in zip(sampling, tokens, logprobs):
-            self._accept_token(seq, token, outputs, entry)
 
     # --- convenience drivers ---------------------------------------------------------------
 
     def generate(self, prompts: SequenceOf[Prompt],
                  params: SamplingParams | SequenceOf[SamplingParams] | None = None
                  ) -> list[GenerationResult]:
-        """Generate for every prompt (batched continuously); results in prompt order."""
-        per_prompt = self._params_per_prompt(prompts, params)
-        prompt_ids = {}
-        for prompt, sampling_params in zip(prompts, per_prompt):
-            ids = self._prompt_ids(prompt)
-            prompt_ids[self.add_request(ids, sampling_params)] = ids
-        order = list(prompt_ids)
-        token_ids: dict[str, list[int]] = {rid: [] for rid in order}
-        texts: dict[str, list[str]] = {rid: [] for rid in order}
-        reasons: dict[str, str] = {}
-        while len(reasons) < len(order):
-            for output in self.step():
-                if output.request_id in token_ids:
-                    token_ids[output.request_id] += output.new_token_ids
-                    texts[output.request_id].append(output.text_delta)
-                    if output.finished:
-                        reasons[output.request_id] = output.finish_reason
-        return [GenerationResult(rid, prompt_ids[rid], token_ids[rid], "".join(texts[rid]), reasons[rid])
-                for rid in order]
+        """Generate for every prompt (batched continuously); results in prompt order. Drives
+        ``step()`` itself: for callers that own the engine (``baton.sarathi.drivers``)."""
+        return generate_all(self, prompts, params)
 
     # --- inbox -----------------------------------------------------------------------------
 
@@ -396,7 +355,8 @@ class Engine:
 
     # --- validation (caller's thread) ------------------------------------------------------
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """A prompt as token ids (a text one through the tokenizer)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
@@ -434,12 +394,3 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
         return request_id
-
-    @staticmethod
-    def _params_per_prompt(prompts, params) -> list[SamplingParams]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        return list(params)
-

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -28,48 +27,24 @@ from contextlib import aclosing
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from baton.api import convert
 from baton.api.requests import FinishReason, GenerationStep
 from baton.config import HttpConfig
-from baton.errors import InvalidArgument, ResourceExhausted, TooLarge
+from baton.errors import InvalidArgument, ResourceExhausted
 from baton.gateway.generations import Generations
-from baton.gateway.http.answers import Answer, Choice, error_body, returned_choices, total_usage
+from baton.gateway.http.answers import Answer, Choice, returned_choices, total_usage
 from baton.gateway.http.chat_output import ChatOutput
 from baton.gateway.http.chat_template import ChatTemplate
 from baton.gateway.http.choice_stream import ChoiceStream
+from baton.gateway.http.errors import error_fields, error_response, http_status
+from baton.gateway.http.events import EventStream
 from baton.gateway.http.generation_plan import PlannedGeneration, plan_generations
 from baton.gateway.http.model_routes import ModelRoutes
 from baton.gateway.http.protocol import BadParameter, Completion, chat_request, completion_request
-from baton.gateway.served_model import UnknownModel
 from baton.security.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
 
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
-               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "ALREADY_EXISTS": 409,
-               "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "FAILED_PRECONDITION": 503,
-               "DEADLINE_EXCEEDED": 504, "DATA_LOSS": 502, "ABORTED": 409, "CANCELLED": 499}
 IDENTITY = web.RequestKey("identity", str)  # whose API key the request came with ("" = no keys)
-RETRY_AFTER_S = 1  # told to a client refused for being one too many (429) or too early (503)
-
-
-def http_status(error: BaseException) -> int:
-    """The HTTP status of an error (its gRPC status mapped; a request too large is 413)."""
-    if isinstance(error, TooLarge):
-        return 413
-    return HTTP_STATUS.get(convert.status_for(error).name, 500)
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-    return web.json_response(error_body(status, message, param, code), status=status,
-                             headers=headers)
-
-
-def _error_fields(error: BaseException) -> tuple[str | None, str | None]:
-    """OpenAI's ``param`` and ``code`` of an error, where baton knows them."""
-    return getattr(error, "param", None), "model_not_found" if isinstance(error, UnknownModel) else None
 
 
 def _read_textfile(path: str) -> bytes:
@@ -80,11 +55,6 @@ def _read_textfile(path: str) -> bytes:
     except FileNotFoundError:
         return b""
     return text if not text or text.endswith(b"\n") else text + b"\n"
-
-
-def _sse(body: dict | str) -> bytes:
-    text = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
 
 
 class OpenAIServer:
@@ -162,7 +132,7 @@ class OpenAIServer:
             status = http_status(e)
             if status == 500:
                 log.exception("%s %s failed", request.method, request.path)
-            return error_response(status, str(e), *_error_fields(e))
+            return error_response(status, str(e), *error_fields(e))
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
@@ -290,29 +260,31 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, answer: Answer, completion: Completion,
                       planned: PlannedGeneration, first: GenerationStep, steps) -> web.StreamResponse:
-        response = await self._open_stream(request, answer)
+        events = EventStream(request, answer.response_id, self.stall_s)
+        await events.open()
         choice = ChoiceStream(answer, completion, planned, 0, self._chat_output(completion, planned))
         step = first
         try:
             while True:
                 for chunk in choice.chunks(step):
-                    await self._send(request, response, chunk)
+                    await events.send(chunk)
                 if step.finish_reason is not None:
                     if completion.include_usage:
-                        await self._send(request, response, answer.usage_chunk(step))
+                        await events.send(answer.usage_chunk(step))
                     break
                 step = await anext(steps)
         except ConnectionError:  # the client left: closing ``steps`` aborts the request
-            return response
+            return events.response
         except Exception as e:  # noqa: BLE001 - told to the client in the stream (and logged)
-            await self._send_error(request, response, answer, e)
-        return await self._close_stream(request, response)
+            await events.fail(e)
+        return await events.close()
 
     async def _stream_several(self, request: web.Request, answer: Answer, completion: Completion,
                               planned: list[PlannedGeneration], firsts: list[GenerationStep],
                               streams: list) -> web.StreamResponse:
         """Chunks of every choice as their steps come (each chunk names its choice)."""
-        response = await self._open_stream(request, answer)
+        events = EventStream(request, answer.response_id, self.stall_s)
+        await events.open()
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, first: GenerationStep, steps) -> None:
@@ -337,21 +309,21 @@ class OpenAIServer:
                     if isinstance(step, Exception):
                         raise step
                     for chunk in choices[index].chunks(step):
-                        await self._send(request, response, chunk)
+                        await events.send(chunk)
                     if step.finish_reason is not None:
                         lasts[index] = step
                 if completion.include_usage:
                     gathered = [Choice(i, last) for i, last in sorted(lasts.items())]
-                    await self._send(request, response, answer.usage_chunk(
-                        gathered[0].last, total_usage(gathered, completion)))
+                    await events.send(answer.usage_chunk(gathered[0].last,
+                                                         total_usage(gathered, completion)))
             except ConnectionError:
-                return response
+                return events.response
             except Exception as e:  # noqa: BLE001 - told to the client in the stream (and logged)
-                await self._send_error(request, response, answer, e)
+                await events.fail(e)
             finally:
                 for task in pumps:
                     task.cancel()
-        return await self._close_stream(request, response)
+        return await events.close()
 
     def _chat_output(self, completion: Completion, planned: PlannedGeneration) -> ChatOutput | None:
         """How a chat choice's text becomes its message (None for a completion)."""
@@ -360,47 +332,4 @@ class OpenAIServer:
         source = self.chat_template.source_of(completion.chat_template)
         return ChatOutput.for_request(completion.tools, source, planned.prompt_text,
                                       completion.template_kwargs, self.config.tool_call_parser)
-
-    async def _open_stream(self, request: web.Request, answer: Answer) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache",
-                                               "X-Request-Id": answer.response_id})
-        await response.prepare(request)
-        return response
-
-    async def _send_error(self, request: web.Request, response: web.StreamResponse,
-                          answer: Answer, error: Exception) -> None:
-        """A failure after the stream began: an error chunk (then [DONE])."""
-        status = http_status(error)
-        if status == 500:
-            log.error("stream %s failed", answer.response_id, exc_info=error)
-        try:
-            await self._send(request, response, error_body(status, str(error), *_error_fields(error)))
-        except ConnectionError:
-            pass
-
-    async def _close_stream(self, request: web.Request, response: web.StreamResponse
-                            ) -> web.StreamResponse:
-        try:
-            await self._send(request, response, "[DONE]")
-            await response.write_eof()
-        except ConnectionError:
-            pass
-        return response
-
-    async def _send(self, request: web.Request, response: web.StreamResponse,
-                    body: dict | str) -> None:
-        """Write one event; a client that has not taken it within ``stall_s`` is cut off
-        (the ConnectionError ends the handler, which aborts the request)."""
-        try:
-            # A timeout scope, not wait_for: that would wrap every event's write in a task of
-            # its own and a pass of the event loop (4,096 of them for 64 streams of 64 tokens).
-            async with asyncio.timeout(self.stall_s):
-                await response.write(_sse(body))
-        except TimeoutError:
-            log.warning("a client of %s read nothing for %g s: cut off", request.path,
-                        self.stall_s)
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client stopped reading") from None
 

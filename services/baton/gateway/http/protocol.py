@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 
-from baton.api.requests import PREFILL_ROUTES
 from baton.gateway.http.fields import BadParameter, check_fields, short
+from baton.gateway.http.sampling_fields import compression_params, prefill_route, sampling_params
 from baton.gateway.http.structured import structured_output
 from baton.gateway.http.tool_choice import ToolRequest, validate_tools
+from baton.gateway.http.values import boolean, integer, is_int, json_object, optional_text, strings
 from baton.sampling.grammar import GrammarSpec
 from baton.sampling.params import MAX_LOGPROBS, CompressionParams, SamplingParams
 
@@ -30,10 +30,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 MAX_CHOICES = 128  # n, best_of, and prompts x best_of in one request
-# The fields _sampling reads, in the order a ValueError's message is searched for the one it names.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
-                   "stop_token_ids", "stop", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "allowed_token_ids", "logprobs")
 
 
 @dataclass
@@ -74,21 +70,21 @@ class Completion:
 def completion_request(body: object, defaults: dict | None = None) -> Completion:
     """A ``POST /v1/completions`` body; raises BadParameter naming the field. ``defaults``:
     the model's temperature, top_p and top_k for a body that leaves them out."""
-    body = _object(body, "the request body")
+    body = json_object(body, "the request body")
     check_fields(body, "completions")
     prompts = _prompts(body.get("prompt"))
-    echo = _boolean(body, "echo", False)
-    max_tokens = _integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=0)
+    echo = boolean(body, "echo", False)
+    max_tokens = integer(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=0)
     if max_tokens == 0 and not echo:
         raise BadParameter("max_tokens", "max_tokens 0 generates nothing: it is taken only with "
                                          "echo (the prompt's log probabilities)")
-    logprobs = _integer(body, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    logprobs = integer(body, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
     prompt_logprobs = _prompt_logprobs(body, logprobs if echo else None)
     completion = Completion(
         chat=False, model=_model(body), prompts=prompts,
-        add_special_tokens=_boolean(body, "add_special_tokens", True),
-        sampling=_sampling(body, max(max_tokens, 1), defaults, logprobs, prompt_logprobs),
-        echo=echo, logprobs=logprobs, prompt_logprobs=_integer(body, "prompt_logprobs", None),
+        add_special_tokens=boolean(body, "add_special_tokens", True),
+        sampling=sampling_params(body, max(max_tokens, 1), defaults, logprobs, prompt_logprobs),
+        echo=echo, logprobs=logprobs, prompt_logprobs=integer(body, "prompt_logprobs", None),
         max_tokens=max_tokens, **_common(body))
     _check_choices(completion)
     return _constrained(completion, body)
@@ -96,16 +92,16 @@ def completion_request(body: object, defaults: dict | None = None) -> Completion
 
 def chat_request(body: object, defaults: dict | None = None) -> Completion:
     """A ``POST /v1/chat/completions`` body; raises BadParameter naming the field."""
-    body = _object(body, "the request body")
+    body = json_object(body, "the request body")
     check_fields(body, "chat")
     if body.get("continue_final_message") and body.get("add_generation_prompt"):
         raise BadParameter("continue_final_message", "continue_final_message and "
                                                      "add_generation_prompt cannot both be true")
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, limit, None, minimum=1)
+    max_tokens = integer(body, limit, None, minimum=1)
     logprobs = None
-    if _boolean(body, "logprobs", False):
-        logprobs = _integer(body, "top_logprobs", 0, minimum=0, maximum=MAX_LOGPROBS)
+    if boolean(body, "logprobs", False):
+        logprobs = integer(body, "top_logprobs", 0, minimum=0, maximum=MAX_LOGPROBS)
     elif body.get("top_logprobs"):
         raise BadParameter("top_logprobs", "top_logprobs needs logprobs: true")
     prompt_logprobs = _prompt_logprobs(body, None)
@@ -113,12 +109,12 @@ def chat_request(body: object, defaults: dict | None = None) -> Completion:
                            functions=body.get("functions"), function_call=body.get("function_call"))
     completion = Completion(
         chat=True, tools=tools if tools.tools else None, model=_model(body), messages=_messages(body.get("messages")),
-        add_generation_prompt=_boolean(body, "add_generation_prompt", True),
-        continue_final_message=_boolean(body, "continue_final_message", False),
-        chat_template=_optional_text(body, "chat_template"),
+        add_generation_prompt=boolean(body, "add_generation_prompt", True),
+        continue_final_message=boolean(body, "continue_final_message", False),
+        chat_template=optional_text(body, "chat_template"),
         template_kwargs=_template_kwargs(body),
-        add_special_tokens=_boolean(body, "add_special_tokens", False),
-        sampling=_sampling(body, max_tokens or 1, defaults, logprobs, prompt_logprobs),
+        add_special_tokens=boolean(body, "add_special_tokens", False),
+        sampling=sampling_params(body, max_tokens or 1, defaults, logprobs, prompt_logprobs),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, **_common(body))
     _check_choices(completion)
     return _constrained(completion, body)
@@ -141,15 +137,15 @@ def _constrained(completion: Completion, body: dict) -> Completion:
 
 def _common(body: dict) -> dict:
     """The fields both endpoints read alike, as ``Completion`` keywords."""
-    n = _integer(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
-    truncate = _integer(body, "truncate_prompt_tokens", None, minimum=1)
-    return {"compression": _compression(body), "stream": _boolean(body, "stream", False),
+    n = integer(body, "n", 1, minimum=1, maximum=MAX_CHOICES)
+    truncate = integer(body, "truncate_prompt_tokens", None, minimum=1)
+    return {"compression": compression_params(body), "stream": boolean(body, "stream", False),
             "include_usage": _include_usage(body),
-            "return_token_ids": _boolean(body, "return_token_ids", False),
-            "prefill_route": _prefill_route(body), "n": n,
-            "best_of": _integer(body, "best_of", n, minimum=1, maximum=MAX_CHOICES),
-            "bad_words": _strings(body, "bad_words"), "truncate_prompt_tokens": truncate,
-            "cache_salt": _optional_text(body, "cache_salt") or ""}
+            "return_token_ids": boolean(body, "return_token_ids", False),
+            "prefill_route": prefill_route(body), "n": n,
+            "best_of": integer(body, "best_of", n, minimum=1, maximum=MAX_CHOICES),
+            "bad_words": strings(body, "bad_words"), "truncate_prompt_tokens": truncate,
+            "cache_salt": optional_text(body, "cache_salt") or ""}
 
 
 def _check_choices(completion: Completion) -> None:
@@ -167,19 +163,13 @@ def _check_choices(completion: Completion) -> None:
 
 def _prompt_logprobs(body: dict, echoed: int | None) -> int | None:
     """vLLM's ``prompt_logprobs``, or a completion's ``logprobs`` when it echoes the prompt."""
-    asked = _integer(body, "prompt_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    asked = integer(body, "prompt_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
     if asked is None:
         return echoed
     return asked if echoed is None else max(asked, echoed)
 
 
 # --- reading fields --------------------------------------------------------------------------
-
-def _object(value: object, what: str) -> dict:
-    if not isinstance(value, dict):
-        raise BadParameter("", f"{what} must be a JSON object, got {type(value).__name__}")
-    return value
-
 
 def _model(body: dict) -> str:
     model = body.get("model") or ""
@@ -191,7 +181,7 @@ def _model(body: dict) -> str:
 def _prompts(prompt: object) -> list[str | tuple[int, ...]]:
     """A completions prompt: a string, a list of token ids, or a list of either."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(_is_int(token) for token in prompt)):
+                                   and all(is_int(token) for token in prompt)):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise BadParameter("prompt", f"prompt must be a non-empty string or list of token ids, "
@@ -200,32 +190,13 @@ def _prompts(prompt: object) -> list[str | tuple[int, ...]]:
     for index, item in enumerate(prompt):
         if isinstance(item, str) and item:
             prompts.append(item)
-        elif isinstance(item, list) and item and all(_is_int(token) for token in item):
+        elif isinstance(item, list) and item and all(is_int(token) for token in item):
             prompts.append(tuple(item))
         else:
             where = "prompt" if len(prompt) == 1 else f"prompt[{index}]"
             raise BadParameter("prompt", f"{where} must be a non-empty string or list of token "
                                          f"ids, got {short(item)}")
     return prompts
-
-
-def _strings(body: dict, name: str) -> list[str]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not (isinstance(value, list) and all(isinstance(item, str) and item for item in value)):
-        raise BadParameter(name, f"{name} must be a string or a list of non-empty strings, got "
-                                 f"{short(value)}")
-    return value
-
-
-def _optional_text(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise BadParameter(name, f"{name} must be a string, got {short(value)}")
-    return value or None
 
 
 def _template_kwargs(body: dict) -> dict:
@@ -283,132 +254,10 @@ def _content(content: object, index: int) -> str:
                                    f"text parts, got {short(content)}")
 
 
-def _sampling(body: dict, max_tokens: int, defaults: dict | None = None,
-              logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    defaults = defaults or {}
-    stop = _strings(body, "stop")
-    stop_token_ids = _token_ids(body, "stop_token_ids") or []
-    top_k = _integer(body, "top_k", defaults.get("top_k", 0), minimum=-1)
-    try:
-        return SamplingParams(temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
-                              top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
-                              top_k=max(top_k, 0), min_p=_number(body, "min_p", defaults.get("min_p", 0.0)),
-                              seed=_integer(body, "seed", None), max_tokens=max_tokens,
-                              min_tokens=_integer(body, "min_tokens", 0, minimum=0, maximum=max_tokens),
-                              stop=stop, stop_token_ids=stop_token_ids,
-                              include_stop_str_in_output=_boolean(body, "include_stop_str_in_output", False),
-                              ignore_eos=_boolean(body, "ignore_eos", False),
-                              presence_penalty=_number(body, "presence_penalty", 0.0),
-                              frequency_penalty=_number(body, "frequency_penalty", 0.0),
-                              repetition_penalty=_number(body, "repetition_penalty",
-                                                         defaults.get("repetition_penalty", 1.0)),
-                              logit_bias=_logit_bias(body),
-                              allowed_token_ids=_token_ids(body, "allowed_token_ids"),
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              skip_special_tokens=_boolean(body, "skip_special_tokens", True),
-                              priority=_integer(body, "priority", 0, minimum=-2**31, maximum=2**31 - 1))
-    except BadParameter:
-        raise
-    except ValueError as e:  # the shared checks name the value; find the field they mean
-        names = [name for name in SAMPLING_FIELDS if name in str(e)]
-        raise BadParameter(names[0] if names else "", str(e)) from None
-
-
-def _token_ids(body: dict, name: str) -> list[int] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not (isinstance(value, list) and all(_is_int(t) and t >= 0 for t in value)):
-        raise BadParameter(name, f"{name} must be a list of token ids (integers >= 0), got "
-                                 f"{short(value)}")
-    return value
-
-
-def _logit_bias(body: dict) -> dict[int, float]:
-    """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) to biases."""
-    value = body.get("logit_bias") or {}
-    if not isinstance(value, dict):
-        raise BadParameter("logit_bias", f"logit_bias must be an object, got {short(value)}")
-    bias = {}
-    for key, amount in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise BadParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
-        if not _is_number(amount):
-            raise BadParameter("logit_bias", f"logit_bias[{key!r}] must be a number, got {short(amount)}")
-        bias[token] = float(amount)
-    return bias
-
-
-def _compression(body: dict) -> CompressionParams:
-    compression = body.get("compression")
-    if compression is None:
-        return CompressionParams()
-    compression = _object(compression, "compression")
-    enabled = compression.get("enabled")
-    if enabled is not None and not isinstance(enabled, bool):
-        raise BadParameter("compression", f"compression.enabled must be true or false, got {enabled!r}")
-    keep_ratio = compression.get("keep_ratio")
-    if keep_ratio is not None and not _is_number(keep_ratio):
-        raise BadParameter("compression", f"compression.keep_ratio must be a number, got {keep_ratio!r}")
-    try:
-        return CompressionParams(enabled=enabled, keep_ratio=keep_ratio)
-    except ValueError as e:
-        raise BadParameter("compression", str(e)) from None
-
-
-def _prefill_route(body: dict) -> str:
-    route = body.get("prefill_route") or "auto"
-    if route not in PREFILL_ROUTES:
-        raise BadParameter("prefill_route", f"prefill_route {route!r} is not one of {PREFILL_ROUTES}")
-    return route
-
-
 def _include_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if options is None:
         return False
-    return _boolean(_object(options, "stream_options"), "include_usage", False)
+    return boolean(json_object(options, "stream_options"), "include_usage", False)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(body: dict, name: str, default, minimum: int | None = None,
-             maximum: int | None = None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not _is_int(value):
-        raise BadParameter(name, f"{name} must be an integer, got {short(value)}")
-    if minimum is not None and value < minimum:
-        raise BadParameter(name, f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise BadParameter(name, f"{name} must be <= {maximum}, got {value}")
-    return value
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value) or not math.isfinite(value):
-        raise BadParameter(name, f"{name} must be a finite number, got {short(value)}")
-    return float(value)
-
-
-def _boolean(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadParameter(name, f"{name} must be true or false, got {short(value)}")
-    return value

@@ -10,13 +10,8 @@ from __future__ import annotations
 import json
 
 from baton.gateway.http.fields import BadParameter, short
+from baton.gateway.http.values import json_object
 from baton.sampling.grammar import GrammarError, GrammarSpec
-
-
-def _object(value: object, what: str) -> dict:
-    if not isinstance(value, dict):
-        raise BadParameter(what.split(".")[0], f"{what} must be a JSON object, got {short(value)}")
-    return value
 
 
 def structured_output(body: dict) -> tuple[str, GrammarSpec] | None:
@@ -25,7 +20,7 @@ def structured_output(body: dict) -> tuple[str, GrammarSpec] | None:
     ``structured_outputs``; at most one may be given. BadParameter names a bad one."""
     asked = []
     response_format = body.get("response_format")
-    if response_format is not None and _object(response_format, "response_format").get("type") != "text":
+    if response_format is not None and json_object(response_format, "response_format").get("type") != "text":
         asked.append(("response_format", lambda: _response_format(response_format)))
     for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
                        ("guided_choice", "choice"), ("guided_grammar", "grammar")):
@@ -53,7 +48,7 @@ def _response_format(value: dict) -> GrammarSpec:
     if kind == "json_object":
         return GrammarSpec("json_object")
     if kind == "json_schema":
-        described = _object(value.get("json_schema"), "response_format.json_schema")
+        described = json_object(value.get("json_schema"), "response_format.json_schema")
         schema = described.get("schema", {})
         return GrammarSpec("json_schema", json.dumps(schema), strict=bool(described.get("strict")))
     raise BadParameter("response_format", f"response_format type {kind!r} is not one of "
@@ -71,7 +66,7 @@ def _spec(kind: str, value: object) -> GrammarSpec:
 
 def _structured_outputs(value: object) -> GrammarSpec:
     """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
-    value = _object(value, "structured_outputs")
+    value = json_object(value, "structured_outputs")
     given = {key: value[key] for key in ("json", "regex", "choice", "grammar", "json_object")
              if value.get(key) not in (None, False)}
     if len(given) != 1:
