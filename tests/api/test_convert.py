@@ -24,8 +24,8 @@ from baton.api.requests import (
 )
 from baton.api.v1 import api_pb2, common_pb2
 from baton.kv.pool import KVPoolExhausted
-from baton.model.limits import check_prompt
 from baton.routing.store import StoreUnavailable, WorkerLoad
+from baton.sampling.limits import check_prompt
 from baton.transfer.codec import KVDataLoss, KVIncompatible, KVMalformed
 
 SAMPLING = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1234, max_tokens=17,

@@ -31,8 +31,8 @@ from baton.decode.streams import EngineStalled, RequestStream, StreamFailed
 from baton.errors import ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
-from baton.model.limits import check_prompt
 from baton.routing.store import WorkerLoad
+from baton.sampling.limits import check_prompt
 from baton.sampling.params import FINISH_ABORT
 from baton.sarathi.engine import Engine
 from baton.sarathi.request import RequestOutput

@@ -22,9 +22,9 @@ from baton.errors import NotFound
 from baton.model.config import ModelConfig
 from baton.model.generation_config import GenerationConfig
 from baton.model.hub import resolve_model
-from baton.model.limits import check_prompt
 from baton.model.tokenizer import Tokenizer
 from baton.sampling.grammars import ModelGrammars
+from baton.sampling.limits import check_prompt
 
 
 class UnknownModel(NotFound):

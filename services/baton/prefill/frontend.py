@@ -32,12 +32,12 @@ from baton.config import MtlsConfig, ServerConfig
 from baton.errors import Aborted, AlreadyExists, PermissionDenied, ResourceExhausted, Unavailable
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
-from baton.model.limits import check_prompt
 from baton.routing.store import WorkerLoad
 from baton.runahead.partition import even_boundaries
 from baton.runahead.request import ChainRequest, make_request
 from baton.runahead.table import PartitionTable
 from baton.runahead.worker import StopChain
+from baton.sampling.limits import check_prompt
 from baton.security.mtls import Mtls, require_role
 from baton.transfer.sender import PUSH_TIMEOUT_S
 

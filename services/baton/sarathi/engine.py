@@ -29,11 +29,11 @@ from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv.dense import LayerKV
 from baton.kv.landing import Landing
 from baton.kv.pool import KVPool
-from baton.model.limits import check_prompt
 from baton.model.llama import CausalLM
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
 from baton.sampling.grammar import GrammarState
 from baton.sampling.grammars import ModelGrammars
+from baton.sampling.limits import check_prompt
 from baton.sampling.logprobs import TokenLogprobs
 from baton.sampling.params import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from baton.sampling.sampler import Sampler, draw

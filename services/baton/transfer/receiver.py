@@ -36,7 +36,7 @@ from baton.kv.dense import LayerKV
 from baton.kv.landing import LandedLayer, Landing
 from baton.kv.pool import KVPool, KVPoolExhausted
 from baton.model.config import ModelConfig
-from baton.model.limits import check_prompt
+from baton.sampling.limits import check_prompt
 from baton.transfer import framing
 from baton.transfer.assembler import KVAssembler
 from baton.transfer.codec import KVDataLoss, KVIncompatible, KVMalformed, KVSpec, check_header
