@@ -39,3 +39,20 @@ def client(cluster):
 @pytest.fixture(scope="session")
 def reference():
     return MonolithicReference()
+
+
+@pytest.fixture(scope="session")
+def api(cluster):
+    """The real `openai` client of the cluster's HTTP door."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.gateway_http_url, api_key="unused", max_retries=0,
+                           timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def model_id(api):
+    (model,) = api.models.list().data
+    return model.id

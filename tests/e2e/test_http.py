@@ -19,19 +19,6 @@ pytestmark = pytest.mark.slow
 PROMPT = "import os\n\ndef main():\n"
 
 
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=cluster.gateway_http_url, api_key="unused", max_retries=0,
-                           timeout=60)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def model_id(api):
-    (model,) = api.models.list().data
-    return model.id
-
 
 def grpc_greedy(client, max_tokens: int, **request) -> tuple[list[int], str]:
     completion = client.generate(GenerateRequest(

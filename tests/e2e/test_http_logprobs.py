@@ -19,19 +19,6 @@ TOLERANCE = 1e-4
 PROMPT = "import os\n\ndef main():\n"
 
 
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=cluster.gateway_http_url, api_key="unused", max_retries=0,
-                           timeout=120)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def model_id(api):
-    (model,) = api.models.list().data
-    return model.id
-
 
 @pytest.fixture(scope="module")
 def theirs():

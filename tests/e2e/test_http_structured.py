@@ -20,19 +20,6 @@ pytestmark = pytest.mark.slow
 NUM_SCHEMAS = 200
 
 
-@pytest.fixture(scope="module")
-def api(cluster):
-    client = openai.OpenAI(base_url=cluster.gateway_http_url, api_key="unused", max_retries=0,
-                           timeout=120)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def model_id(api):
-    (model,) = api.models.list().data
-    return model.id
-
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
     """An object of 1-4 typed properties, every one required and bounded (so an output that
