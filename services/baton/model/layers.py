@@ -13,7 +13,7 @@ from torch import nn
 
 from baton.kernels import cpu as cpu_kernels
 from baton.model.config import ModelConfig
-from baton.model.linear import Linear, WeightPack, project
+from baton.model.linear import FusedLinear, Linear
 from baton.model.moe import SparseMoE
 from baton.model.rope import apply_rotary
 
@@ -153,48 +153,6 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(activated.mul_(up))
-
-
-class FusedLinear:
-    """Several linear layers over the same input as one matmul.
-
-    The layers' weights become row slices (views) of one concatenated matrix, so
-    memory is not doubled, the Hugging Face parameter names stay, and a later
-    ``load_state_dict`` writes through to the fused matrix. Moving the model to
-    another device or dtype gives the layers new tensors of their own; the next
-    call notices (the first layer's weight is no longer the fused matrix's first
-    rows) and fuses them again on their new device.
-    Inference only: the views are not leaves of their own for autograd.
-    """
-
-    def __init__(self, *layers: nn.Linear) -> None:
-        self.layers = layers
-        self.sizes = [layer.out_features for layer in layers]
-        self.pack = WeightPack()
-        self._fuse()
-
-    def _fuse(self) -> None:
-        layers = self.layers
-        with torch.no_grad():
-            self.weight = torch.cat([layer.weight for layer in layers])
-            has_bias = [layer.bias is not None for layer in layers]
-            assert all(has_bias) or not any(has_bias), "fused layers must agree on bias"
-            self.bias = torch.cat([layer.bias for layer in layers]) if has_bias[0] else None
-        start = 0
-        for layer, size in zip(layers, self.sizes, strict=True):
-            layer.weight.data = self.weight[start:start + size]
-            if self.bias is not None:
-                layer.bias.data = self.bias[start:start + size]
-            start += size
-
-    def output(self, x: torch.Tensor) -> torch.Tensor:
-        """The layers' outputs side by side: [N, sum of out_features]."""
-        if self.layers[0].weight.data_ptr() != self.weight.data_ptr():  # moved since fused
-            self._fuse()
-        return project(x, self.weight, self.bias, self.pack)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.output(x).split(self.sizes, dim=-1)
 
 
 class DecoderLayer(nn.Module):
