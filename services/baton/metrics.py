@@ -20,6 +20,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from baton.vllm_metrics import VllmEngineMetrics, VllmRequestLatencies, prompt_tokens_counter
+
 log = logging.getLogger(__name__)
 
 # Latency buckets in seconds: a token every few ms on a GPU up to a long CPU prefill; fine
@@ -36,10 +38,12 @@ RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class DecodeMetrics:
-    """`baton decode`: latency of the token stream, load, the KV pool and pushed caches."""
+    """`baton decode`: latency of the token stream, load, the KV pool and pushed caches; and
+    vLLM's series for the same engine (``vllm``, labelled with the served ``model_name``)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.registry = registry
+        self.vllm = VllmEngineMetrics(registry, model_name)
         self.ttft_s = Histogram(
             "baton_decode_time_to_first_token_seconds",
             "request arrival on this pod to its first token (local prefills; a pushed "
@@ -112,13 +116,16 @@ class DecodeMetrics:
             counter.inc(getattr(stats, name) - (getattr(seen, name) if seen else 0))
         self._prefix_seen = stats
         self.prefix_cached_blocks.set(num_cached_blocks)
+        self.vllm.record_prefix_cache(stats.tokens_looked_up, stats.tokens_hit)
 
 
 class PrefillMetrics:
-    """`baton prefill` (rank 0 and the tail of a chain): queue, first tokens, shipped caches."""
+    """`baton prefill` (rank 0 and the tail of a chain): queue, first tokens, shipped caches;
+    and vLLM's prompt token counter (the tail's, labelled with the served ``model_name``)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.registry = registry
+        self.vllm_prompt_tokens = prompt_tokens_counter(registry, model_name)
         self.queue_s = Histogram(
             "baton_prefill_queue_seconds", "request arrival at rank 0 to the chain starting it",
             buckets=LATENCY_BUCKETS_S, registry=registry)
@@ -156,6 +163,7 @@ class PrefillMetrics:
     def record_prefill(self, num_prompt_tokens: int, compute_s: float) -> None:
         """One prompt prefilled: what the planner's prefill model is fitted from."""
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.vllm_prompt_tokens.inc(num_prompt_tokens)
         self.compute_s.observe(compute_s)
 
     def record_partition(self, boundaries: list[int] | tuple[int, ...]) -> None:
@@ -166,10 +174,13 @@ class PrefillMetrics:
 
 
 class GatewayMetrics:
-    """`baton gateway`: what clients see (latency from the gateway's clock) and where it routed."""
+    """`baton gateway`: what clients see (latency from the gateway's clock) and where it routed;
+    and vLLM's request latencies of the requests a chain prefilled (``vllm``: no decode pod saw
+    them arrive)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.registry = registry
+        self.vllm = VllmRequestLatencies(registry, model_name)
         self.ttft_s = Histogram(
             "baton_gateway_time_to_first_token_seconds", "request arrival at the gateway to its "
             "first token, by path (chain or local prefill)", ["path"], buckets=LATENCY_BUCKETS_S,

@@ -33,7 +33,7 @@ def computed(checkpoint):
 
 def tail(loaded, details: bytes, device: str) -> TailSink:
     return TailSink(loaded.config, loaded.model_id, loaded.revision, PyramidConfig(enabled=False),
-                    PrefillMetrics(CollectorRegistry()), lambda: details, by_layer=True,
+                    PrefillMetrics(CollectorRegistry(), "m"), lambda: details, by_layer=True,
                     kv_device=lambda: torch.device(device))
 
 

@@ -25,7 +25,7 @@ def request(request_id: str) -> DecodeRequest:
 def test_prompts_beyond_the_queue_limit_are_resource_exhausted(tmp_path):
     loaded = load_checkpoint(make_checkpoint(tmp_path), dtype="float32")
     engine = Engine(loaded.model, loaded.tokenizer, kv=KVPoolConfig(num_blocks=64))
-    worker = DecodeWorker(engine, "here:1", DecodeMetrics(CollectorRegistry()), max_queued_requests=2)
+    worker = DecodeWorker(engine, "here:1", DecodeMetrics(CollectorRegistry(), "m"), max_queued_requests=2)
     # the engine loop is not started: every accepted prompt stays queued
     worker.submit_prompt(request("a"))
     worker.submit_prompt(request("b"))

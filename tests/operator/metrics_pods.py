@@ -23,7 +23,7 @@ class Pods:
 
     def add(self, name: str, role: str, kind) -> object:
         registry = CollectorRegistry()
-        metrics = kind(registry)
+        metrics = kind(registry, "demo")
         port = free_port()
         self.stops.append(serve_metrics("127.0.0.1", port, registry))
         self.cluster.kube.create({

@@ -60,7 +60,7 @@ class _Pod:
 
     def __post_init__(self) -> None:
         kind = {"gateway": GatewayMetrics, "decode": DecodeMetrics, "prefill": PrefillMetrics}
-        self.metrics = kind[self.role](self.registry)
+        self.metrics = kind[self.role](self.registry, "simulated")
 
 
 class SimulatedService:

@@ -16,7 +16,7 @@ def _scrape(time_s: float, registry, role: str = "gateway", name: str = "gw") ->
 
 def test_lengths_between_two_scrapes_and_their_quantiles():
     registry = CollectorRegistry()
-    metrics = GatewayMetrics(registry)
+    metrics = GatewayMetrics(registry, "m")
     metrics.record_lengths(100, 10)
     older = _scrape(0.0, registry)
     for prompt in range(1000, 2000, 10):  # 100 prompts spread over 1000..1990
@@ -33,12 +33,12 @@ def test_lengths_between_two_scrapes_and_their_quantiles():
 
 def test_a_restarted_pod_counts_from_zero():
     registry = CollectorRegistry()
-    metrics = PrefillMetrics(registry)
+    metrics = PrefillMetrics(registry, "m")
     for _ in range(5):
         metrics.record_prefill(1000, 0.5)
     older = ClusterScrape(0.0, (parse_pod("p", "prefill", generate_latest(registry).decode(), "c0"),))
     fresh = CollectorRegistry()
-    PrefillMetrics(fresh).record_prefill(2000, 1.0)
+    PrefillMetrics(fresh, "m").record_prefill(2000, 1.0)
     newer = ClusterScrape(5.0, (parse_pod("p", "prefill", generate_latest(fresh).decode(), "c0"),))
     (chain,) = obs.observe(older, newer).chains
     assert (chain.prompts, chain.prompt_tokens, chain.compute_s) == (1, 2000, 1.0)
@@ -46,7 +46,7 @@ def test_a_restarted_pod_counts_from_zero():
 
 def test_decode_pods_sequences_by_littles_law():
     registry = CollectorRegistry()
-    metrics = DecodeMetrics(registry)
+    metrics = DecodeMetrics(registry, "m")
     older = _scrape(0.0, registry, "decode", "d")
     for _ in range(400):  # 400 gaps of 0.1 s in 10 s: 4 sequences streaming at once
         metrics.time_between_tokens_s.observe(0.1)
@@ -58,7 +58,7 @@ def test_every_series_the_planner_reads_is_exported_by_the_pods():
     exported = set()
     for kind in (GatewayMetrics, DecodeMetrics, PrefillMetrics):
         registry = CollectorRegistry()
-        kind(registry)
+        kind(registry, "m")
         exported |= {sample.name for family in registry.collect() for sample in family.samples}
         exported |= {family.name for family in registry.collect()}
     read = [value for name, value in vars(obs).items() if name.isupper() and isinstance(value, str)]

@@ -27,6 +27,12 @@ class ModelSourceConfig:
                                  "0 = the model's max_position_embeddings", minimum=0)
 
 
+def served_model_names(source: ModelSourceConfig, checkpoint_name: str) -> tuple[str, ...]:
+    """The names clients call the model by, the reported one first: the configured names,
+    else the checkpoint's."""
+    return tuple(source.served_model_name) or (checkpoint_name,)
+
+
 @settings("kv")
 class KVPoolConfig:
     block_size: int = setting(16, "tokens per KV block", minimum=1)

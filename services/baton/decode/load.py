@@ -29,6 +29,10 @@ class LoadReport:
         self.load = WorkerLoad(free_kv_blocks=engine.pool.num_free_blocks,
                                total_kv_blocks=engine.pool.num_blocks)
         metrics.kv_blocks_total.set(engine.pool.num_blocks)
+        # A pool block holds block_size tokens of one layer; vLLM's, of every layer.
+        metrics.vllm.record_cache_config(engine.pool.block_size,
+                                         engine.pool.num_blocks // engine.pool.num_layers,
+                                         engine.pool.prefix_cache is not None)
 
     def publish(self) -> None:
         """The load after a step."""
@@ -44,6 +48,9 @@ class LoadReport:
         self.metrics.queued_prompt_tokens.set(queued_tokens)
         self.metrics.running_sequences.set(scheduler.num_active)
         self.metrics.kv_blocks_used.set(pool.num_used_blocks)
+        self.metrics.vllm.record_scheduler(len(waiting), scheduler.num_active,
+                                           pool.num_used_blocks / pool.num_blocks,
+                                           self.engine.num_preemptions)
         cache = pool.prefix_cache
         if cache is not None and (cache.stats.lookups, cache.last_event) != self._prefix_mark:
             published = self._prefix_mark[1]

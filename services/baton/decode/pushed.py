@@ -80,6 +80,7 @@ class PushedRequests:
                 return  # aborted or failed since its header: its stream says so already
             stream.publish_first(handoff.first_token_id, text, time.monotonic(),
                                  handoff.first_token_logprobs)
+        self.metrics.vllm.generation_tokens.inc()  # the chain's tail sampled it; it streams here
         self.on_published([stream])
 
     def submit_pushed(self, stream: RequestStream, cache: PushedCache) -> None:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from baton.api.v1 import decode_pb2
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
+from baton.config.model import served_model_names
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
@@ -70,8 +71,7 @@ class DecodeServer:
         self.config = config
         self.exit_process = exit_process or self._stop_and_exit
         self.store = store or open_store(config.routing)
-        self.registry = CollectorRegistry()
-        self.metrics = DecodeMetrics(self.registry)
+        self.registry = CollectorRegistry()  # the metrics join it once the model is loaded
         self.mtls = Mtls(config.mtls)
         transport = config.kv_transport
         agent = open_plane(transport.kind, "decode", listen_host(config.server.listen))
@@ -116,6 +116,8 @@ class DecodeServer:
 
         # Only the engine thread may keep an OpenMP pool (see baton.compute_thread).
         engine = build_on_short_lived_thread(build, "decode-load")
+        self.metrics = DecodeMetrics(self.registry,
+                                     served_model_names(model, self.loaded.model_id)[0])
         self.worker = DecodeWorker(engine, self.address, self.metrics,
                                    lease_s=self.config.kv.unclaimed_lease_s,
                                    max_queued_requests=self.config.server.max_queued_requests)

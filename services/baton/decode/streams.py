@@ -79,6 +79,7 @@ class RequestStream:
     attached: bool = False  # a handler is reading this stream
     expired: bool = False  # pushed, and no Attach came within the lease: aborted
     queued: bool = False  # a local prompt counted in the worker's queue until its first token
+    scheduled: bool = False  # a local prompt's first prefill chunk ran (queue time observed)
     in_engine: bool = True  # False while a pushed request's KV is still arriving
     leaving: bool = False  # aborted: the engine's last output for it is on its way
     _repeat: bool = False  # the engine's first output will repeat the header's first token

@@ -181,7 +181,7 @@ class DecodeWorker(PushedRequests):
             if not self.engine.has_work():
                 self.engine.wait_for_work()  # a request, an abort, a landing or stop() wakes it
                 continue
-            self._step_started_s = time.monotonic()
+            started_s = self._step_started_s = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -189,9 +189,10 @@ class DecodeWorker(PushedRequests):
                 self._fail_all(f"the decode engine failed: {e!r}")
                 continue
             finally:
-                step_s = time.monotonic() - self._step_started_s
+                step_s = time.monotonic() - started_s
                 self._step_started_s = None
             self.report.measure_prefill(step_s)
+            self._record_scheduled(started_s)
             self._publish(outputs)
             self._expire_leases()
             self.report.publish()
@@ -208,14 +209,13 @@ class DecodeWorker(PushedRequests):
                 continue
             touched.append(stream)
             first = stream.first_token_s is None and bool(output.new_token_ids)
-            for gap_s in stream.publish(output, now_s):
-                self.metrics.time_between_tokens_s.observe(gap_s)
-            if first and stream.pushed is None:
-                self.metrics.ttft_s.observe(now_s - stream.arrival_s)
+            num_tokens_before = stream.num_tokens
+            gaps_s = stream.publish(output, now_s)
+            self._record_output(stream, output, first, stream.num_tokens - num_tokens_before,
+                                gaps_s, now_s)
             if (first or output.finished) and stream.pushed is None:
                 self._settle_queued(stream)
             if output.finished:
-                self.metrics.requests_finished.labels(reason=output.finish_reason).inc()
                 with self._lock:
                     self._streams.pop(output.request_id, None)
                     if stream.pushed is not None and not stream.attached:
@@ -224,6 +224,38 @@ class DecodeWorker(PushedRequests):
                 self.on_change()
         if touched:
             self.on_published(touched)
+
+    def _record_output(self, stream: RequestStream, output: RequestOutput, first: bool,
+                       num_new_tokens: int, gaps_s: list[float], now_s: float) -> None:
+        """One output's part in the metrics. The request-level latencies are observed for a
+        prompt prefilled here only: a pushed request arrived at the gateway, which observes them."""
+        vllm = self.metrics.vllm
+        vllm.generation_tokens.inc(num_new_tokens)
+        for gap_s in gaps_s:  # one per token after the first (the engine yields one a step)
+            self.metrics.time_between_tokens_s.observe(gap_s)
+            vllm.inter_token_latency_s.observe(gap_s)
+        local = stream.pushed is None
+        if first and local:
+            self.metrics.ttft_s.observe(now_s - stream.arrival_s)
+            vllm.latencies.ttft_s.observe(now_s - stream.arrival_s)
+            vllm.prompt_tokens.inc(stream.num_prompt_tokens)
+        if output.finished:
+            self.metrics.requests_finished.labels(reason=output.finish_reason).inc()
+            vllm.record_finished(output.finish_reason)
+            if local:
+                vllm.latencies.e2e_s.observe(now_s - stream.arrival_s)
+
+    def _record_scheduled(self, step_started_s: float) -> None:
+        """The queue time of the local prompts whose first prefill chunk the last step ran."""
+        plan = self.engine.last_plan
+        if plan is None:
+            return
+        for chunk in plan.prefills:
+            with self._lock:
+                stream = self._streams.get(chunk.seq.request_id)
+            if stream is not None and stream.pushed is None and not stream.scheduled:
+                stream.scheduled = True
+                self.metrics.vllm.request_queue_time_s.observe(step_started_s - stream.arrival_s)
 
     def _expire_leases(self) -> None:
         """Abort the pushed requests nobody attached to within ``lease_s`` (oldest first)."""
@@ -270,6 +302,7 @@ class DecodeWorker(PushedRequests):
             self._queued_requests = 0
         for stream in streams:
             stream.fail(message, error)
+            self.metrics.vllm.record_finished("error")
         self.on_published(streams)
         self.on_change()
         return streams

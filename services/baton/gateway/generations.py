@@ -70,7 +70,16 @@ class StreamClock:
             self.last_token_at = now
         if step.finish_reason is None:
             return step
+        if step.usage is not None and step.usage.kv_bytes_shipped:
+            self._observe_pushed(now)
         return dataclasses.replace(step, timings=self._summary(step.timings or Timings(), now))
+
+    def _observe_pushed(self, now: float) -> None:
+        """vLLM's request latencies of a request whose KV a chain pushed: its decode pod saw
+        only the push arrive (it observes those of the prompts it prefills itself)."""
+        if self.first_token_at is not None:
+            self.metrics.vllm.ttft_s.observe(self.first_token_at - self.arrival)
+        self.metrics.vllm.e2e_s.observe(now - self.arrival)
 
     def _summary(self, downstream: Timings, now: float) -> Timings:
         ttft_s = (self.first_token_at or now) - self.arrival

@@ -18,6 +18,7 @@ from baton.api.requests import (
     check_prompt_text,
 )
 from baton.config import ModelSourceConfig
+from baton.config.model import served_model_names
 from baton.errors import NotFound
 from baton.model.config import ModelConfig
 from baton.model.generation_config import GenerationConfig
@@ -58,7 +59,7 @@ class ServedModel:
         directory = files.directory
         config = ModelConfig.from_file(directory / "config.json")
         config.cap_context(source.max_model_len)
-        names = tuple(source.served_model_name) or (files.name,)
+        names = served_model_names(source, files.name)
         info = ModelInfo(id=names[0], revision=files.revision,
                          vocab_size=config.vocab_size,
                          max_model_len=config.max_position_embeddings,

@@ -52,7 +52,7 @@ class GatewayServer:
         self.incarnation = new_incarnation()
         self.store = store if store is not None else open_store(config.routing)
         self.model = ServedModel.load(config.model)
-        self.metrics = GatewayMetrics(CollectorRegistry())
+        self.metrics = GatewayMetrics(CollectorRegistry(), self.model.info.id)
         self.channels = Channels(Mtls(config.mtls))
         self.generations = Generations(
             model=self.model,

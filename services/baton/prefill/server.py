@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
+from baton.config.model import served_model_names
 from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
 from baton.metrics import PrefillMetrics, serve_metrics
@@ -76,13 +77,13 @@ class PrefillServer:
         self.config = config
         chain = config.chain
         self.is_head, self.is_tail = chain.rank == 0, chain.rank == chain.ranks - 1
-        self.registry = CollectorRegistry()
-        self.metrics = PrefillMetrics(self.registry)
         self.model_source = ModelSource(path=config.model.path, dtype=config.model.dtype,
                                         max_model_len=config.model.max_model_len)
         self.model_config = self.model_source.config()
         files = resolve_model(config.model.path, config.model.revision)
         self.model_id, self.revision = files.name, files.revision
+        self.registry = CollectorRegistry()
+        self.metrics = PrefillMetrics(self.registry, served_model_names(config.model, files.name)[0])
         self.mtls = Mtls(config.mtls)
         self.broken = threading.Event()  # the chain failed or stopped: the process should end
         self.heartbeat: Heartbeat | None = None
