@@ -19,7 +19,7 @@ from quantized_checkpoints import Layout, save_quantized_checkpoint
 from safetensors.torch import load_file, save_file
 
 TOLERANCE = 1e-4
-SUPPORTED = r"supported: \['compressed-tensors', 'fp8'\]"
+SUPPORTED = r"supported: \['awq', 'compressed-tensors', 'fp8', 'gptq'\]"
 
 
 def compressed_tensors(strategy: str, block: list[int] | None = None,
@@ -41,6 +41,11 @@ def fine_grained_fp8(block: list[int] | None, unquantized: tuple[str, ...] = ())
             "weight_block_size": block, "modules_to_not_convert": list(unquantized) or None}
 
 
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+       "modules_to_not_convert": None}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
+        "checkpoint_format": "gptq", "damp_percent": 0.01, "static_groups": False,
+        "true_sequential": True}
 LAYER0_DOWN = r"re:.*layers\.0\.mlp\.down_proj$"
 LAYER1_O = "model.layers.1.self_attn.o_proj"
 
@@ -60,6 +65,12 @@ CASES = {
     "llama-fp8-tensor": ("llama2", Layout(fine_grained_fp8(None))),
     # experts quantized, the router not (as Qwen3-MoE-FP8 checkpoints store it)
     "qwen3_moe-fp8-block128": ("qwen3_moe", Layout(fine_grained_fp8([128, 128]))),
+    "llama-awq": ("llama3", Layout(AWQ)),
+    "qwen3-awq": ("qwen3", Layout(AWQ)),
+    "llama-gptq": ("llama3", Layout(GPTQ)),
+    "qwen3-gptq": ("qwen3", Layout(GPTQ)),
+    # q/k/v and gate/up fused in the checkpoint: dequantized whole, then cut into projections
+    "phi3-gptq": ("phi3", Layout(GPTQ)),
 }
 
 
@@ -159,11 +170,14 @@ def test_scales_of_the_wrong_shape_are_refused(fp8_checkpoint, tmp_path):
 REFUSED = {
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
                      r"\.quant_method 'bitsandbytes' is not supported; " + SUPPORTED),
-    "awq": ({"quant_method": "awq", "bits": 4}, r"\.quant_method 'awq' is not supported; " + SUPPORTED),
     "mxfp4": ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]},
               r"\.quant_method 'mxfp4' is not supported; " + SUPPORTED),
     "gguf": ({"quant_method": "gguf"}, r"\.quant_method 'gguf' is not supported; " + SUPPORTED),
     "no-method": ({"bits": 4}, r"\.quant_method None is not supported; " + SUPPORTED),
+    "gptq-8bit": ({**GPTQ, "bits": 8}, r"\.bits 8 of gptq is not supported; supported: 4"),
+    "gptq-marlin": ({**GPTQ, "checkpoint_format": "marlin"},
+                    r"\.checkpoint_format 'marlin' is not supported"),
+    "awq-gemv": ({**AWQ, "version": "gemv"}, r" awq version 'gemv'.* is not supported"),
     "ct-int4-packed": ({**compressed_tensors("group"), "format": "pack-quantized"},
                        r"\.format \['pack-quantized'\] of compressed-tensors is not supported"),
     "ct-int8": ({**compressed_tensors("channel", form="int-quantized")}, r"\.format \['int-quantized'\]"),

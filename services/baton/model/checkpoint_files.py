@@ -1,7 +1,7 @@
 """The tensors of a checkpoint directory, by name, wherever their shard lies.
 
 A directory holds ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
-A quantized layer's tensors (a weight and its scales) may sit in
+A quantized layer's tensors (a weight and its scales, or AWQ's packed ints) may sit in
 different shards, so tensors are read by name through files opened once and kept open.
 """
 

@@ -7,9 +7,9 @@ quantization (a static ``input_scale``) and KV-cache scales are quantization of 
 model computes, not of its weights: they are not read, and activations and the KV cache
 stay in the model's dtype.
 
-Which layers are quantized is read off the checkpoint: a weight stored with its scales is
-dequantized; any other is read as it is, and
-one stored in a one-byte or integer type is refused rather than cast (its scales are
+Which layers are quantized is read off the checkpoint: a weight stored with its scales
+(or, for AWQ and GPTQ, packed as ``qweight``) is dequantized; any other is read as it is,
+and one stored in a one-byte or integer type is refused rather than cast (its scales are
 missing, or the config lists its layer as unquantized). Layers the config leaves out
 (``ignore``, ``modules_to_not_convert``) are read as they are.
 """
@@ -24,13 +24,14 @@ from typing import Any, Protocol
 import torch
 
 from baton.model.checkpoint_files import CheckpointTensors
-from baton.model.dequantize import dequantize_float8
+from baton.model.dequantize import dequantize_awq, dequantize_float8, dequantize_gptq
 from baton.model.errors import CheckpointError
 from baton.model.weight_names import TensorSlice
 
 FIELD = "quantization_config"
 COMPRESSED_TENSORS_FORMATS = ("float-quantized", "naive-quantized")
 COMPRESSED_TENSORS_STRATEGIES = ("tensor", "channel", "block")
+GPTQ_FORMATS = {"gptq": True, "gptq_v2": False}  # format -> zeros stored one less (v1)
 
 
 class QuantizedWeights(Protocol):
@@ -86,6 +87,42 @@ class Float8Weights:
             return dequantize_float8(quantized, scale, self.block_size, self.compute_dtype, dtype)
         raise ValueError(f"is stored as {quantized.dtype} beside its {self.scale_suffix}; "
                          f"{self.method} stores float8 weights")
+
+
+@dataclass(frozen=True)
+class AwqWeights:
+    """AutoAWQ's GEMM layout: ``qweight``, ``qzeros``, ``scales``."""
+
+    group_size: int
+    method: str = "awq"
+
+    def stores_quantized(self, tensors: CheckpointTensors, weight: str) -> bool:
+        module = _module(weight)
+        return module is not None and f"{module}.qweight" in tensors
+
+    def dequantize(self, tensors: CheckpointTensors, weight: str, dtype: torch.dtype) -> torch.Tensor:
+        module = _module(weight)
+        packed = [tensors.read(f"{module}.{name}") for name in ("qweight", "qzeros", "scales")]
+        return dequantize_awq(*packed, group_size=self.group_size, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class GptqWeights:
+    """GPTQ's layout: ``qweight``, ``qzeros``, ``scales`` and ``g_idx``."""
+
+    group_size: int
+    zeros_stored_minus_one: bool
+    method: str = "gptq"
+
+    def stores_quantized(self, tensors: CheckpointTensors, weight: str) -> bool:
+        module = _module(weight)
+        return module is not None and f"{module}.qweight" in tensors
+
+    def dequantize(self, tensors: CheckpointTensors, weight: str, dtype: torch.dtype) -> torch.Tensor:
+        module = _module(weight)
+        packed = [tensors.read(f"{module}.{name}") for name in ("qweight", "qzeros", "scales")]
+        group_index = tensors.read(f"{module}.g_idx") if f"{module}.g_idx" in tensors else None
+        return dequantize_gptq(*packed, group_index, self.group_size, self.zeros_stored_minus_one, dtype)
 
 
 def read_weight(tensors: CheckpointTensors, source: TensorSlice, quantization: QuantizedWeights | None,
@@ -164,9 +201,40 @@ def _block_size(value: Any, source: str, field: str) -> tuple[int, int]:
     return (value[0], value[1])
 
 
+def _check_int4(config: dict[str, Any], source: str, method: str) -> None:
+    if config.get("bits") != 4:
+        raise CheckpointError(source, f"{FIELD}.bits", f"{config.get('bits')!r} of {method} is not "
+                              "supported; supported: 4")
+    if not isinstance(config.get("group_size"), int):
+        raise CheckpointError(source, f"{FIELD}.group_size",
+                              f"must be an integer, got {config.get('group_size')!r}")
+
+
+def _awq(config: dict[str, Any], source: str) -> QuantizedWeights:
+    _check_int4(config, source, "awq")
+    version = str(config.get("version", "gemm")).lower()
+    backend = str(config.get("backend") or "autoawq").lower()
+    if version != "gemm" or backend != "autoawq" or not config.get("zero_point", True):
+        raise CheckpointError(source, FIELD, f"awq version {version!r}, backend {backend!r}, zero_point "
+                              f"{config.get('zero_point', True)!r} is not supported; supported: "
+                              "AutoAWQ's gemm layout with zero points")
+    return AwqWeights(config["group_size"])
+
+
+def _gptq(config: dict[str, Any], source: str) -> QuantizedWeights:
+    _check_int4(config, source, "gptq")
+    layout = config.get("checkpoint_format") or config.get("format") or "gptq"
+    if layout not in GPTQ_FORMATS:
+        raise CheckpointError(source, f"{FIELD}.checkpoint_format", f"{layout!r} is not supported; "
+                              f"supported: {sorted(GPTQ_FORMATS)}")
+    return GptqWeights(config["group_size"], zeros_stored_minus_one=GPTQ_FORMATS[layout])
+
+
 METHODS: dict[str, Callable[[dict[str, Any], str], QuantizedWeights]] = {
     "compressed-tensors": _compressed_tensors,
     "fp8": _fp8,
+    "awq": _awq,
+    "gptq": _gptq,
 }
 
 
