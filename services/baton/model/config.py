@@ -312,13 +312,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
-        if not path.is_file():
-            raise CheckpointError(str(path), "config.json", "file not found")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(str(path), "config.json", f"is not valid JSON: {e}") from e
-        config = cls.from_hf_dict(data, str(path))
+        config = cls.from_hf_dict(read_config_json(path), str(path))
         # generation_config.json's end-of-sequence ids join config.json's (a chat model's
         # end-of-turn token is often listed there alone)
         extra = [i for i in GenerationConfig.from_dir(path.parent).eos_token_ids
@@ -329,6 +323,16 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """The contents of a checkpoint's ``config.json`` (CheckpointError if missing or not JSON)."""
+    if not path.is_file():
+        raise CheckpointError(str(path), "config.json", "file not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(str(path), "config.json", f"is not valid JSON: {e}") from e
 
 
 def _experts(family: str, data: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Loading and saving Hugging Face checkpoint directories.
 
 A directory holds ``config.json``, the weights as ``model.safetensors`` or as
-shards listed in ``model.safetensors.index.json``, and ``tokenizer.json``.
-Every error names the file and the field at fault.
+shards listed in ``model.safetensors.index.json``, and ``tokenizer.json``. A quantized
+checkpoint is dequantized as it loads (``baton.model.quantization``). Every error names
+the file and the field at fault.
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from baton.dtypes import DTYPES
-from baton.model.config import ModelConfig
+from baton.model.checkpoint_files import CheckpointTensors
+from baton.model.config import ModelConfig, read_config_json
 from baton.model.errors import CheckpointError
 from baton.model.hub import resolve_model
 from baton.model.llama import CausalLM
+from baton.model.quantization import QuantizedWeights, quantization_from_hf_dict, read_weight
 from baton.model.tokenizer import Tokenizer
-from baton.model.weight_names import TensorSlice, checkpoint_source, checkpoint_tensors
+from baton.model.weight_names import checkpoint_source, checkpoint_tensors
 
 
 @dataclass
@@ -60,50 +62,22 @@ def cpu_has_fast_bfloat16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def _weight_files(directory: Path) -> dict[str, Path]:
-    """name -> file holding it."""
-    single = directory / "model.safetensors"
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(str(index), "weight_map", f"cannot be read: {e}") from e
-        files = {name: directory / shard for name, shard in weight_map.items()}
-        for shard in set(files.values()):
-            if not shard.is_file():
-                raise CheckpointError(str(index), "weight_map", f"names {shard.name}, which is missing")
-        return files
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-    raise CheckpointError(str(directory), "model.safetensors",
-                          "file not found (nor model.safetensors.index.json)")
-
-
-def load_weights(model: CausalLM, directory: Path) -> None:
-    files = _weight_files(directory)
+def load_weights(model: CausalLM, directory: Path, quantization: QuantizedWeights | None = None) -> None:
+    """Every parameter from the checkpoint in ``directory``, dequantized where ``quantization``
+    stores it quantized."""
     expected = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    by_file: dict[Path, list[tuple[str, TensorSlice]]] = {}
-    for name in expected:
-        source = checkpoint_source(model.config, name)
-        if source.name not in files:
-            shard = files and next(iter(files.values())).name or "model.safetensors"
-            raise CheckpointError(str(directory / shard), source.name, "is missing")
-        by_file.setdefault(files[source.name], []).append((name, source))
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for name, source in names:
-                tensor = f.get_slice(source.name)[source.start:source.end]
-                parameter = expected[name]
-                if tuple(tensor.shape) != tuple(parameter.shape):
-                    where = "" if source.name == name else f" (rows {source.start}:{source.end}, for {name})"
-                    raise CheckpointError(str(path), source.name + where, f"has shape "
-                                          f"{tuple(tensor.shape)}, expected {tuple(parameter.shape)}")
-                with torch.no_grad():
-                    parameter.copy_(tensor.to(parameter.dtype))
+    with CheckpointTensors(directory) as tensors:
+        for name, parameter in expected.items():
+            source = checkpoint_source(model.config, name)
+            tensor = read_weight(tensors, source, quantization, parameter.dtype)
+            if tuple(tensor.shape) != tuple(parameter.shape):
+                where = "" if source.name == name else f" (rows {source.start}:{source.end}, for {name})"
+                raise CheckpointError(tensors.file_of(source.name), source.name + where, f"has shape "
+                                      f"{tuple(tensor.shape)}, expected {tuple(parameter.shape)}")
+            with torch.no_grad():
+                parameter.copy_(tensor)
 
 
 def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "auto",
@@ -114,12 +88,14 @@ def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "a
     files = resolve_model(path, revision)
     directory = files.directory
     config = ModelConfig.from_file(directory / "config.json")
+    quantization = quantization_from_hf_dict(read_config_json(directory / "config.json"),
+                                             str(directory / "config.json"))
     config.cap_context(max_model_len)
     target = resolve_device(device)
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to_empty(device=target).to(resolve_dtype(dtype, target))
-    load_weights(model, directory)
+    load_weights(model, directory, quantization)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().fuse_projections()
