@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
 from baton.planner import Decision, Planner, Replicas
@@ -41,7 +40,6 @@ log = logging.getLogger(__name__)
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAIN_FIRST_COST = "-1000"  # below every other pod's (default 0)
-COMPONENT = "baton-operator"
 
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -168,18 +166,8 @@ class Autoscaler:
                         "status")
 
     def _event(self, service: dict, reason: str, message: str) -> None:
+        self.kube.post_event(service, reason, message, _timestamp(self.wall_clock()))
         meta = service["metadata"]
-        now = _timestamp(self.wall_clock())
-        self.kube.create({
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
-                         "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": service.get("apiVersion", "baton.dev/v1alpha1"),
-                               "kind": "BatonService", "name": meta["name"],
-                               "namespace": meta["namespace"], "uid": meta.get("uid", "")},
-            "reason": reason, "message": message[:1024], "type": "Normal",
-            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1})
         log.info("%s/%s %s: %s", meta["namespace"], meta["name"], reason, message)
 
 

@@ -51,7 +51,7 @@ class SpecField:
     key: str
     config: type
     name: str
-    schema: dict  # the CRD's own narrowing of the setting's declared range (operator policy)
+    schema: dict  # the CRD's own narrowing of the setting's range, or its own description
 
     @property
     def path(self) -> str:
@@ -74,6 +74,10 @@ SPEC_FIELDS: list[SpecField] = [
     *section("model", ModelSourceConfig, "revision", "dtype", "served_model_name", "max_model_len"),
     *section("prefill", ChainConfig, "ranks", "mode", "kv_link_gb_per_s", "extra_hop_ms",
              keys={"ranks": "ranksPerChain"}, schema={"ranks": {"maximum": 64}}),
+    # A role's own limit on model.max_model_len (0 = model.maxModelLen).
+    *[SpecField(role, "maxModelLen", ModelSourceConfig, "max_model_len", {"description": (
+        f"the longest sequence the {role} pods serve; 0 = model.maxModelLen")})
+      for role in ("prefill", "decode")],
     *section("decode", SchedulerConfig, "token_budget", "max_running", "policy", "cuda_graphs"),
     *section("decode", KVPoolConfig, "memory_mib", "memory_fraction", "block_size", prefix="kv"),
     *section("decode", KVPoolConfig, "prefix_cache"),
@@ -96,13 +100,14 @@ SPEC_FIELDS: list[SpecField] = [
 ]
 
 
-def spec_values(spec: dict, config: type) -> dict[str, Any]:
-    """Field name -> value of every setting of ``config`` the spec gives (absent ones left out).
+def spec_values(spec: dict, config: type, under: str | None = None) -> dict[str, Any]:
+    """Field name -> value of every setting of ``config`` the spec gives (absent ones left
+    out), only those under the section ``under`` when given (a setting a role may override).
 
     Raises ``TypeError`` naming a section that is not an object."""
     values = {}
     for spec_field in SPEC_FIELDS:
-        if spec_field.config is not config:
+        if spec_field.config is not config or under not in (None, spec_field.section):
             continue
         node: Any = spec
         for name in filter(None, spec_field.section.split(".")):

@@ -10,6 +10,7 @@ in-cluster config all stay the package's business).
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from kubernetes.client import ApiClient
@@ -27,6 +28,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "BatonPool": ("/apis/baton.dev/v1alpha1", "batonpools"),
 }
 MERGE_PATCH = "application/merge-patch+json"
+COMPONENT = "baton-operator"  # who Events say reported them
 
 
 class KubeError(RuntimeError):
@@ -86,3 +88,20 @@ class Kube:
         """True when the object existed."""
         return self._request("DELETE", self._path(kind, namespace, name),
                              body={"propagationPolicy": "Background"}) is not None
+
+    def post_event(self, involved: dict, reason: str, message: str, now: str,
+                   event_type: str = "Normal") -> dict:
+        """A core/v1 Event about ``involved`` (what `kubectl describe` lists); ``now`` is an
+        RFC 3339 time."""
+        meta = involved["metadata"]
+        return self.create({
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
+                         "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": involved.get("apiVersion", "baton.dev/v1alpha1"),
+                               "kind": involved.get("kind", "BatonService"),
+                               "name": meta["name"], "namespace": meta["namespace"],
+                               "uid": meta.get("uid", "")},
+            "reason": reason, "message": message[:1024], "type": event_type,
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1})

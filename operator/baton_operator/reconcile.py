@@ -111,9 +111,13 @@ class Reconciler:
         return self._write_status(service, spec, num_chains)
 
     def record_invalid(self, service: dict, error: InvalidSpec) -> None:
-        """An unbuildable spec: say why in a Degraded condition and touch no child."""
+        """An unbuildable spec: say why in a Degraded condition, and once in a Warning Event
+        (what `kubectl describe` shows), and touch no child."""
         status = service.get("status") or {}
         generation = service["metadata"].get("generation", 1)
+        said = {c["type"]: c for c in status.get("conditions") or []}.get("Degraded") or {}
+        if said.get("message") != str(error):
+            self.kube.post_event(service, "InvalidSpec", str(error), _now(), "Warning")
         new = {"observedGeneration": generation, "conditions": conditions(
             status.get("conditions"), generation,
             Ready=(False, "InvalidSpec", str(error)),

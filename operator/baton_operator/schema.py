@@ -76,7 +76,7 @@ def setting_schema(spec_field: SpecField) -> dict:
             schema.pop(f"exclusive{side.title()}", None)
             schema[side] = spec_field.schema[side]
     schema["default"] = default_of(spec_field)
-    schema["description"] = f.metadata["help"]
+    schema["description"] = spec_field.schema.get("description", f.metadata["help"])
     return schema
 
 

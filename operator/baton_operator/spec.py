@@ -32,6 +32,7 @@ from baton.config import (
 )
 
 from baton_operator.fields import spec_values
+from baton_operator.model_source import ModelSource, parse_uri
 
 REDIS_MODES = ("managed", "external")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -41,18 +42,6 @@ MTLS_ROLES = ("gateway", "prefill", "decode")  # the pods that speak baton's int
 
 class InvalidSpec(ValueError):
     """The resource asks for something the operator cannot build (a permanent error)."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    claim_name: str = ""  # a PersistentVolumeClaim holding the checkpoint
-    sub_path: str = ""
-    host_path: str = ""  # or a directory on the node
-    config: ModelSourceConfig = field(default_factory=ModelSourceConfig)
-
-    @property
-    def mounted(self) -> bool:
-        return bool(self.claim_name or self.host_path)
 
 
 @dataclass(frozen=True)
@@ -89,6 +78,7 @@ class PrefillSpec:
     chains: int = 1
     chain: ChainConfig = field(default_factory=ChainConfig)  # ranks and mode; rank comes per pod
     partition_table: str = ""  # JSON text shipped in a ConfigMap; empty = the image's default
+    max_model_len: int = 0  # the chains' own limit; 0 = spec.model's
     resources: dict = field(default_factory=dict)
 
 
@@ -98,6 +88,7 @@ class DecodeSpec:
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    max_model_len: int = 0  # the decode pods' own limit; 0 = spec.model's
     resources: dict = field(default_factory=dict)
 
 
@@ -153,17 +144,19 @@ def _build(where: str, cls: type, **values: Any) -> Any:
         raise InvalidSpec(f"spec.{where}: {e}") from e
 
 
-def _values(spec: dict, cls: type) -> dict[str, Any]:
-    """The settings of ``cls`` the spec gives (``baton_operator.fields``), by field name."""
+def _values(spec: dict, cls: type, section: str | None = None) -> dict[str, Any]:
+    """The settings of ``cls`` the spec gives (``baton_operator.fields``), by field name;
+    only those under ``section`` when given."""
     try:
-        return spec_values(spec, cls)
+        return spec_values(spec, cls, section)
     except TypeError as e:
         raise InvalidSpec(str(e)) from e
 
 
-def _settings(spec: dict, where: str, cls: type, **extra: Any) -> Any:
+def _settings(spec: dict, where: str, cls: type, section: str | None = None,
+              **extra: Any) -> Any:
     """``cls`` built from the settings the spec gives for it; ``extra`` overrides them."""
-    return _build(where, cls, **{**_values(spec, cls), **extra})
+    return _build(where, cls, **{**_values(spec, cls, section), **extra})
 
 
 def _count(section: dict, where: str, key: str, default: int, minimum: int = 0) -> int:
@@ -174,19 +167,47 @@ def _count(section: dict, where: str, key: str, default: int, minimum: int = 0) 
 
 
 def _read_model(spec: dict) -> ModelSource:
+    """``spec.model``: the URI (``baton_operator.model_source``) and the model's settings."""
     model = _section(spec, "model")
-    source = model.get("source") or {}
-    pvc = source.get("pvc") or {}
-    host_path = source.get("hostPath", "")
-    if pvc and host_path:
-        raise InvalidSpec("spec.model.source: give either pvc or hostPath, not both")
-    if pvc and not pvc.get("claimName"):
-        raise InvalidSpec("spec.model.source.pvc.claimName is required when pvc is given")
-    if host_path and not host_path.startswith("/"):
-        raise InvalidSpec(f"spec.model.source.hostPath must be absolute, got {host_path!r}")
-    config = _settings(spec, "model", ModelSourceConfig)
-    return ModelSource(claim_name=pvc.get("claimName", ""), sub_path=pvc.get("subPath", ""),
-                       host_path=host_path, config=config)
+    if "source" in model:  # written before the URI replaced it
+        raise InvalidSpec("spec.model.source is no longer read: give spec.model.uri "
+                          "(pvc://claim/path, host:///directory or hf://org/name@revision)")
+    uri = model.get("uri") or ""
+    if not isinstance(uri, str):
+        raise InvalidSpec(f"spec.model.uri must be a string, got {uri!r}")
+    try:
+        scheme, location, sub_path, revision = parse_uri(uri.strip())
+    except ValueError as e:
+        raise InvalidSpec(f"spec.model.uri {uri!r}: {e}") from e
+    config = _settings(spec, "model", ModelSourceConfig, section="model")
+    if revision and config.revision not in ("", revision):
+        raise InvalidSpec(f"spec.model.uri asks for revision {revision!r} but "
+                          f"spec.model.revision is {config.revision!r}: give one")
+    if revision:
+        config = dataclasses.replace(config, revision=revision)
+    token = model.get("tokenSecret") or {}
+    cache = model.get("cache") or {}
+    offline = model.get("offline", False)
+    if not isinstance(offline, bool):
+        raise InvalidSpec(f"spec.model.offline must be true or false, got {offline!r}")
+    if scheme != "hf" and (token or cache or offline):
+        raise InvalidSpec("spec.model.tokenSecret, cache and offline apply to an hf:// "
+                          f"spec.model.uri only, got {uri!r}")
+    if token and not token.get("name"):
+        raise InvalidSpec("spec.model.tokenSecret.name is required: the Secret holding HF_TOKEN")
+    token_key = token.get("key") or ModelSource.token_secret_key
+    if not SECRET_KEY.fullmatch(token_key):
+        raise InvalidSpec(f"spec.model.tokenSecret.key {token_key!r} is not a Secret key")
+    return ModelSource(scheme=scheme, location=location, sub_path=sub_path,
+                       token_secret_name=token.get("name", ""), token_secret_key=token_key,
+                       cache_claim_name=cache.get("claimName", ""),
+                       cache_size_limit=str(cache.get("sizeLimit", "")), offline=offline,
+                       config=config)
+
+
+def _max_model_len(spec: dict, role: str) -> int:
+    """``spec.<role>.maxModelLen``, checked as ``model.max_model_len`` is."""
+    return _settings(spec, role, ModelSourceConfig, section=role).max_model_len
 
 
 def _read_redis(spec: dict) -> RedisSpec:
@@ -208,6 +229,7 @@ def _read_prefill(spec: dict) -> PrefillSpec:
     chain = _settings(spec, "prefill", ChainConfig)
     return PrefillSpec(chains=_count(prefill, "prefill", "chains", PrefillSpec.chains),
                        chain=chain, partition_table=prefill.get("partitionTable", ""),
+                       max_model_len=_max_model_len(spec, "prefill"),
                        resources=prefill.get("resources") or {})
 
 
@@ -218,6 +240,7 @@ def _read_decode(spec: dict) -> DecodeSpec:
         kv=_settings(spec, "decode", KVPoolConfig),
         scheduler=_settings(spec, "decode", SchedulerConfig),
         stream=_settings(spec, "decode", StreamConfig),
+        max_model_len=_max_model_len(spec, "decode"),
         resources=decode.get("resources") or {})
 
 
@@ -313,16 +336,29 @@ def _read_mtls(spec: dict) -> MtlsSpec:
     return MtlsSpec(secret_names=names)
 
 
+def _check_lengths(model: ModelSource, prefill: PrefillSpec, decode: DecodeSpec) -> None:
+    """The gateway accepts what a decode pod serves: a chain must take every prompt that
+    fits (0 = the model's own limit, the longest there is)."""
+    chains = prefill.max_model_len or model.config.max_model_len
+    pods = decode.max_model_len or model.config.max_model_len
+    if chains and (not pods or chains < pods):
+        raise InvalidSpec(f"spec.prefill.maxModelLen {chains} is below the decode pods' "
+                          f"{pods or 'full model length'}: a chain would refuse prompts the "
+                          f"gateway accepts; raise it or lower spec.decode.maxModelLen")
+
+
 def read_spec(spec: dict, default_image: str) -> ServiceSpec:
     """The typed spec of a `BatonService`; raises InvalidSpec naming the first bad value."""
     image = _section(spec, "image")
     repository, tag = image.get("repository", ""), image.get("tag", "")
+    model, prefill, decode = _read_model(spec), _read_prefill(spec), _read_decode(spec)
+    _check_lengths(model, prefill, decode)
     return ServiceSpec(
         image=f"{repository}:{tag}" if repository and tag else repository or default_image,
         image_pull_policy=image.get("pullPolicy", "IfNotPresent"),
-        model=_read_model(spec),
-        prefill=_read_prefill(spec),
-        decode=_read_decode(spec),
+        model=model,
+        prefill=prefill,
+        decode=decode,
         pyramid=_settings(spec, "compression", PyramidConfig),
         redis=_read_redis(spec),
         gateway=_read_gateway(spec),

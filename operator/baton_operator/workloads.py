@@ -39,6 +39,7 @@ from baton.config import (
 from baton.configtree import flag_names
 from baton.metrics import HEALTH_PATH, LIVE_PATH
 
+from baton_operator import model_source
 from baton_operator.spec import InvalidSpec, ServiceSpec
 
 GATEWAY_PORT = 50051
@@ -48,7 +49,6 @@ METRICS_PORT = 9090
 RENDEZVOUS_PORT = 29500
 REDIS_PORT = 6379
 RUN_AS_USER = 10001  # the image's non-root user
-MODEL_DIR = "/models/current"
 TERMINATION_MARGIN_S = 15  # past server.grace_s: stopping the engine, leaving routing
 PARTITIONS_DIR = "/etc/baton/partitions"
 PARTITIONS_FILE = "partitions.json"
@@ -104,10 +104,15 @@ def config_arguments(config: Any) -> list[str]:
     return args
 
 
-def _model_config(spec: ServiceSpec) -> ModelSourceConfig:
-    device = "cuda" if spec.gpu.per_pod else "cpu"
-    path = MODEL_DIR if spec.model.mounted else ""
-    return dataclasses.replace(spec.model.config, path=path, device=device)
+def _model_config(spec: ServiceSpec, role: str) -> ModelSourceConfig:
+    """The model as ``role``'s pods see it (``baton_operator.model_source``), with the
+    role's own length limit; a gateway takes the decode pods' (they serve whole requests)."""
+    device = "cuda" if spec.gpu.per_pod and role != "gateway" else "cpu"  # a gateway tokenizes
+    path, revision = model_source.served_path(spec.model)
+    max_model_len = (spec.prefill.max_model_len if role == "prefill"
+                     else spec.decode.max_model_len) or spec.model.config.max_model_len
+    return dataclasses.replace(spec.model.config, path=path, revision=revision, device=device,
+                               max_model_len=max_model_len)
 
 
 def _server(port: int, advertise_host: str) -> ServerConfig:
@@ -135,7 +140,7 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
     table = f"{PARTITIONS_DIR}/{PARTITIONS_FILE}" if spec.prefill.partition_table else ""
     return PrefillServiceConfig(
         server=_server(PREFILL_PORT, f"$(POD_NAME).{chain}.{namespace}.svc"),
-        model=_model_config(spec),
+        model=_model_config(spec, "prefill"),
         chain=dataclasses.replace(
             spec.prefill.chain, chain_id=chain, master_addr=f"{chain}-0.{chain}.{namespace}.svc",
             master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",
@@ -146,7 +151,7 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
 
 def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
     return DecodeServiceConfig(
-        server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec), kv=spec.decode.kv,
+        server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec, "decode"), kv=spec.decode.kv,
         kv_transport=spec.kv_transport, scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
         routing=_routing(name, namespace, spec), mtls=_mtls(spec))
 
@@ -166,8 +171,7 @@ def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServi
     if spec.gateway.tls_secret_name:  # clients' TLS on the public gRPC port (no client certificate)
         server = dataclasses.replace(server, tls_cert=f"{TLS_DIR}/tls.crt", tls_key=f"{TLS_DIR}/tls.key")
     return GatewayServiceConfig(
-        server=server, model=dataclasses.replace(
-            _model_config(spec), device="cpu"),  # the gateway only tokenizes
+        server=server, model=_model_config(spec, "gateway"),
         gateway=spec.gateway.routing, routing=_routing(name, namespace, spec),
         http=dataclasses.replace(spec.gateway.http, host="0.0.0.0"),
         auth=AuthConfig(api_keys_file=_api_keys_file(spec)), mtls=_mtls(spec))
@@ -179,7 +183,8 @@ def _field_env(name: str, path: str) -> dict:
 
 def _env(spec: ServiceSpec, role: str) -> list[dict]:
     env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP"),
-           {"name": "HOME", "value": "/tmp"}]  # caches land in the writable emptyDir
+           {"name": "HOME", "value": "/tmp"},  # caches land in the writable emptyDir
+           *model_source.server_env(spec.model)]
     if spec.redis.mode == "external":
         env.append({"name": "BATON_ROUTING_REDIS_URL", "valueFrom": {"secretKeyRef": {
             "name": spec.redis.secret_name, "key": spec.redis.secret_key}}})
@@ -202,15 +207,9 @@ def container_security() -> dict:
 def _volumes(name: str, spec: ServiceSpec, role: str) -> tuple[list[dict], list[dict]]:
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
-    if spec.model.claim_name:
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": spec.model.claim_name, "readOnly": True}})
-    elif spec.model.host_path:
-        volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path,
-                                                      "type": "Directory"}})
-    if spec.model.mounted:
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True,
-                       **({"subPath": spec.model.sub_path} if spec.model.sub_path else {})})
+    model_volumes, model_mounts = model_source.model_volumes(spec.model)
+    volumes += model_volumes
+    mounts += model_mounts
     if role in ("prefill", "decode") and spec.gpu.per_pod:
         # NCCL's shared-memory transport needs more than the runtime's 64 MiB /dev/shm.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -256,6 +255,15 @@ def _probes() -> dict:
             "startupProbe": {**live, "periodSeconds": 5, "failureThreshold": 120}}
 
 
+def _init_containers(spec: ServiceSpec, role: str) -> dict:
+    fetch = model_source.fetch_container(spec.model, role)
+    if fetch is None:
+        return {}
+    return {"initContainers": [{**fetch, "image": spec.image,
+                                "imagePullPolicy": spec.image_pull_policy,
+                                "securityContext": container_security()}]}
+
+
 def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port: int,
                  resources: dict, extra_labels: dict | None = None) -> dict:
     """The pod every baton role runs in; roles differ only in arguments, ports and volumes."""
@@ -279,6 +287,7 @@ def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port:
         # SIGTERM drains: in-flight streams get server.grace_s, then the process stops its
         # engine and exits; Kubernetes waits that long before SIGKILL, plus a margin.
         "terminationGracePeriodSeconds": int(ServerConfig().grace_s) + TERMINATION_MARGIN_S,
+        **_init_containers(spec, role),
         "containers": [{
             "name": role, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
             "args": [role, *args], "env": _env(spec, role), "ports": ports,

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("baton.commands.decode", "run a SARATHI decode worker (gRPC)"),
     "gateway": ("baton.commands.gateway", "run the client-facing gateway (gRPC, and the OpenAI HTTP API)"),
     "up": ("baton.commands.up", "run the whole service on this machine"),
+    "fetch-model": ("baton.commands.fetch_model",
+                    "download a Hugging Face model into the local cache, unless it is there"),
 }
 
 

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 import yaml
+from baton.config import ModelSourceConfig
 from baton.registry import Registry
-from baton_operator import schema
+from baton_operator import schema, workloads
 from baton_operator.fields import SPEC_FIELDS, SpecField, camel_case
 from baton_operator.spec import read_spec
 
@@ -85,6 +86,14 @@ def test_the_operator_reads_every_generated_key_into_its_setting(spec_field):
     for name in filter(None, spec_field.section.split(".")):
         node = node.setdefault(name, {})
     node[spec_field.key] = value
+    if spec_field.section in ("prefill", "decode") and spec_field.config is ModelSourceConfig:
+        # A role's own limit reaches that role's pods; a chain's is at least the decode pods'.
+        spec["decode"] = {"maxModelLen": value}
+        read = read_spec(spec, "img")
+        role_config = {"prefill": workloads.prefill_config("demo", "ns", read, 0),
+                       "decode": workloads.decode_config("demo", "ns", read)}
+        assert role_config[spec_field.section].model.max_model_len == value
+        return
     read = read_spec(spec, "img")
     configs = [c for c in _configs(read) if type(c) is spec_field.config]
     assert configs and all(getattr(c, spec_field.name) == value for c in configs)

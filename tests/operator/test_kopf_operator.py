@@ -124,3 +124,23 @@ def test_the_autoscale_timer_raises_the_decode_pool_when_itl_is_missed(operator,
     assert any(e["reason"] == "ScaledUp" and "decode pods 1 -> 2" in e["message"]
                and "ITL P90" in e["message"] for e in kube.list("Event", NS, ""))
     assert kube.get("BatonPool", NS, "demo-prefill")["spec"]["replicas"] == 1
+
+
+def test_a_bad_model_uri_is_reported_in_the_status_and_an_event(operator):
+    kube = operator.kube
+    create_service(kube, "badmodel", {"model": {"uri": "s3://bucket/llama"},
+                                      "mtls": {"insecure": True}})
+
+    def degraded():
+        conditions = kube.get("BatonService", NS, "badmodel")["status"]["conditions"]
+        return next(c for c in conditions if c["type"] == "Degraded")
+
+    assert "spec.model.uri 's3://bucket/llama'" in eventually(degraded)["message"]
+
+    def event():
+        return next((e for e in kube.list("Event", NS, "")
+                    if "spec.model.uri" in e["message"]
+                    and e["involvedObject"]["name"] == "badmodel"), None)
+
+    assert eventually(event)["type"] == "Warning"
+    assert kube.get("Deployment", NS, "badmodel-decode") is None

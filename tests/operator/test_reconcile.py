@@ -203,7 +203,7 @@ def test_everything_written_validates_against_the_schemas(cluster, reconciler):
     from helm.chart_render import validate  # tests/ is on sys.path through its conftest
 
     create_service(cluster.kube, "demo", {
-        **SPEC, "model": {"source": {"hostPath": "/data/models/llama"}, "revision": "r1"},
+        **SPEC, "model": {"uri": "host:///data/models/llama", "revision": "r1"},
         "mtls": {"secretName": "demo-mtls", "secretNames": {"decode": "demo-mtls-decode"}},
         "prefill": {"chains": 1, "ranksPerChain": 2, "partitionTable": '{"entries": []}'},
         "redis": {"mode": "external", "external": {"urlSecretRef": {"name": "redis-url"}}},

@@ -12,6 +12,7 @@ resolved different commits never exchange KV.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,24 +55,83 @@ def resolve_model(path: str | Path = "", revision: str = "") -> ModelFiles:
     return ModelFiles(directory, text, directory.name)
 
 
+def fetch_model(repo_id: str, revision: str = "", weights: bool = True) -> tuple[ModelFiles, bool]:
+    """Put ``repo_id`` at ``revision`` into the local Hugging Face cache, unless a snapshot
+    holding every file a server reads is there already; returns its files and whether it
+    downloaded. Without ``weights`` the safetensors are left out (what a gateway reads).
+    ``HF_HUB_OFFLINE`` turns a missing file into an error instead of a download."""
+    patterns = CHECKPOINT_FILES if weights else [p for p in CHECKPOINT_FILES
+                                                  if p != "*.safetensors"]
+    try:
+        directory = _cached_snapshot(repo_id, revision, patterns)
+    except CheckpointError:
+        if _offline():
+            raise
+        missing = ["every file"]  # not cached yet
+    else:
+        if not (missing := missing_files(directory, weights)):
+            return ModelFiles(directory, repo_id, directory.name), False
+    if _offline():  # in the cache, but incomplete
+        raise CheckpointError(repo_id, "snapshot", f"at revision {revision or 'main'} lacks "
+                              f"{', '.join(missing)} in the Hugging Face cache, and "
+                              f"HF_HUB_OFFLINE forbids completing it")
+    directory = _downloaded_snapshot(repo_id, revision, patterns)
+    if missing := missing_files(directory, weights):
+        raise CheckpointError(repo_id, "snapshot", f"at revision {revision or 'main'} has no "
+                              f"{', '.join(missing)} (baton reads Llama-family checkpoints "
+                              f"in safetensors)")
+    return ModelFiles(directory, repo_id, directory.name), True
+
+
+def missing_files(directory: Path, weights: bool = True) -> list[str]:
+    """The files a server reads that ``directory`` lacks (an interrupted download's snapshot,
+    or a gateway's without weights)."""
+    needed = ["config.json", "tokenizer.json"]
+    if weights:
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            needed += sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            needed.append("model.safetensors")
+    return [name for name in needed if not (directory / name).is_file()]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
 def _snapshot(repo_id: str, revision: str) -> Path:
+    """The snapshot from the cache, else (unless offline) downloaded into it."""
+    try:
+        return _cached_snapshot(repo_id, revision)
+    except CheckpointError:
+        if _offline():
+            raise
+    return _downloaded_snapshot(repo_id, revision)
+
+
+def _cached_snapshot(repo_id: str, revision: str,
+                     patterns: list[str] = CHECKPOINT_FILES) -> Path:
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
         return Path(huggingface_hub.snapshot_download(
-            repo_id, revision=revision or None, allow_patterns=CHECKPOINT_FILES,
-            local_files_only=True))
-    except LocalEntryNotFoundError as cached_error:
-        if offline:
-            raise CheckpointError(repo_id, "snapshot", f"is not in the Hugging Face cache "
-                                  f"({huggingface_hub.constants.HF_HUB_CACHE}) at revision "
-                                  f"{revision or 'main'}, and HF_HUB_OFFLINE forbids a "
-                                  f"download") from cached_error
-    try:
+            repo_id, revision=revision or None, allow_patterns=patterns, local_files_only=True))
+    except LocalEntryNotFoundError as e:  # an incomplete snapshot too, where the Hub's listing is kept
+        offline = ", and HF_HUB_OFFLINE forbids a download" if _offline() else ""
+        raise CheckpointError(repo_id, "snapshot", f"is not in the Hugging Face cache "
+                              f"({huggingface_hub.constants.HF_HUB_CACHE}) at revision "
+                              f"{revision or 'main'}{offline}") from e
+
+
+def _downloaded_snapshot(repo_id: str, revision: str,
+                         patterns: list[str] = CHECKPOINT_FILES) -> Path:
+    import huggingface_hub
+
+    try:  # files already in the cache are not fetched again
         return Path(huggingface_hub.snapshot_download(
-            repo_id, revision=revision or None, allow_patterns=CHECKPOINT_FILES))
+            repo_id, revision=revision or None, allow_patterns=patterns))
     except Exception as e:
         raise CheckpointError(repo_id, "snapshot", f"could not be downloaded at revision "
                               f"{revision or 'main'}: {e}") from e
