@@ -86,11 +86,13 @@ def _rendered(report: str) -> str:
     import autoscale
     import kv_pipelining
     import kv_transfer
+    import moe_step
     import pd_model
     import prefix
     import report as peer_report
     import results as peer_results
     import route_ttft
+    import sampling_cost
     import shared_prefix
 
     renders = {
@@ -103,6 +105,8 @@ def _rendered(report: str) -> str:
         "peer.md": lambda: peer_report.render(peer_results.load()),
         "peer-prefix.md": lambda: shared_prefix.render(peer_results.load(shared_prefix.RESULTS_PATH)),
         "route-ttft.md": lambda: route_ttft.report(common.load_results("route-ttft")),
+        "sampling-cost.md": lambda: sampling_cost.report(common.load_results("sampling-cost")),
+        "moe-step.md": lambda: moe_step.report(common.load_results("moe-step")),
     }
     return renders[report]()
 
