@@ -115,10 +115,15 @@ class Relay:
                     reason += _moved(failed, decode, e, len(sent))
                     moves += 1
                     break
-                if not self._recoverable(live, code):
+                # A chain refuses a decode pod the routing store no longer lists (it died
+                # after this gateway last read the store): prefill elsewhere, not there.
+                stale_pod = code == grpc.StatusCode.PERMISSION_DENIED and not live.aborted.is_set()
+                if not (self._recoverable(live, code) or stale_pod):
                     raise
                 self.metrics.chain_fallbacks.labels(code=code.name).inc()
                 failed_chain = decision.chain
+                if stale_pod and request.prefill_route == "chain":
+                    raise
                 if request.prefill_route == "chain" and moves < self.config.migration_limit:
                     log.warning("request %s: chain %s failed it (%s); waiting for a live chain",
                                 live.request_id, failed_chain.chain_id, _describe(e))
@@ -135,7 +140,8 @@ class Relay:
                             "pod", live.request_id, failed_chain.chain_id, _describe(e))
                 # The chain failed it, not the decode pod: any live pod may take it (one that
                 # died meanwhile fails the Generate, and the request moves on from there).
-                decode = await self._next_pod(live, prompt_ids, sent, reroute, frozenset(), e)
+                unlisted = frozenset({decode.address}) if stale_pod else frozenset()
+                decode = await self._next_pod(live, prompt_ids, sent, reroute, unlisted, e)
                 reason += (f"; chain {failed_chain.chain_id} failed it ({code.name}): "
                            f"prefilled on the decode pod")
                 # The chain may still push the KV: the decode pod must refuse it before the
