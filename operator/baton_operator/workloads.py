@@ -22,42 +22,39 @@ on the metrics port, which binds the pod's IP.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from typing import Any
 
-from baton.config import (
-    AuthConfig,
-    DecodeServiceConfig,
-    GatewayServiceConfig,
-    ModelSourceConfig,
-    MtlsConfig,
-    PrefillServiceConfig,
-    RoutingConfig,
-    ServerConfig,
-)
-from baton.configtree import flag_names
+from baton.config import ServerConfig
 from baton.metrics import HEALTH_PATH, LIVE_PATH
 
 from baton_operator import model_source
-from baton_operator.spec import InvalidSpec, ServiceSpec
-
-GATEWAY_PORT = 50051
-DECODE_PORT = 50061
-PREFILL_PORT = 50071
-METRICS_PORT = 9090
-RENDEZVOUS_PORT = 29500
-REDIS_PORT = 6379
-RUN_AS_USER = 10001  # the image's non-root user
-TERMINATION_MARGIN_S = 15  # past server.grace_s: stopping the engine, leaving routing
-PARTITIONS_DIR = "/etc/baton/partitions"
-PARTITIONS_FILE = "partitions.json"
-TLS_DIR = "/etc/baton/tls"
-API_KEYS_DIR = "/etc/baton/api-keys"  # the whole Secret volume: the kubelet refreshes it in place
-MTLS_DIR = "/etc/baton/mtls"  # the role's whole Secret volume, refreshed in place on rotation
-MTLS_FILES = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}  # the kubernetes.io/tls layout
-SECRET_FILE_MODE = 0o440  # owner root, group fsGroup (the baton user): nobody else reads keys
-POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (k8s >= 1.28)
+from baton_operator.layout import (
+    API_KEYS_DIR,
+    DECODE_PORT,
+    GATEWAY_PORT,
+    METRICS_PORT,
+    MTLS_DIR,
+    MTLS_FILES,
+    PARTITIONS_DIR,
+    PARTITIONS_FILE,
+    POD_INDEX_LABEL,
+    PREFILL_PORT,
+    REDIS_PORT,
+    RENDEZVOUS_PORT,
+    RUN_AS_USER,
+    SECRET_FILE_MODE,
+    TERMINATION_MARGIN_S,
+    TLS_DIR,
+    chain_name,
+)
+from baton_operator.service_configs import (
+    config_arguments,
+    decode_config,
+    gateway_config,
+    prefill_config,
+)
+from baton_operator.spec import ServiceSpec
 
 
 def labels(name: str, role: str) -> dict[str, str]:
@@ -73,108 +70,6 @@ def labels(name: str, role: str) -> dict[str, str]:
 
 def selector(name: str, role: str) -> dict[str, str]:
     return {"baton.dev/service": name, "baton.dev/role": role}
-
-
-def chain_name(name: str, index: int) -> str:
-    return f"{name}-prefill-{index}"
-
-
-def _leaves(config: Any):
-    """Leaf values of a configuration tree, in the order `flag_names` walks it."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _leaves(value)
-        else:
-            yield value
-
-
-def config_arguments(config: Any) -> list[str]:
-    """``--flag value`` for every setting that differs from the service's own default."""
-    defaults = _leaves(type(config)())
-    args = []
-    for flag, value, default in zip(flag_names(type(config)), _leaves(config), defaults):
-        if value == default:
-            continue
-        if isinstance(value, bool):
-            value = "true" if value else "false"
-        elif isinstance(value, list):
-            value = ",".join(map(str, value))
-        args += [flag, str(value)]
-    return args
-
-
-def _model_config(spec: ServiceSpec, role: str) -> ModelSourceConfig:
-    """The model as ``role``'s pods see it (``baton_operator.model_source``), with the
-    role's own length limit; a gateway takes the decode pods' (they serve whole requests)."""
-    device = "cuda" if spec.gpu.per_pod and role != "gateway" else "cpu"  # a gateway tokenizes
-    path, revision = model_source.served_path(spec.model)
-    max_model_len = (spec.prefill.max_model_len if role == "prefill"
-                     else spec.decode.max_model_len) or spec.model.config.max_model_len
-    return dataclasses.replace(spec.model.config, path=path, revision=revision, device=device,
-                               max_model_len=max_model_len)
-
-
-def _server(port: int, advertise_host: str) -> ServerConfig:
-    # $(VAR) is expanded by the kubelet from the container's env (see _env). Metrics and
-    # /healthz bind the pod's IP, where Prometheus and the kubelet's probes reach them.
-    return ServerConfig(listen=f"0.0.0.0:{port}", advertise=f"{advertise_host}:{port}",
-                        metrics_port=METRICS_PORT, metrics_host="$(POD_IP)")
-
-
-def _mtls(spec: ServiceSpec) -> MtlsConfig:
-    """The role's certificate files in its mounted Secret, or plaintext when asked."""
-    if spec.mtls.insecure:
-        return MtlsConfig(insecure=True)
-    return MtlsConfig(**{field: f"{MTLS_DIR}/{file}" for field, file in MTLS_FILES.items()})
-
-
-def _routing(name: str, namespace: str, spec: ServiceSpec) -> RoutingConfig:
-    if spec.redis.mode == "managed":
-        return RoutingConfig(redis_url=f"redis://{name}-redis.{namespace}.svc:{REDIS_PORT}/0")
-    return RoutingConfig()  # external: BATON_ROUTING_REDIS_URL comes from the Secret
-
-
-def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> PrefillServiceConfig:
-    chain = chain_name(name, index)
-    table = f"{PARTITIONS_DIR}/{PARTITIONS_FILE}" if spec.prefill.partition_table else ""
-    return PrefillServiceConfig(
-        server=_server(PREFILL_PORT, f"$(POD_NAME).{chain}.{namespace}.svc"),
-        model=_model_config(spec, "prefill"),
-        chain=dataclasses.replace(
-            spec.prefill.chain, chain_id=chain, master_addr=f"{chain}-0.{chain}.{namespace}.svc",
-            master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",
-            partition_table=table),
-        kv_transport=spec.kv_transport, pyramid=spec.pyramid,
-        routing=_routing(name, namespace, spec), mtls=_mtls(spec))
-
-
-def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
-    return DecodeServiceConfig(
-        server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec, "decode"), kv=spec.decode.kv,
-        kv_transport=spec.kv_transport, scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
-        routing=_routing(name, namespace, spec), mtls=_mtls(spec))
-
-
-def _api_keys_file(spec: ServiceSpec) -> str:
-    if not spec.gateway.api_keys_secret_name:
-        return ""
-    return f"{API_KEYS_DIR}/{spec.gateway.api_keys_secret_key}"
-
-
-def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServiceConfig:
-    http_port = spec.gateway.http.port
-    if http_port in (GATEWAY_PORT, METRICS_PORT):
-        raise InvalidSpec(f"spec.gateway.http.port {http_port} is the gateway pod's "
-                          f"{'gRPC' if http_port == GATEWAY_PORT else 'metrics'} port: pick another")
-    server = _server(GATEWAY_PORT, "$(POD_IP)")
-    if spec.gateway.tls_secret_name:  # clients' TLS on the public gRPC port (no client certificate)
-        server = dataclasses.replace(server, tls_cert=f"{TLS_DIR}/tls.crt", tls_key=f"{TLS_DIR}/tls.key")
-    return GatewayServiceConfig(
-        server=server, model=_model_config(spec, "gateway"),
-        gateway=spec.gateway.routing, routing=_routing(name, namespace, spec),
-        http=dataclasses.replace(spec.gateway.http, host="0.0.0.0"),
-        auth=AuthConfig(api_keys_file=_api_keys_file(spec)), mtls=_mtls(spec))
 
 
 def _field_env(name: str, path: str) -> dict:
