@@ -89,6 +89,16 @@ class Float8Weights:
                          f"{self.method} stores float8 weights")
 
 
+def _stores_packed_int4(tensors: CheckpointTensors, weight: str) -> bool:
+    module = _module(weight)
+    return module is not None and f"{module}.qweight" in tensors
+
+
+def _packed_int4(tensors: CheckpointTensors, module: str) -> list[torch.Tensor]:
+    """AWQ's and GPTQ's packed ints, their zeros and their scales."""
+    return [tensors.read(f"{module}.{name}") for name in ("qweight", "qzeros", "scales")]
+
+
 @dataclass(frozen=True)
 class AwqWeights:
     """AutoAWQ's GEMM layout: ``qweight``, ``qzeros``, ``scales``."""
@@ -97,13 +107,11 @@ class AwqWeights:
     method: str = "awq"
 
     def stores_quantized(self, tensors: CheckpointTensors, weight: str) -> bool:
-        module = _module(weight)
-        return module is not None and f"{module}.qweight" in tensors
+        return _stores_packed_int4(tensors, weight)
 
     def dequantize(self, tensors: CheckpointTensors, weight: str, dtype: torch.dtype) -> torch.Tensor:
-        module = _module(weight)
-        packed = [tensors.read(f"{module}.{name}") for name in ("qweight", "qzeros", "scales")]
-        return dequantize_awq(*packed, group_size=self.group_size, dtype=dtype)
+        return dequantize_awq(*_packed_int4(tensors, _module(weight)), group_size=self.group_size,
+                              dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -115,12 +123,11 @@ class GptqWeights:
     method: str = "gptq"
 
     def stores_quantized(self, tensors: CheckpointTensors, weight: str) -> bool:
-        module = _module(weight)
-        return module is not None and f"{module}.qweight" in tensors
+        return _stores_packed_int4(tensors, weight)
 
     def dequantize(self, tensors: CheckpointTensors, weight: str, dtype: torch.dtype) -> torch.Tensor:
         module = _module(weight)
-        packed = [tensors.read(f"{module}.{name}") for name in ("qweight", "qzeros", "scales")]
+        packed = _packed_int4(tensors, module)
         group_index = tensors.read(f"{module}.g_idx") if f"{module}.g_idx" in tensors else None
         return dequantize_gptq(*packed, group_index, self.group_size, self.zeros_stored_minus_one, dtype)
 

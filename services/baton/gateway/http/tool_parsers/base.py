@@ -24,6 +24,8 @@ import string
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from baton.gateway.http.tool_parsers.json_calls import MALFORMED
+
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -149,6 +151,19 @@ class StreamingToolParser:
     def _end_call(self, end: int) -> None:
         self._pos = end
         self._after_call = True
+
+    def _read_call(self, reader, final: bool) -> int | bool | None:
+        """Advance the call ``reader`` is reading: None while it waits for text; False when
+        the text is no call (the rest of the output is then text); else the call's end, the
+        call closed there."""
+        end = reader.advance(self, self._text, final)
+        if end is None:
+            return None
+        if end == MALFORMED:
+            self._state = "text"
+            return False
+        self._end_call(end)
+        return end
 
     def _send_content_until(self, marker: str, final: bool) -> int | None:
         """Send the content before ``marker``; its index when found, else None (having held

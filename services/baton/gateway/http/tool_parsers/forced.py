@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from baton.gateway.http.tool_parsers.base import StreamingToolParser
-from baton.gateway.http.tool_parsers.json_calls import MALFORMED, ArgumentsObject, CallList
+from baton.gateway.http.tool_parsers.json_calls import ArgumentsObject, CallList
 
 _SPACE = re.compile(r"\s*")
 
@@ -33,14 +33,10 @@ class _ForcedParser(StreamingToolParser):
             self._value = self._read_value(pos)
             self._state = "value" if self._value else "text"
         elif self._state == "value":
-            end = self._value.advance(self, text, final)
+            end = self._read_call(self._value, final)
             if end is None:
                 return False
-            if end == MALFORMED:
-                self._state = "text"
-            else:
-                self._end_call(end)
-                self._state = "text"
+            self._state = "text"
         else:
             if len(text) > self._pos:
                 self._send_content(len(text))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from baton.gateway.http.tool_parsers.base import StreamingToolParser
-from baton.gateway.http.tool_parsers.json_calls import MALFORMED, CallObject
+from baton.gateway.http.tool_parsers.json_calls import CallObject
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
@@ -56,13 +56,10 @@ class Llama3JsonToolParser(StreamingToolParser):
             else:
                 self._state = "text"
         elif self._state == "object":
-            end = self._object.advance(self, text, final)
+            end = self._read_call(self._object, final)
             if end is None:
                 return False
-            if end == MALFORMED:
-                self._state = "text"
-            else:
-                self._end_call(end)
+            if end is not False:
                 self._cursor, self._state = end, "between"
         elif self._state == "between":
             if text[pos] == SEPARATOR:

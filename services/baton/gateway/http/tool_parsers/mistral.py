@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from baton.gateway.http.tool_parsers.base import StreamingToolParser, random_id
-from baton.gateway.http.tool_parsers.json_calls import MALFORMED, ArgumentsObject, CallList
+from baton.gateway.http.tool_parsers.json_calls import ArgumentsObject, CallList
 
 MARKER = "[TOOL_CALLS]"
 MISTRAL_ID_LENGTH = 9
@@ -46,13 +46,10 @@ class MistralToolParser(StreamingToolParser):
         elif self._state == "after_marker":
             return self._read_head(final)
         elif self._state == "calls":
-            end = self._calls_read.advance(self, text, final)
+            end = self._read_call(self._calls_read, final)
             if end is None:
                 return False
-            if end == MALFORMED:
-                self._state = "text"
-            else:
-                self._end_call(end)
+            if end is not False:
                 self._state = "outside"
         else:  # text: everything from a malformed call on
             if len(text) > self._pos:
