@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=choices_of(ModelSourceConfig, "dtype"),
                         default=os.environ.get("BATON_MODEL_DTYPE", ModelSourceConfig.dtype),
                         help="compute dtype (as --model-dtype of the services; env BATON_MODEL_DTYPE)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the model over N local processes (one per device; gloo on a "
+                             "CPU, NCCL on GPUs), rank 0 running the engine")
     parser.add_argument("--chain-ranks", type=int, default=0, metavar="P",
                         help="prefill through a local KV-Runahead chain of P processes (0 = off)")
     parser.add_argument("--server", default="", metavar="HOST:PORT",
@@ -71,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give at least one PROMPT or --prompt-ids")
     if args.chain_ranks < 0:
         raise ValueError(f"--chain-ranks must be >= 0, got {args.chain_ranks}")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     from baton.sampling.params import SamplingParams
 
     given = {"max_tokens": args.max_tokens, "top_k": args.top_k, "top_p": args.top_p}
@@ -85,15 +90,27 @@ def run(args: argparse.Namespace) -> int:
     from baton.model.loader import load_checkpoint
     from baton.sarathi.engine import Engine
 
-    loaded = load_checkpoint(args.model, dtype=args.dtype, revision=args.revision)
-    engine = Engine(loaded.model, loaded.tokenizer, scheduler=from_arguments(args, SchedulerConfig, "scheduler"),
-                    kv=from_arguments(args, KVPoolConfig, "kv"))
-    if args.chain_ranks:
-        request_ids = _add_chain_prefilled(engine, loaded.path, prompts, params, args.chain_ranks,
-                                           dtype_name(loaded.model.dtype))
+    followers = None
+    if args.tensor_parallel_size > 1:
+        from baton.parallel.leader import start_group
+
+        loaded, followers = start_group(args.tensor_parallel_size, args.model, args.dtype,
+                                        revision=args.revision)
     else:
-        request_ids = [engine.add_request(prompt, params) for prompt in prompts]
-    results = _drive(engine, request_ids, stream=not args.json and len(prompts) == 1)
+        loaded = load_checkpoint(args.model, dtype=args.dtype, revision=args.revision)
+    try:
+        engine = Engine(loaded.model, loaded.tokenizer,
+                        scheduler=from_arguments(args, SchedulerConfig, "scheduler"),
+                        kv=from_arguments(args, KVPoolConfig, "kv"))
+        if args.chain_ranks:
+            request_ids = _add_chain_prefilled(engine, loaded.path, prompts, params, args.chain_ranks,
+                                               dtype_name(loaded.model.dtype))
+        else:
+            request_ids = [engine.add_request(prompt, params) for prompt in prompts]
+        results = _drive(engine, request_ids, stream=not args.json and len(prompts) == 1)
+    finally:
+        if followers is not None:
+            followers.close()
     if args.json:
         for request_id in request_ids:
             token_ids, text = results[request_id]

@@ -87,8 +87,8 @@ class Landings:
 
     def takes_bytes(self, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> bool:
         """Whether keys and values of this dtype and shape are the blocks' bytes as they are:
-        a host pool of the same dtype and shape."""
-        return (self._k_bytes is not None and dtype == self.k_cache.dtype
+        a host pool of the same dtype and shape, whose storage no other rank mirrors."""
+        return (self._k_bytes is not None and self.mirror is None and dtype == self.k_cache.dtype
                 and (num_kv_heads, head_dim) == tuple(self.k_cache.shape[2:]))
 
     def land(self, layer_num_tokens: list[int]) -> Landing:

@@ -19,6 +19,8 @@ steps would otherwise pay on every layer.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from baton.host_memory import huge_page_zeros
@@ -47,6 +49,9 @@ class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
         self.k_cache = self._zeros(shape, dtype, device)
         self.v_cache = self._zeros(shape, dtype, device)
         self.positions = torch.zeros(shape[:2], dtype=torch.int64, device=device)
+        # Under tensor parallelism this rank's storage holds its KV heads alone, and the
+        # other ranks' storage follows every write and move made here (``StorageMirror``).
+        self.mirror: StorageMirror | None = None
         # A host cache's storage as bytes: received KV is copied into its blocks as it lies.
         self._k_bytes, self._v_bytes = (
             (memoryview(cache.view(-1).view(torch.uint8).numpy()) for cache in (self.k_cache, self.v_cache))
@@ -106,12 +111,8 @@ class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
         unmoved = int((keep == torch.arange(count)).sum())  # sorted and distinct: a prefix
         if unmoved < count:
             slots = self._token_slots(table)
-            source = to_device(slots[keep[unmoved:]], self.k_cache.device)
-            target = to_device(slots[unmoved:count], self.k_cache.device)
-            tokens = self.num_blocks * self.block_size
-            for cache in (self.k_cache, self.v_cache, self.positions):
-                flat = cache.view(tokens, *cache.shape[2:])
-                flat.index_copy_(0, target, flat.index_select(0, source))
+            self.move_tokens(to_device(slots[keep[unmoved:]], self.k_cache.device),
+                             to_device(slots[unmoved:count], self.k_cache.device))
         surplus = table.blocks[self.blocks_for(count):]
         del table.blocks[self.blocks_for(count):]
         self._free.extend(reversed(surplus))
@@ -119,11 +120,23 @@ class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
         if surplus and self._batch is not None:  # its first blocks stay: the row is shorter
             self._batch.truncate(seq_id, layer, len(table.blocks))
 
+    def move_tokens(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the tokens at flat slots ``source`` to flat slots ``target`` (keys, values and
+        positions)."""
+        if self.mirror is not None:
+            self.mirror.move(self, source, target)
+        tokens = self.num_blocks * self.block_size
+        for cache in (self.k_cache, self.v_cache, self.positions):
+            flat = cache.view(tokens, *cache.shape[2:])
+            flat.index_copy_(0, target, flat.index_select(0, source))
+
     def _write_at(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor) -> None:
         """Write tokens to flat slots ``index``, one ``index_copy_`` per tensor. The tokens may
         come from another device or dtype (a cache from the wire or a chain arrives in host
-        memory)."""
+        memory). Under a mirror they have every KV head, and this rank keeps its own."""
+        if self.mirror is not None:
+            k, v = self.mirror.write(self, index, k, v, positions)
         device = self.k_cache.device
         tokens = self.num_blocks * self.block_size
         self.k_cache.view(tokens, *self.k_cache.shape[2:]).index_copy_(
@@ -134,6 +147,17 @@ class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
 
     def view(self, seq_id: str) -> PagedSequenceKV:
         return PagedSequenceKV(self, seq_id)
+
+
+class StorageMirror(Protocol):
+    """The other ranks of a tensor-parallel group, told of every change a pool's storage takes
+    outside a forward (``baton.parallel.leader``)."""
+
+    def write(self, pool: KVPool, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank writes its heads of k, v ([T, Hkv, D], all heads); returns this rank's."""
+
+    def move(self, pool: KVPool, source: torch.Tensor, target: torch.Tensor) -> None: ...
 
 
 class PagedSequenceKV:

@@ -16,6 +16,7 @@ from baton.model.config import ModelConfig
 from baton.model.linear import FusedLinear, Linear
 from baton.model.moe import SparseMoE
 from baton.model.rope import apply_rotary
+from baton.model.sharding import Collectives, ShardLayout, SingleRank
 
 
 class RMSNorm(nn.Module):
@@ -53,10 +54,12 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Attention's projections over this rank's heads (all of them unless sharded)."""
+
+    def __init__(self, config: ModelConfig, layout: ShardLayout) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
         self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
@@ -115,11 +118,14 @@ MLP_MIN_BLOCK_ROWS = 256  # below this, matmuls use the CPU less well
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The gated MLP over this rank's part of the intermediate width (all of it unless sharded)."""
+
+    def __init__(self, config: ModelConfig, layout: ShardLayout) -> None:
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = layout.intermediate_size
+        self.gate_proj = Linear(config.hidden_size, width, bias=False)
+        self.up_proj = Linear(config.hidden_size, width, bias=False)
+        self.down_proj = Linear(width, config.hidden_size, bias=False)
         self.gate_up: FusedLinear | None = None
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else SiLU
 
@@ -156,16 +162,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    """One layer. Sharded, o_proj and the feed-forward's down projection each leave a partial
+    sum on every rank, completed by one all-reduce before it joins the residual stream."""
+
+    def __init__(self, config: ModelConfig, index: int, layout: ShardLayout,
+                 collectives: Collectives) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config)
+        self.collectives = collectives
+        self.self_attn = SelfAttention(config, layout)
         # the feed-forward part, under the checkpoint's name: a dense MLP, or experts
         self.feed_forward_name = "mlp"
         if config.is_sparse_layer(index):
             self.feed_forward_name = "block_sparse_moe" if config.family == "mixtral" else "mlp"
-            setattr(self, self.feed_forward_name, SparseMoE(config))
+            setattr(self, self.feed_forward_name, SparseMoE(config, layout))
         else:
-            self.mlp = MLP(config)
+            self.mlp = MLP(config, layout)
         self.input_layernorm = make_norm(config, config.hidden_size)
         # Llama's post_attention_layernorm is the feed-forward's input norm; Gemma's norms
         # attention's output, and two more norm the feed-forward's input and output
@@ -182,31 +193,47 @@ class DecoderLayer(nn.Module):
     def add_attention(self, hidden: torch.Tensor, attention: torch.Tensor) -> None:
         """hidden += o_proj(attention) (normed first under sandwich norms); in place."""
         out = self.self_attn.o_proj(attention)
+        self.collectives.all_reduce_(out)
         hidden.add_(self.post_attention_layernorm(out) if self.sandwich_norms else out)
 
     def add_feed_forward(self, hidden: torch.Tensor) -> None:
         """hidden += the feed-forward of its normed self; in place."""
         if self.sandwich_norms:
             out = self.feed_forward(self.pre_feedforward_layernorm(hidden))
+            self.collectives.all_reduce_(out)
             hidden.add_(self.post_feedforward_layernorm(out))
         else:
-            hidden.add_(self.feed_forward(self.post_attention_layernorm(hidden)))
+            out = self.feed_forward(self.post_attention_layernorm(hidden))
+            self.collectives.all_reduce_(out)
+            hidden.add_(out)
 
 
 class Backbone(nn.Module):
-    """Hugging Face's ``model.*`` submodule: embeddings, layers, final norm."""
+    """Hugging Face's ``model.*`` submodule: embeddings, layers, final norm. Sharded, the
+    embedding holds this rank's run of the vocabulary; a token outside it looks up zeros,
+    and the all-reduce adds the one rank's row that holds it."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout | None = None,
+                 collectives: Collectives | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, index)
+        self.layout = layout or ShardLayout(config)
+        self.collectives = collectives or SingleRank()
+        self.embed_tokens = nn.Embedding(self.layout.vocab_per_rank, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, index, self.layout, self.collectives)
                                     for index in range(config.num_hidden_layers))
         self.norm = make_norm(config, config.hidden_size)
         # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to their dtype
         self.embedding_scale = config.hidden_size ** 0.5 if config.gemma_layout else None
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(token_ids)
+        if self.layout.size == 1:
+            hidden = self.embed_tokens(token_ids)
+        else:
+            local = token_ids - self.layout.vocab_start
+            outside = (local < 0) | (local >= self.layout.vocab_per_rank)
+            hidden = self.embed_tokens(local.masked_fill(outside, 0))
+            hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+            self.collectives.all_reduce_(hidden)
         if self.embedding_scale is not None:
             hidden.mul_(torch.tensor(self.embedding_scale).to(hidden.dtype))
         return hidden

@@ -38,14 +38,24 @@ from baton.model.forward_batch import (
 from baton.model.layers import Backbone
 from baton.model.linear import Linear
 from baton.model.rope import RotaryEmbedding
+from baton.model.sharding import Collectives, ShardLayout, SingleRank
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The whole model, or one tensor-parallel rank's shard of it (``layout``; its ranks run
+    every forward together, through ``collectives``). ``config`` is the whole model's."""
+
+    def __init__(self, config: ModelConfig, layout: ShardLayout | None = None,
+                 collectives: Collectives | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layout = layout or ShardLayout(config)
+        self.collectives = collectives or SingleRank()
+        self.model = Backbone(config, self.layout, self.collectives)
+        # a tensor-parallel group's leader: the other ranks, told of each forward and logits
+        # call this rank takes, to take theirs alongside (``baton.parallel.leader.Followers``)
+        self.followers = None
+        self.lm_head = Linear(config.hidden_size, self.layout.vocab_per_rank, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
@@ -77,8 +87,8 @@ class CausalLM(nn.Module):
         config = self.config
         return (config.sliding_window is None and config.attn_logit_softcapping is None
                 and cpu_kernels.paged_decode_fits(self.dtype, self.device, config.head_dim,
-                                                  config.num_attention_heads,
-                                                  config.num_key_value_heads))
+                                                  self.layout.num_heads,
+                                                  self.layout.num_kv_heads))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,6 +108,14 @@ class CausalLM(nn.Module):
         """
         covered = sum(s.length for s in segments) + (decode.size if decode else 0)
         assert covered == token_ids.shape[0], "segments and decode batch must cover the batch"
+        if self.followers is None:
+            return self._forward(token_ids, positions, segments, output_rows, decode)
+        with self.followers.forward(token_ids, positions, segments, output_rows, decode):
+            return self._forward(token_ids, positions, segments, output_rows, decode)
+
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                 segments: Sequence[Segment], output_rows: torch.Tensor | None,
+                 decode: DecodeBatch | None) -> torch.Tensor:
         hidden = self.model.embed(token_ids)
         rotations = self.rotary.cos_sin(positions, hidden.dtype)
         local_rotations = (None if self.rotary_local is None
@@ -138,7 +156,15 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] final hidden states -> [R, vocab] logits in fp32."""
+        if self.followers is None:
+            return self._logits(hidden)
+        with self.followers.logits(hidden):
+            return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
+        if self.layout.size > 1:  # each rank's run of the vocabulary, then the padding cut off
+            logits = self.collectives.all_gather_columns(logits)[:, :self.config.vocab_size]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

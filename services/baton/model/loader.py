@@ -22,6 +22,7 @@ from baton.model.errors import CheckpointError
 from baton.model.hub import resolve_model
 from baton.model.llama import CausalLM
 from baton.model.quantization import QuantizedWeights, quantization_from_hf_dict, read_weight
+from baton.model.sharding import Collectives, ShardLayout
 from baton.model.tokenizer import Tokenizer
 from baton.model.weight_names import checkpoint_source, checkpoint_tensors
 
@@ -64,14 +65,14 @@ def cpu_has_fast_bfloat16() -> bool:
 
 def load_weights(model: CausalLM, directory: Path, quantization: QuantizedWeights | None = None) -> None:
     """Every parameter from the checkpoint in ``directory``, dequantized where ``quantization``
-    stores it quantized."""
+    stores it quantized, and cut to the model's shard (``ShardLayout.shard``)."""
     expected = dict(model.named_parameters())
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     with CheckpointTensors(directory) as tensors:
         for name, parameter in expected.items():
             source = checkpoint_source(model.config, name)
-            tensor = read_weight(tensors, source, quantization, parameter.dtype)
+            tensor = model.layout.shard(name, read_weight(tensors, source, quantization, parameter.dtype))
             if tuple(tensor.shape) != tuple(parameter.shape):
                 where = "" if source.name == name else f" (rows {source.start}:{source.end}, for {name})"
                 raise CheckpointError(tensors.file_of(source.name), source.name + where, f"has shape "
@@ -82,9 +83,10 @@ def load_weights(model: CausalLM, directory: Path, quantization: QuantizedWeight
 
 def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "auto",
                     revision: str = "", with_tokenizer: bool = True,
-                    max_model_len: int = 0) -> LoadedModel:
+                    max_model_len: int = 0, group: Collectives | None = None) -> LoadedModel:
     """Load a checkpoint (a directory, empty for the shipped model, or a Hugging Face repo
-    id: ``baton.model.hub``) onto a device."""
+    id: ``baton.model.hub``) onto a device; with a tensor-parallel ``group``, this rank's
+    shard of it."""
     files = resolve_model(path, revision)
     directory = files.directory
     config = ModelConfig.from_file(directory / "config.json")
@@ -92,8 +94,9 @@ def load_checkpoint(path: str | Path = "", dtype: str = "auto", device: str = "a
                                              str(directory / "config.json"))
     config.cap_context(max_model_len)
     target = resolve_device(device)
+    layout = ShardLayout(config, group.size, group.rank) if group is not None else None
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, layout, group)
     model = model.to_empty(device=target).to(resolve_dtype(dtype, target))
     load_weights(model, directory, quantization)
     if config.tie_word_embeddings:

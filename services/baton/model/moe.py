@@ -18,6 +18,7 @@ from torch import nn
 from baton.kernels import cpu as cpu_kernels
 from baton.model.config import ModelConfig
 from baton.model.linear import FusedLinear, Linear
+from baton.model.sharding import ShardLayout
 
 # (gate, up, down) in each family's checkpoints
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
@@ -52,13 +53,17 @@ class Expert(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Sharded, every expert holds this rank's part of its width (the router is whole), so
+    the layer's output is a partial sum like a dense MLP's."""
+
+    def __init__(self, config: ModelConfig, layout: ShardLayout | None = None) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
         names = EXPERT_NAMES[config.family]
-        self.experts = nn.ModuleList(Expert(config.hidden_size, config.expert_intermediate_size, names)
+        width = (layout or ShardLayout(config)).expert_intermediate_size
+        self.experts = nn.ModuleList(Expert(config.hidden_size, width, names)
                                      for _ in range(config.num_experts))
 
     def fuse(self) -> None:

@@ -72,10 +72,17 @@ class Engine:
 
     def _init_pool(self, pool: KVPool | None, kv: KVPoolConfig, model_revision: str,
                    scheduler: SchedulerConfig) -> None:
-        self.pool = pool or build_pool(self.model.config, kv, self.model.dtype, self.model.device)
+        followers = self.model.followers  # the other ranks of a tensor-parallel group
+        if followers is not None and self.compressor_factory is not None:
+            raise ValueError("KV compression under tensor parallelism is not supported yet: "
+                             "turn compression off where tensor_parallel_size > 1")
+        self.pool = pool or build_pool(self.model.config, kv, self.model.dtype, self.model.device,
+                                       self.model.layout.num_kv_heads)
+        if followers is not None:
+            followers.share_pool(self.pool)
         self.memory = KVManager(self.pool, model_revision)
         graphs = None
-        if scheduler.cuda_graphs and self.model.device.type == "cuda":
+        if scheduler.cuda_graphs and self.model.device.type == "cuda" and followers is None:
             # no step decodes more sequences than the scheduler runs at once
             graphs = DecodeGraphs(self.model, self.pool,
                                   min(scheduler.cuda_graph_max_batch, scheduler.max_running),

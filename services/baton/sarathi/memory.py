@@ -35,14 +35,16 @@ from baton.sarathi.request import Sequence, Status
 
 
 def build_pool(model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dtype,
-               device: torch.device | str = "cpu") -> KVPool:
+               device: torch.device | str = "cpu", num_kv_heads: int = 0) -> KVPool:
     """A pool sized by ``config``: ``num_blocks``, or as many as fit ``memory_fraction`` of
-    the device's free memory (called once the weights are loaded), or ``memory_mib``."""
+    the device's free memory (called once the weights are loaded), or ``memory_mib``.
+    ``num_kv_heads``: the heads this rank holds (default: the model's)."""
     num_layers = model_config.num_hidden_layers
+    num_kv_heads = num_kv_heads or model_config.num_key_value_heads
     num_blocks = config.num_blocks
     if num_blocks == 0:
         element_size = torch.empty(0, dtype=dtype).element_size()
-        bytes_per_block = (2 * config.block_size * model_config.num_key_value_heads
+        bytes_per_block = (2 * config.block_size * num_kv_heads
                            * model_config.head_dim * element_size)
         if config.memory_fraction:
             memory = int(config.memory_fraction * free_memory_bytes(torch.device(device)))
@@ -53,7 +55,7 @@ def build_pool(model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dty
         if num_blocks < num_layers:
             raise ValueError(f"{what} holds {num_blocks} blocks, fewer than one per layer "
                              f"({num_layers}); give the pool more")
-    return KVPool(num_layers, model_config.num_key_value_heads, model_config.head_dim,
+    return KVPool(num_layers, num_kv_heads, model_config.head_dim,
                   config.block_size, num_blocks, dtype=dtype, device=device,
                   cache_prefixes=config.prefix_cache)
 

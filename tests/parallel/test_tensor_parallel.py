@@ -1,0 +1,104 @@
+"""Tensor parallelism on the CPU over gloo: a group of two ranks gives what one process gives,
+on every family baton loads (fp32, greedy), through the engine (chunked prefills mixed with
+decodes, a paged pool) and through a plain prefill over a dense cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.config import KVPoolConfig, SchedulerConfig
+from baton.kv import DenseKV
+from baton.model import prefill
+from baton.model.loader import load_checkpoint, save_checkpoint
+from baton.model.presets import random_model
+from baton.model.sharding import ShardLayout, check_divisible
+from baton.parallel.leader import start_group
+from baton.sampling.params import SamplingParams
+from baton.sarathi.engine import Engine
+from hf_reference import tiny_config
+
+# (variant, query heads, kv heads, overrides): every family; KV heads split (kv >= 2) and
+# replicated (kv 1 over 2 ranks); a vocabulary the group does not divide (padded shards)
+CASES = [
+    ("llama2", 4, 4, {}), ("llama3", 4, 1, {"vocab_size": 255}), ("mistral", 8, 2, {}),
+    ("qwen2", 4, 2, {}), ("qwen3", 4, 2, {}), ("mixtral", 4, 2, {}), ("qwen3_moe", 4, 2, {}),
+    ("phi3", 4, 2, {}), ("gemma2", 4, 2, {}), ("gemma3", 4, 1, {}),
+]
+SCHEDULER = SchedulerConfig(token_budget=24)  # prompts prefill in chunks beside decodes
+KV = KVPoolConfig(block_size=4, num_blocks=512)
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def save_model(config, directory) -> None:
+    """Random weights decisive enough (std 0.1) that no greedy choice is a near tie."""
+    model = random_model(config, seed=3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                parameter.mul_(5.0)
+    save_checkpoint(model, directory, dtype=torch.float32)
+
+
+def prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (7, 41, 23)]
+
+
+def run(loaded, token_lists):
+    """(the engine's tokens per prompt, the logits of a dense prefill of the longest)."""
+    engine = Engine(loaded.model, None, scheduler=SCHEDULER, kv=KV)
+    tokens = [result.token_ids for result in engine.generate(token_lists, PARAMS)]
+    ids = torch.tensor(token_lists[1])
+    logits = prefill(loaded.model, ids, torch.arange(len(ids)),
+                     DenseKV(loaded.config.num_hidden_layers))
+    return tokens, logits
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-h{case[1]}-kv{case[2]}")
+def test_two_ranks_equal_one_process(case, tmp_path):
+    variant, heads, kv_heads, overrides = case
+    config = tiny_config(variant, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         **overrides)
+    save_model(config, tmp_path)
+    token_lists = prompts(config.vocab_size)
+    single = load_checkpoint(str(tmp_path), "float32", "cpu", with_tokenizer=False)
+    want_tokens, want_logits = run(single, token_lists)
+    loaded, followers = start_group(2, str(tmp_path), "float32", "cpu", timeout_s=60.0,
+                                    with_tokenizer=False)
+    try:
+        assert loaded.model.layout.size == 2
+        got_tokens, got_logits = run(loaded, token_lists)
+        assert followers.alive()
+    finally:
+        followers.close()
+    assert got_tokens == want_tokens
+    assert got_logits.shape == want_logits.shape == (config.vocab_size,)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rank_holds_its_share_of_the_weights():
+    config = tiny_config("llama3", num_attention_heads=8, num_key_value_heads=2, vocab_size=255)
+    layout = ShardLayout(config, size=2, rank=1)
+    q = torch.arange(8 * 8 * 4, dtype=torch.float32).view(8 * 8, 4)  # 8 heads of 8
+    assert torch.equal(layout.shard("model.layers.0.self_attn.q_proj.weight", q), q[32:])
+    k = torch.arange(2 * 8 * 4, dtype=torch.float32).view(2 * 8, 4)
+    assert torch.equal(layout.shard("model.layers.0.self_attn.k_proj.weight", k), k[8:])
+    o = torch.arange(4 * 64, dtype=torch.float32).view(4, 64)
+    assert torch.equal(layout.shard("model.layers.0.self_attn.o_proj.weight", o), o[:, 32:])
+    down = torch.arange(4 * 160, dtype=torch.float32).view(4, 160)
+    assert torch.equal(layout.shard("model.layers.0.mlp.down_proj.weight", down), down[:, 80:])
+    embed = torch.ones(255, 3)
+    shard = layout.shard("model.embed_tokens.weight", embed)
+    assert shard.shape == (128, 3) and shard[:127].eq(1).all() and shard[127].eq(0).all()
+    norm = torch.ones(64)
+    assert layout.shard("model.layers.0.input_layernorm.weight", norm) is norm
+    # one KV head over 4 ranks: ranks 0-3 all read head 0, of 4 query heads over 4 ranks
+    mqa = ShardLayout(tiny_config("llama2", num_key_value_heads=1), size=4, rank=3)
+    assert (mqa.num_heads, mqa.num_kv_heads, mqa.first_kv_head) == (1, 1, 0)
+
+
+def test_a_size_that_does_not_divide_the_model_is_refused():
+    with pytest.raises(ValueError, match="num_attention_heads 4"):
+        check_divisible(tiny_config("llama2"), 3)
+    with pytest.raises(ValueError, match="num_key_value_heads 3"):
+        check_divisible(tiny_config("llama2", num_attention_heads=6, num_key_value_heads=3), 2)
