@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reported); default: the checkpoint directory's name")
     parser.add_argument("--decode-workers", type=int, default=1, choices=(1, 2),
                         help="decode pods to start")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard each decode pod's model over N processes (gloo on a CPU, "
+                             "NCCL on GPUs); above 1 the decode pods' KV compression is off")
     parser.add_argument("--chain-ranks", type=int, default=ChainConfig.ranks,
                         help="ranks of the one prefill chain (0 = no chain; default: %(default)s)")
     parser.add_argument("--redis", default="", metavar="URL",
@@ -133,7 +136,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                        decode_threads=next(value for value in (args.decode_threads, args.threads, 0)
                                            if value is not None),
                        stream_interval_ms=args.stream_interval_ms, autoscale=planner,
-                       decode_grace_s=args.decode_grace_s, kv_transport=args.kv_transport)
+                       decode_grace_s=args.decode_grace_s, kv_transport=args.kv_transport,
+                       decode_tensor_parallel_size=args.tensor_parallel_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{spec.decode_workers} decode pod(s) of {spec.threads_of('decode')} thread(s), "
                   f"chain of {spec.chain_ranks} ranks of {spec.threads_of('prefill')} thread(s), "
                   f"routing in {cluster.redis_url}", flush=True)
+            if spec.decode_tensor_parallel_size > 1:
+                print(f"each decode pod: {spec.decode_tensor_parallel_size} tensor-parallel ranks "
+                      f"of {spec.threads_of('decode')} thread(s); its KV compression is off (not "
+                      "supported under tensor parallelism yet)", flush=True)
             if spec.chain_ranks:
                 print(_chain_routing(cluster.redis_url, spec), flush=True)
             print(f"try: baton generate --server {cluster.gateway_address} \"import os\"", flush=True)

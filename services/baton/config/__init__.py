@@ -23,6 +23,7 @@ from baton.config.chain import (
 )
 from baton.config.gateway import CHAIN_FAILURE_POLICIES, GATEWAY_POLICIES, GatewayRoutingConfig
 from baton.config.model import DEVICES, DTYPES, KVPoolConfig, ModelSourceConfig
+from baton.config.parallel import TensorParallelConfig
 from baton.config.planner import PlannerConfig
 from baton.config.scheduler import (
     PYRAMID_POLICIES,
@@ -47,5 +48,5 @@ __all__ = [
     "AuthConfig", "ChainConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
     "GatewayServiceConfig", "HttpConfig", "KVPoolConfig", "KVTransportConfig", "ModelSourceConfig",
     "MtlsConfig", "PlannerConfig", "PrefillServiceConfig", "PyramidConfig", "RoutingConfig",
-    "SchedulerConfig", "ServerConfig", "StreamConfig", "TrainConfig",
+    "SchedulerConfig", "ServerConfig", "StreamConfig", "TensorParallelConfig", "TrainConfig",
 ]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from baton.config.chain import ChainConfig, KVTransportConfig
 from baton.config.gateway import GatewayRoutingConfig
 from baton.config.model import KVPoolConfig, ModelSourceConfig
+from baton.config.parallel import TensorParallelConfig
 from baton.config.scheduler import PyramidConfig, SchedulerConfig
 from baton.config.serving import (
     AuthConfig,
@@ -25,6 +26,7 @@ class DecodeServiceConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

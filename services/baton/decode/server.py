@@ -30,6 +30,7 @@ from baton.decode.worker import DecodeWorker
 from baton.dtypes import dtype_name
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
+from baton.parallel.leader import start_group
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.routing import Heartbeat, RoutingStore, WorkerInfo, open_store
 from baton.routing.prefix_index import PrefixPublisher
@@ -103,8 +104,7 @@ class DecodeServer:
             torch.set_num_threads(model.threads)
 
         def build() -> Engine:
-            self.loaded = load_checkpoint(model.path, dtype=model.dtype, device=model.device,
-                                          revision=model.revision, max_model_len=model.max_model_len)
+            self.loaded = self._load()
             engine = Engine(self.loaded.model, self.loaded.tokenizer,
                             scheduler=self.config.scheduler, kv=self.config.kv,
                             compressor_factory=engine_compressor_factory(self.config.pyramid,
@@ -120,7 +120,8 @@ class DecodeServer:
                                      served_model_names(model, self.loaded.model_id)[0])
         self.worker = DecodeWorker(engine, self.address, self.metrics,
                                    lease_s=self.config.kv.unclaimed_lease_s,
-                                   max_queued_requests=self.config.server.max_queued_requests)
+                                   max_queued_requests=self.config.server.max_queued_requests,
+                                   on_group_down=self.exit_process)
         self.worker.start()
         # what this pod takes from a chain; its dtype is also advertised with the routing record
         self.kv_spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
@@ -135,6 +136,22 @@ class DecodeServer:
                  self.address, self.loaded.model_id, self.loaded.revision, engine.pool.num_blocks,
                  engine.scheduler.config.token_budget,
                  "timed at start" if self.config.scheduler.token_budget == 0 else "set")
+
+    def _load(self):
+        """The model, or with ``tensor_parallel.size`` > 1 rank 0's shard of it, the other
+        ranks started as this pod's processes (``baton.parallel.leader``)."""
+        model, parallel = self.config.model, self.config.tensor_parallel
+        self.followers = None
+        if parallel.size == 1:
+            return load_checkpoint(model.path, dtype=model.dtype, device=model.device,
+                                   revision=model.revision, max_model_len=model.max_model_len)
+        if self.config.pyramid.enabled:
+            raise ValueError(f"tensor_parallel size {parallel.size} with KV compression is not "
+                             "supported yet: set --pyramid-enabled false on this decode pod")
+        loaded, self.followers = start_group(parallel.size, model.path, model.dtype, model.device,
+                                             model.revision, model.max_model_len, parallel.backend,
+                                             parallel.timeout_s, model.threads)
+        return loaded
 
     def describe(self) -> WorkerInfo:
         """This pod's routing record with its live load (called by every heartbeat)."""
@@ -181,6 +198,8 @@ class DecodeServer:
         self.servicer.drain()
         self.grpc.stop(grace_s)
         self.worker.stop()
+        if self.followers is not None:
+            self.followers.close()
         if self._stop_metrics is not None:
             self._stop_metrics()
 

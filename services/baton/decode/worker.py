@@ -31,6 +31,7 @@ from baton.decode.streams import EngineStalled, RequestStream, StreamFailed
 from baton.errors import ResourceExhausted
 from baton.kv.pool import KVPoolExhausted
 from baton.metrics import DecodeMetrics
+from baton.parallel.leader import GroupDown
 from baton.routing.store import WorkerLoad
 from baton.sampling.limits import check_prompt
 from baton.sampling.params import FINISH_ABORT
@@ -47,8 +48,12 @@ BLOCKED_WAIT_S = 0.01
 class DecodeWorker(PushedRequests):
     def __init__(self, engine: Engine, address: str, metrics: DecodeMetrics,
                  lease_s: float = KVPoolConfig.unclaimed_lease_s,
-                 max_queued_requests: int = ServerConfig.max_queued_requests) -> None:
+                 max_queued_requests: int = ServerConfig.max_queued_requests,
+                 on_group_down: Callable[[], None] = lambda: None) -> None:
+        """``on_group_down``: called (on the loop thread, which then ends) when the engine's
+        tensor-parallel group broke: the pod must go."""
         self.engine = engine
+        self.on_group_down = on_group_down
         self.lease_s = lease_s
         self.max_queued_requests = max_queued_requests
         self.address = address
@@ -184,6 +189,10 @@ class DecodeWorker(PushedRequests):
             started_s = self._step_started_s = time.monotonic()
             try:
                 outputs = self.engine.step()
+            except GroupDown as e:  # no step can run any more: the pod goes, its streams move
+                log.error("decode engine lost its tensor-parallel group: %s", e)
+                self.on_group_down()
+                return
             except Exception as e:
                 log.exception("engine step failed")
                 self._fail_all(f"the decode engine failed: {e!r}")

@@ -175,6 +175,9 @@ class LocalCluster:
         if role == "decode":
             args += ["--stream-interval-ms", str(self.spec.stream_interval_ms),
                      "--server-grace-s", str(self.spec.decode_grace_s)]
+            if self.spec.decode_tensor_parallel_size > 1:
+                args += ["--tensor-parallel-size", str(self.spec.decode_tensor_parallel_size),
+                         "--pyramid-enabled", "false"]
         if self.spec.model_path:
             args += ["--model-path", self.spec.model_path]
         if self.spec.model_revision:

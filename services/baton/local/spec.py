@@ -51,6 +51,9 @@ class ClusterSpec:
     autoscale: PlannerConfig | None = None
     decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
     kv_transport: str = KVTransportConfig.kind  # the chain's and the decode pods' --kv-transport-kind
+    # each decode pod's model sharded over this many processes (its threads shared among them);
+    # above 1 its KV compression is off (not supported under tensor parallelism yet)
+    decode_tensor_parallel_size: int = 1
 
     def threads_of(self, role: str) -> int:
         """Torch threads of one process of ``role`` (the gateway runs no torch work)."""
@@ -59,9 +62,12 @@ class ClusterSpec:
         if self.decode_threads:
             return self.decode_threads
         most = self.autoscale.max_decode_pods if self.autoscale else self.decode_workers
-        return max(1, len(os.sched_getaffinity(0)) // most)
+        return max(1, len(os.sched_getaffinity(0)) // (most * self.decode_tensor_parallel_size))
 
     def __post_init__(self) -> None:
+        if self.decode_tensor_parallel_size < 1:
+            raise ValueError(f"decode_tensor_parallel_size must be >= 1, got "
+                             f"{self.decode_tensor_parallel_size}")
         if not 1 <= self.decode_workers <= MAX_DECODE_WORKERS:
             raise ValueError(f"decode_workers must be in 1..{MAX_DECODE_WORKERS}, got "
                              f"{self.decode_workers}")

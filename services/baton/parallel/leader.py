@@ -20,6 +20,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 from baton.kv.pool import KVPool
 from baton.model.loader import LoadedModel
 from baton.parallel.follower import GroupPlace, follow
@@ -55,13 +56,27 @@ class Followers:
         """Around the leader's own forward: the followers run the same one alongside."""
         with self.lock:
             self._send(self.encoder.forward(token_ids, positions, segments, output_rows, decode))
-            yield
+            with self._collectives():
+                yield
 
     @contextlib.contextmanager
     def logits(self, hidden: torch.Tensor):
         with self.lock:
             self._send(("logits", hidden.cpu()))
+            with self._collectives():
+                yield
+
+    @contextlib.contextmanager
+    def _collectives(self):
+        """Around the leader's part of a step: a collective that failed (a follower died or
+        timed out) is the group's end, not the step's."""
+        try:
             yield
+        except Exception as e:
+            if isinstance(e, dist.DistError) or not self.alive():
+                self.down = self._diagnose(e)
+                raise GroupDown(f"the tensor-parallel group is down: {self.down}") from e
+            raise
 
     def share_pool(self, pool: KVPool) -> None:
         """The followers build storage like ``pool``'s (their heads), which follows it."""

@@ -73,9 +73,6 @@ class Engine:
     def _init_pool(self, pool: KVPool | None, kv: KVPoolConfig, model_revision: str,
                    scheduler: SchedulerConfig) -> None:
         followers = self.model.followers  # the other ranks of a tensor-parallel group
-        if followers is not None and self.compressor_factory is not None:
-            raise ValueError("KV compression under tensor parallelism is not supported yet: "
-                             "turn compression off where tensor_parallel_size > 1")
         self.pool = pool or build_pool(self.model.config, kv, self.model.dtype, self.model.device,
                                        self.model.layout.num_kv_heads)
         if followers is not None:
@@ -379,6 +376,10 @@ class Engine:
         if len(prompt_ids) >= self.memory.capacity_tokens():
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV pool holds "
                              f"{self.memory.capacity_tokens()} tokens")
+        if (self.model.followers is not None and self.compressor_factory is not None
+                and self.compressor_factory(prompt_ids, params) is not None):
+            raise ValueError("compression: KV compression is not supported under tensor "
+                             "parallelism yet; send the request with compression off")
 
     def _grammar(self, params: SamplingParams, generated: SequenceOf[int]) -> GrammarState | None:
         """The request's grammar matcher past ``generated`` (compiled here, on the caller's
