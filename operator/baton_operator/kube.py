@@ -23,11 +23,13 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "BatonService": ("/apis/baton.dev/v1alpha1", "batonservices"),
     "BatonPool": ("/apis/baton.dev/v1alpha1", "batonpools"),
 }
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # server-side apply (a JSON body is YAML)
 COMPONENT = "baton-operator"  # who Events say reported them
 
 
@@ -83,6 +85,16 @@ class Kube:
               subresource: str = "") -> dict | None:
         return self._request("PATCH", self._path(kind, namespace, name, subresource),
                              body=patch, content_type=MERGE_PATCH)
+
+    def apply(self, obj: dict, field_manager: str) -> dict:
+        """Server-side apply: ``obj`` is everything ``field_manager`` sets on the object,
+        created when missing. Fields other managers set are left alone; a field this
+        manager set before and ``obj`` no longer has is removed; one another manager
+        changed since is taken back (force)."""
+        meta = obj["metadata"]
+        return self._request("PATCH", self._path(obj["kind"], meta["namespace"], meta["name"]),
+                             body=obj, content_type=APPLY_PATCH,
+                             query={"fieldManager": field_manager, "force": "true"})
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         """True when the object existed."""

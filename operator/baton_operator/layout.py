@@ -1,6 +1,7 @@
 """Where things are in a BatonService's pods: their ports, the directories its Secrets and
-ConfigMaps are mounted at, and the names of its chains. One place, read by the pods'
-configuration (``service_configs``) and the objects that hold them (``workloads``)."""
+ConfigMaps are mounted at, the names of its chains and the labels of its objects. One
+place, read by the pods' configuration (``service_configs``) and the objects that hold
+them (``workloads``, ``disruption_budgets``)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,18 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet contr
 
 def chain_name(name: str, index: int) -> str:
     return f"{name}-prefill-{index}"
+
+
+def labels(name: str, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "baton",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": "baton-operator",
+        "baton.dev/service": name,
+        "baton.dev/role": role,
+    }
+
+
+def selector(name: str, role: str) -> dict[str, str]:
+    return {"baton.dev/service": name, "baton.dev/role": role}

@@ -1,6 +1,6 @@
 """Reconcile one `BatonService` from the cluster's current state.
 
-    read spec -> size the pools -> build desired children -> create / patch / prune
+    read spec -> size the pools -> build desired children -> apply / prune
               -> read children's readiness -> write status (conditions + ready counts)
 
 Every step reads what is there now and writes only what differs, so running it
@@ -18,6 +18,8 @@ the last writer wins, whoever it was.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 from dataclasses import dataclass
 
 from baton_operator import workloads
@@ -25,7 +27,9 @@ from baton_operator.kube import Kube
 from baton_operator.spec import InvalidSpec, ServiceSpec, read_spec
 
 GROUP_VERSION = "baton.dev/v1alpha1"
-CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet")
+CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget")
+FIELD_MANAGER = "baton-operator"  # the children's fields the operator owns (server-side apply)
+APPLIED_DIGEST = "baton.dev/applied-sha256"
 SERVICE_REPLICAS = "baton.dev/service-replicas"
 
 
@@ -52,18 +56,8 @@ def _contains(actual, wanted) -> bool:
                                 and str(wanted) == actual)
 
 
-def merge_patch(live, desired):
-    """An RFC 7386 merge patch that turns ``live`` into exactly ``desired``.
-
-    Keys only ``live`` has become null (removed); lists are replaced whole. The
-    server re-adds its defaults, which is what a PUT of ``desired`` would do too.
-    """
-    if not isinstance(desired, dict) or not isinstance(live, dict):
-        return desired
-    patch = {key: None for key in live if key not in desired}
-    for key, value in desired.items():
-        patch[key] = merge_patch(live.get(key), value)
-    return patch
+def _digest(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def owner_reference(service: dict) -> dict:
@@ -133,7 +127,8 @@ class Reconciler:
         """
         removed = 0
         for role in ("gateway", "prefill", "decode", "redis"):
-            for kind in ("Deployment", "StatefulSet", "Service", "ConfigMap"):
+            for kind in ("Deployment", "StatefulSet", "Service", "ConfigMap",
+                         "PodDisruptionBudget"):
                 for obj in self.kube.list(kind, namespace, _selector(name, role)):
                     removed += self.kube.delete(kind, namespace, obj["metadata"]["name"])
         for role in ("prefill", "decode"):
@@ -143,23 +138,21 @@ class Reconciler:
     # ---- children -------------------------------------------------------------------------
 
     def apply(self, obj: dict) -> str:
-        """Create ``obj`` or patch it when it differs; 'created', 'updated' or 'unchanged'."""
+        """Server-side apply ``obj`` unless the live object holds it already; 'created',
+        'updated' or 'unchanged'. What other controllers and people set on a child (an
+        annotation of `kubectl rollout restart`, a label, a webhook's field) is theirs
+        and stays; what the operator set before and ``obj`` lacks now is removed.
+
+        The digest of what was applied last rides on the object: an ``obj`` that merely
+        dropped a field is contained in the live object, yet must be applied."""
         meta = obj["metadata"]
+        digest = _digest(obj)
+        meta["annotations"] = {**meta.get("annotations", {}), APPLIED_DIGEST: digest}
         live = self.kube.get(obj["kind"], meta["namespace"], meta["name"])
-        if live is None:
-            self.kube.create(obj)
-            return "created"
-        if _contains(live, obj):
-            return "unchanged"
-        patch = {"metadata": {key: meta[key] for key in ("labels", "annotations", "ownerReferences")
-                              if key in meta}}
-        for key in ("spec", "data"):
-            if key in obj:
-                # A Service keeps the clusterIP the server allocated: merge, do not overwrite.
-                patch[key] = obj[key] if obj["kind"] == "Service" else merge_patch(
-                    live.get(key), obj[key])
-        self.kube.patch(obj["kind"], meta["namespace"], meta["name"], patch)
-        return "updated"
+        if live is not None and _contains(live, obj):
+            return "unchanged"  # same digest (an annotation obj holds) and every value set
+        self.kube.apply(obj, FIELD_MANAGER)
+        return "created" if live is None else "updated"
 
     def prune(self, name: str, namespace: str, keep: set[tuple[str, str]]) -> list[str]:
         """Delete children no longer wanted (a chain scaled away, Redis gone external)."""
@@ -241,11 +234,21 @@ class Reconciler:
         return int((pool.get("spec") or {}).get("replicas") or 0)
 
     def _write_pool_status(self, name: str, namespace: str, role: str, counts: RoleCounts) -> None:
+        """The pool's counts (the scale subresource reads replicas and selector), and a Ready
+        condition, both for the pool's generation the operator has acted on."""
         pool = self.kube.get("BatonPool", namespace, f"{name}-{role}")
-        if pool is not None:
-            self._patch_status("BatonPool", pool, {
-                "replicas": counts.desired, "readyReplicas": counts.ready,
-                "selector": _selector(name, role)})
+        if pool is None:
+            return
+        generation = pool["metadata"].get("generation", 1)
+        ready = counts.ready >= counts.desired
+        unit = "chains" if role == "prefill" else "pods"
+        message = f"{counts.ready} of {counts.desired} {unit} ready"
+        self._patch_status("BatonPool", pool, {
+            "observedGeneration": generation,
+            "replicas": counts.desired, "readyReplicas": counts.ready,
+            "selector": _selector(name, role),
+            "conditions": conditions((pool.get("status") or {}).get("conditions"), generation,
+                                     Ready=(ready, "AllReady" if ready else "Waiting", message))})
 
     def _patch_status(self, kind: str, obj: dict, status: dict) -> None:
         if _contains(obj.get("status") or {}, status):

@@ -12,8 +12,9 @@ describe (Kubernetes resources, images, replicas, Secrets, CEL rules):
   ``baton_operator.fields.SPEC_FIELDS``, its type, enum (a setting's choices: a
   registry's names), bounds, default and help;
 * ``helm/baton/values.schema.json``: its ``service.spec`` is that CRD's spec schema in
-  JSON-schema form (closed objects, so a typo fails ``helm install``); the rest of the
-  file is its own template;
+  JSON-schema form (closed objects, so a typo fails ``helm install``), and
+  ``definitions.pod`` is its schema of a role's pods (``operator.pod`` refers to it); the
+  rest of the file is its own template;
 * ``helm/baton/values.yaml``: the file is its own template; every configuration
   setting it lists gets the configuration's default.
 
@@ -149,12 +150,14 @@ def values_schema(current: dict) -> dict:
     spec.pop("required", None)  # the chart fills in mtls
     spec["description"] = ("a BatonService spec (generated from the CRD by `make schema`; "
                            "docs/operations.md)")
-    for name in ("image", "mtls"):
+    for name in ("image", "mtls", "imagePullSecrets"):
         spec["properties"][name] = {
             "description": f"set by the chart from the top-level {name} values; set those instead",
             "not": {}}
     document = copy.deepcopy(current)
     document["properties"]["service"]["properties"]["spec"] = spec
+    # One schema of a role's pods, the operator's (operator.pod) included.
+    document["definitions"]["pod"] = spec["properties"]["prefill"]["properties"]["pod"]
     return document
 
 

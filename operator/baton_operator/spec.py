@@ -31,8 +31,11 @@ from baton.config import (
     StreamConfig,
 )
 
+from baton_operator import disruption_budgets, pod_overlay
+from baton_operator.disruption_budgets import DisruptionBudget
 from baton_operator.fields import spec_values
 from baton_operator.model_source import ModelSource, parse_uri
+from baton_operator.pod_overlay import PodOverlay
 
 REDIS_MODES = ("managed", "external")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -121,8 +124,10 @@ class ServiceSpec:
     gpu: GPUSpec
     mtls: MtlsSpec
     autoscaling: AutoscalingSpec
-    node_selector: dict[str, str]
-    tolerations: list[dict]
+    # Per role (gateway, redis, prefill, decode): scheduling and overlay, disruption budget.
+    pods: dict[str, PodOverlay]
+    disruption_budgets: dict[str, DisruptionBudget]
+    image_pull_secrets: list[str] = field(default_factory=list)  # on every pod
     # The data plane of pushed KV, on the chains' tails and the decode pods alike.
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     # UCX_* variables of the chains' ranks and the decode pods (NIXL's UCX reads them).
@@ -336,6 +341,31 @@ def _read_mtls(spec: dict) -> MtlsSpec:
     return MtlsSpec(secret_names=names)
 
 
+def _read_pods(spec: dict) -> tuple[dict[str, PodOverlay], dict[str, DisruptionBudget]]:
+    """``spec.<role>.pod`` and ``spec.<role>.podDisruptionBudget`` of every role; the
+    service-wide ``spec.nodeSelector`` and ``spec.tolerations`` reach every role's pods."""
+    node_selector, tolerations = spec.get("nodeSelector") or {}, spec.get("tolerations") or []
+    if not isinstance(node_selector, dict) or not isinstance(tolerations, list):
+        raise InvalidSpec("spec.nodeSelector must be an object and spec.tolerations a list")
+    pods, budgets = {}, {}
+    for role in disruption_budgets.ROLES:
+        section, where = _section(spec, role), f"spec.{role}.podDisruptionBudget"
+        try:
+            pods[role] = pod_overlay.read(section.get("pod"), f"spec.{role}.pod",
+                                          node_selector, tolerations)
+            budgets[role] = disruption_budgets.read(section.get("podDisruptionBudget"), where)
+        except (TypeError, ValueError) as e:
+            raise InvalidSpec(str(e)) from e
+    return pods, budgets
+
+
+def _pull_secrets(spec: dict) -> list[str]:
+    try:
+        return pod_overlay.pull_secrets(spec.get("imagePullSecrets"), "spec.imagePullSecrets")
+    except ValueError as e:
+        raise InvalidSpec(str(e)) from e
+
+
 def _check_lengths(model: ModelSource, prefill: PrefillSpec, decode: DecodeSpec) -> None:
     """The gateway accepts what a decode pod serves: a chain must take every prompt that
     fits (0 = the model's own limit, the longest there is)."""
@@ -353,6 +383,7 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
     repository, tag = image.get("repository", ""), image.get("tag", "")
     model, prefill, decode = _read_model(spec), _read_prefill(spec), _read_decode(spec)
     _check_lengths(model, prefill, decode)
+    pods, budgets = _read_pods(spec)
     return ServiceSpec(
         image=f"{repository}:{tag}" if repository and tag else repository or default_image,
         image_pull_policy=image.get("pullPolicy", "IfNotPresent"),
@@ -365,8 +396,9 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         gpu=_read_gpu(spec),
         mtls=_read_mtls(spec),
         autoscaling=_read_autoscaling(spec),
-        node_selector=dict(spec.get("nodeSelector") or {}),
-        tolerations=list(spec.get("tolerations") or []),
+        pods=pods,
+        disruption_budgets=budgets,
+        image_pull_secrets=_pull_secrets(spec),
         kv_transport=_settings(spec, "kvTransport", KVTransportConfig),
         ucx_env=_read_ucx_env(spec),
     )

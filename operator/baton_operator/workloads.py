@@ -7,6 +7,9 @@
                          HTTP API on Service port `http` unless turned off)
     <name>-redis         Deployment + Service, only when Redis is managed
     <name>-partitions    ConfigMap with the KV-Runahead partition table, when one is given
+    <name>-<role>        PodDisruptionBudget per role (``disruption_budgets``)
+
+Each role's pods take its scheduling, overlay and pull secrets (``pod_overlay``).
 
 Prefill and decode pods mirror each other: one pod template builder, a role
 label, and container arguments derived from the same configuration dataclasses
@@ -28,7 +31,8 @@ from typing import Any
 from baton.config import ServerConfig
 from baton.metrics import HEALTH_PATH, LIVE_PATH
 
-from baton_operator import model_source
+from baton_operator import model_source, pod_overlay
+from baton_operator.disruption_budgets import disruption_budgets
 from baton_operator.layout import (
     API_KEYS_DIR,
     DECODE_PORT,
@@ -47,6 +51,8 @@ from baton_operator.layout import (
     TERMINATION_MARGIN_S,
     TLS_DIR,
     chain_name,
+    labels,
+    selector,
 )
 from baton_operator.service_configs import (
     config_arguments,
@@ -54,22 +60,7 @@ from baton_operator.service_configs import (
     gateway_config,
     prefill_config,
 )
-from baton_operator.spec import ServiceSpec
-
-
-def labels(name: str, role: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "baton",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": role,
-        "app.kubernetes.io/managed-by": "baton-operator",
-        "baton.dev/service": name,
-        "baton.dev/role": role,
-    }
-
-
-def selector(name: str, role: str) -> dict[str, str]:
-    return {"baton.dev/service": name, "baton.dev/role": role}
+from baton_operator.spec import InvalidSpec, ServiceSpec
 
 
 def _field_env(name: str, path: str) -> dict:
@@ -191,14 +182,18 @@ def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port:
         }],
         "volumes": volumes,
     }
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = spec.node_selector
-    if spec.tolerations:
-        pod_spec["tolerations"] = spec.tolerations
     metadata: dict[str, Any] = {"labels": {**labels(name, role), **(extra_labels or {})}}
     if annotations:
         metadata["annotations"] = annotations
-    return {"metadata": metadata, "spec": pod_spec}
+    return _overlaid({"metadata": metadata, "spec": pod_spec}, spec, role)
+
+
+def _overlaid(template: dict, spec: ServiceSpec, role: str) -> dict:
+    """The role's scheduling, overlay and pull secrets added (``pod_overlay``)."""
+    try:
+        return pod_overlay.apply(template, spec.pods[role], spec.image_pull_secrets)
+    except ValueError as e:
+        raise InvalidSpec(f"spec.{role}.pod: {e}") from e
 
 
 def _service(name: str, role: str, object_name: str, ports: list[dict], **spec: Any) -> dict:
@@ -270,11 +265,7 @@ def redis(name: str, spec: ServiceSpec) -> list[dict]:
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,
         "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}}
-    if spec.node_selector:
-        template["spec"]["nodeSelector"] = spec.node_selector
-    if spec.tolerations:
-        template["spec"]["tolerations"] = spec.tolerations
-    return [_deployment(name, "redis", 1, template),
+    return [_deployment(name, "redis", 1, _overlaid(template, spec, "redis")),
             _service(name, "redis", f"{name}-redis", [_port("redis", REDIS_PORT)])]
 
 
@@ -296,6 +287,8 @@ def children(name: str, namespace: str, spec: ServiceSpec, num_chains: int,
         objects += prefill_chain(name, namespace, spec, index)
     objects += decode_workers(name, namespace, spec, num_decode)
     objects += gateway(name, namespace, spec)
+    roles = ("gateway", "prefill", "decode", *(("redis",) if spec.redis.mode == "managed" else ()))
+    objects += disruption_budgets(name, spec.disruption_budgets, roles)
     for obj in objects:
         obj["metadata"]["namespace"] = namespace
     return objects

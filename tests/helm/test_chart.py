@@ -30,7 +30,8 @@ def test_every_object_the_operator_makes_validates(chart_values):
     service = next(o for o in objects(chart_values) if o["kind"] == "BatonService")
     spec = read_spec(service["spec"], "unused")
     children = workloads.children(service["metadata"]["name"], NAMESPACE, spec, 2, 3)
-    assert {o["kind"] for o in children} == {"StatefulSet", "Service", "Deployment"}
+    assert {o["kind"] for o in children} == {"StatefulSet", "Service", "Deployment",
+                                             "PodDisruptionBudget"}
     for obj in children:
         validate(obj)
 
@@ -98,17 +99,20 @@ def test_rbac_is_least_privilege():
     assert not [o for o in watched if o["kind"].startswith("Cluster")]
 
 
-def test_gpu_values_schedule_on_gpus():
+def test_gpu_values_schedule_on_gpus_only_the_roles_that_use_them():
     from chart_render import GPU_VALUES, values_file
 
-    service = next(o for o in objects(values_file(GPU_VALUES)) if o["kind"] == "BatonService")
+    rendered = objects(values_file(GPU_VALUES))
+    service = next(o for o in rendered if o["kind"] == "BatonService")
     spec = read_spec(service["spec"], "unused")
-    for obj in workloads.children("baton", NAMESPACE, spec, 1, 1):
-        if obj["kind"] == "StatefulSet" or obj["metadata"]["name"] == "baton-decode":
-            pod = obj["spec"]["template"]["spec"]
-            assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-            assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
-            assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    pods = dict(_pod_specs([*rendered, *workloads.children("baton", NAMESPACE, spec, 1, 1)]))
+    for name in ("baton-prefill-0", "baton-decode"):
+        pod = pods[name]
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    for name in ("baton-gateway", "baton-redis", "prod-baton-operator"):
+        assert "nodeSelector" not in pods[name] and "tolerations" not in pods[name], name
 
 
 def test_ucx_settings_go_from_the_values_to_both_ends_of_a_push():

@@ -17,6 +17,8 @@ from chart_render import NAMESPACE, objects
 
 OUTSIDE = None  # a client that is none of the service's pods (another namespace, a node)
 PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}  # the namespace's own label
+APPS = {"kubernetes.io/metadata.name": "apps"}
 NCCL_PORT = 45123  # NCCL and gloo pick their own ports between ranks
 
 
@@ -42,9 +44,20 @@ def _selects(selector: dict, labels: dict) -> bool:
     return selector.get("matchLabels", {}).items() <= labels.items()
 
 
-def admitted(policies: list[dict], source: dict | None, target: dict, port: int) -> bool:
+def _peer_admits(peer: dict, source: dict, source_namespace: dict | None) -> bool:
+    if set(peer) == {"podSelector"}:  # pods of the policy's own namespace
+        return source_namespace is None and _selects(peer["podSelector"], source)
+    if set(peer) == {"namespaceSelector"}:  # any pod of the namespaces selected
+        return source_namespace is not None and _selects(peer["namespaceSelector"],
+                                                         source_namespace)
+    raise AssertionError(f"peer {peer} is not modelled here")
+
+
+def admitted(policies: list[dict], source: dict | None, target: dict, port: int,
+             source_namespace: dict | None = None) -> bool:
     """Whether a connection from pod labels ``source`` (OUTSIDE: none of the namespace's
-    pods) to ``port`` of the pod labelled ``target`` gets in."""
+    pods) in the namespace labelled ``source_namespace`` (None: the service's own) to
+    ``port`` of the pod labelled ``target`` gets in."""
     selecting = [p for p in policies if _selects(p["spec"]["podSelector"], target)]
     if not selecting:
         return True
@@ -55,8 +68,8 @@ def admitted(policies: list[dict], source: dict | None, target: dict, port: int)
             peers = rule.get("from")
             if not peers:
                 return True
-            if source is not None and any(set(peer) == {"podSelector"} and _selects(
-                    peer["podSelector"], source) for peer in peers):
+            if source is not None and any(_peer_admits(peer, source, source_namespace)
+                                          for peer in peers):
                 return True
     return False
 
@@ -112,16 +125,22 @@ def test_every_flow_the_pods_need_is_admitted_and_no_other():
     # admit them whatever the policy; docs/operations.md says what to do where not.
 
 
+def _service_rules(policy: dict) -> list[dict]:
+    """A policy's rules but the one for the metrics port (test_metrics_are_scraped_...)."""
+    return [rule for rule in policy["spec"]["ingress"]
+            if [p["port"] for p in rule.get("ports", [])] != [workloads.METRICS_PORT]]
+
+
 def test_policy_ports_are_the_operators_ports():
     policies = {p["metadata"]["name"]: p for p in _policies({})}
 
     def sources(role):
-        rules = policies[f"baton-{role}"]["spec"]["ingress"]
+        rules = _service_rules(policies[f"baton-{role}"])
         return [sorted(peer["podSelector"]["matchLabels"]["baton.dev/role"]
                        for peer in rule.get("from", [])) for rule in rules]
 
     def ports(role):
-        return [p["port"] for rule in policies[f"baton-{role}"]["spec"]["ingress"]
+        return [p["port"] for rule in _service_rules(policies[f"baton-{role}"])
                 for p in rule.get("ports", [])]
 
     assert "from" not in policies["baton-gateway"]["spec"]["ingress"][0]  # clients: anyone
@@ -160,7 +179,7 @@ def test_clients_reach_the_http_port_exactly_as_the_grpc_port(gateway, http_port
     clients = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
     for clients_from in (clients, []):
         policy, container = _gateway_policy_and_pod(_gateway_values(gateway, clients_from))
-        (rule,) = policy["spec"]["ingress"]  # one rule: the same peers for every client port
+        (rule,) = _service_rules(policy)  # one rule: the same peers for every client port
         wanted = [workloads.GATEWAY_PORT] + ([http_port] if http_port else [])
         assert [p["port"] for p in rule["ports"]] == wanted
         assert rule.get("from", []) == clients_from  # none: anyone
@@ -178,3 +197,23 @@ def test_the_operator_scrapes_the_pods_only_when_it_autoscales(autoscaling):
         labels, ports = pods[role]
         assert admitted(policies, operator_labels, labels, ports["metrics"]) == autoscaling, role
         assert not admitted(policies, operator_labels, labels, ports["grpc"]) or role == "gateway"
+
+
+@pytest.mark.parametrize("metrics_from, scrapers", [
+    (None, [MONITORING]),  # the default: Prometheus in the namespace `monitoring`
+    ([{"namespaceSelector": {"matchLabels": {"team": "obs"}}}], [{"team": "obs"}]),
+    ([], [MONITORING, APPS, None]),  # empty: anyone, never nobody
+])
+def test_prometheus_scrapes_every_pod_by_default(metrics_from, scrapers):
+    values = {} if metrics_from is None else {"networkPolicy": {"metricsFrom": metrics_from}}
+    policies, pods = _policies(values), _pods(values)
+    refused = [ns for ns in (MONITORING, APPS) if ns not in scrapers]
+    for role in ("gateway", "prefill", "decode"):
+        labels, ports = pods[role]
+        for namespace in scrapers:
+            assert admitted(policies, PROMETHEUS, labels, ports["metrics"], namespace), role
+        for namespace in refused:
+            assert not admitted(policies, PROMETHEUS, labels, ports["metrics"], namespace), role
+        # The metrics port only: Prometheus's namespace reaches no other port.
+        assert not admitted(policies, PROMETHEUS, labels, ports["grpc"], MONITORING) \
+            or role == "gateway"
