@@ -9,6 +9,8 @@ from baton.config import (
     ChainConfig,
     GatewayRoutingConfig,
     KVTransportConfig,
+    LogConfig,
+    OtlpConfig,
     PlannerConfig,
     ServerConfig,
     StreamConfig,
@@ -51,6 +53,8 @@ class ClusterSpec:
     autoscale: PlannerConfig | None = None
     decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
     kv_transport: str = KVTransportConfig.kind  # the chain's and the decode pods' --kv-transport-kind
+    log: LogConfig = field(default_factory=LogConfig)  # every process's logs
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)  # and traces
 
     def threads_of(self, role: str) -> int:
         """Torch threads of one process of ``role`` (the gateway runs no torch work)."""
