@@ -73,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict:
                                                            args.max_tokens))
     finally:
         receiver.stop()
-    return {**record, "rounds": args.rounds, "requests": args.requests,
+    return {"run": record, "rounds": args.rounds, "requests": args.requests,
             "max_tokens": args.max_tokens, "threads": args.threads,
             "seconds": time.monotonic() - started, "latency_s": latencies,
             "spans_received": len(receiver.spans)}
