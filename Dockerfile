@@ -61,7 +61,7 @@ COPY operator/ operator/
 # The shipped model (weights, config, tokenizer) lives beside the sources.
 COPY models/ models/
 # Editable: the shipped model and partition tables are found relative to the source tree.
-RUN pip install -e ".[structured]" \
+RUN pip install -e ".[structured,tracing]" \
     && if [ "${NIXL}" = 1 ]; then pip install --no-deps -r requirements-nixl.txt; fi \
     && useradd --uid ${UID} --user-group --no-create-home --shell /usr/sbin/nologin baton \
     && python -m compileall -q services operator

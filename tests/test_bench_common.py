@@ -94,6 +94,7 @@ def _rendered(report: str) -> str:
     import route_ttft
     import sampling_cost
     import shared_prefix
+    import trace_overhead
 
     renders = {
         "autoscale.md": lambda: autoscale.render(common.load_results("autoscale")),
@@ -107,6 +108,7 @@ def _rendered(report: str) -> str:
         "route-ttft.md": lambda: route_ttft.report(common.load_results("route-ttft")),
         "sampling-cost.md": lambda: sampling_cost.report(common.load_results("sampling-cost")),
         "moe-step.md": lambda: moe_step.report(common.load_results("moe-step")),
+        "trace-overhead.md": lambda: trace_overhead.report(common.load_results("trace-overhead")),
     }
     return renders[report]()
 

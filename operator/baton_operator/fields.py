@@ -21,7 +21,9 @@ from baton.config import (
     HttpConfig,
     KVPoolConfig,
     KVTransportConfig,
+    LogConfig,
     ModelSourceConfig,
+    OtlpConfig,
     PlannerConfig,
     PyramidConfig,
     SchedulerConfig,
@@ -97,6 +99,9 @@ SPEC_FIELDS: list[SpecField] = [
     *section("autoscaling.prefill", PlannerConfig, "min_prefill_chains", "max_prefill_chains",
              keys={"min_prefill_chains": "minChains", "max_prefill_chains": "maxChains"}),
     *section("", KVTransportConfig, "kind", keys={"kind": "kvTransport"}),
+    # Every pod's logs and traces (docs/operations.md, "Traces and logs").
+    *section("logging", LogConfig, "level", "format", "requests"),
+    *section("tracing", OtlpConfig, "traces_endpoint", keys={"traces_endpoint": "otlpTracesEndpoint"}),
 ]
 
 

@@ -106,14 +106,14 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
             master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",
             partition_table=table),
         kv_transport=spec.kv_transport, pyramid=spec.pyramid,
-        routing=_routing(name, namespace, spec), mtls=_mtls(spec))
+        routing=_routing(name, namespace, spec), mtls=_mtls(spec), log=spec.log, otlp=spec.otlp)
 
 
 def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
     return DecodeServiceConfig(
         server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec, "decode"), kv=spec.decode.kv,
         kv_transport=spec.kv_transport, scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
-        routing=_routing(name, namespace, spec), mtls=_mtls(spec))
+        routing=_routing(name, namespace, spec), mtls=_mtls(spec), log=spec.log, otlp=spec.otlp)
 
 
 def _api_keys_file(spec: ServiceSpec) -> str:
@@ -134,4 +134,5 @@ def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServi
         server=server, model=_model_config(spec, "gateway"),
         gateway=spec.gateway.routing, routing=_routing(name, namespace, spec),
         http=dataclasses.replace(spec.gateway.http, host="0.0.0.0"),
-        auth=AuthConfig(api_keys_file=_api_keys_file(spec)), mtls=_mtls(spec))
+        auth=AuthConfig(api_keys_file=_api_keys_file(spec)), mtls=_mtls(spec), log=spec.log,
+        otlp=spec.otlp)

@@ -24,7 +24,9 @@ from baton.config import (
     HttpConfig,
     KVPoolConfig,
     KVTransportConfig,
+    LogConfig,
     ModelSourceConfig,
+    OtlpConfig,
     PlannerConfig,
     PyramidConfig,
     SchedulerConfig,
@@ -132,6 +134,8 @@ class ServiceSpec:
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     # UCX_* variables of the chains' ranks and the decode pods (NIXL's UCX reads them).
     ucx_env: dict[str, str] = field(default_factory=dict)
+    log: LogConfig = field(default_factory=LogConfig)  # every pod's logs
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)  # and traces
 
 
 def _section(spec: dict, name: str) -> dict:
@@ -401,4 +405,6 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         image_pull_secrets=_pull_secrets(spec),
         kv_transport=_settings(spec, "kvTransport", KVTransportConfig),
         ucx_env=_read_ucx_env(spec),
+        log=_settings(spec, "logging", LogConfig),
+        otlp=_settings(spec, "tracing", OtlpConfig),
     )

@@ -261,6 +261,19 @@ def test_the_kv_transport_reaches_the_chains_and_the_decode_pods(cluster, reconc
     assert "--kv-transport-kind" not in _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
 
 
+def test_logs_and_traces_reach_every_pod(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "logging": {"level": "DEBUG", "format": "json",
+                                                              "requests": True},
+                                          "tracing": {"otlpTracesEndpoint": "http://otel:4317"}})
+    _reconcile(cluster, reconciler)
+    for kind, name in (("StatefulSet", "demo-prefill-0"), ("Deployment", "demo-decode"),
+                       ("Deployment", "demo-gateway")):
+        args = _args(cluster.kube.get(kind, NS, name))
+        assert _flag(args, "--log-level") == "DEBUG" and _flag(args, "--log-format") == "json"
+        assert _flag(args, "--log-requests") == "true"
+        assert _flag(args, "--otlp-traces-endpoint") == "http://otel:4317"
+
+
 def _container(obj: dict) -> dict:
     return obj["spec"]["template"]["spec"]["containers"][0]
 

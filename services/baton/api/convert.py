@@ -278,7 +278,8 @@ def prefill_request_to_proto(request: PrefillRequest) -> prefill_pb2.PrefillRequ
         prompt_token_ids=request.prompt_token_ids, sampling=sampling_to_proto(request.sampling),
         compression=compression_to_proto(request.compression),
         decode_address=request.decode_address, decode_incarnation=request.decode_incarnation,
-        cache_salt=request.cache_salt, decode_kv_transport=request.decode_kv_transport)
+        cache_salt=request.cache_salt, decode_kv_transport=request.decode_kv_transport,
+        traceparent=request.traceparent)
 
 
 def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRequest:
@@ -288,7 +289,8 @@ def prefill_request_from_proto(message: prefill_pb2.PrefillRequest) -> PrefillRe
         sampling=sampling_from_proto(message.sampling),
         compression=compression_from_proto(message.compression),
         decode_address=message.decode_address, decode_incarnation=message.decode_incarnation,
-        cache_salt=message.cache_salt, decode_kv_transport=message.decode_kv_transport or "grpc")
+        cache_salt=message.cache_salt, decode_kv_transport=message.decode_kv_transport or "grpc",
+        traceparent=message.traceparent)
 
 
 def prefill_started_to_proto(event: PrefillStarted) -> prefill_pb2.PrefillResponse:
@@ -312,7 +314,7 @@ def decode_request_to_proto(request: DecodeRequest) -> decode_pb2.DecodeGenerate
         sampling=sampling_to_proto(request.sampling),
         compression=compression_to_proto(request.compression),
         generated_before=request.generated_before, incarnation=request.incarnation,
-        cache_salt=request.cache_salt)
+        cache_salt=request.cache_salt, traceparent=request.traceparent)
 
 
 def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> DecodeRequest:
@@ -321,7 +323,8 @@ def decode_request_from_proto(message: decode_pb2.DecodeGenerateRequest) -> Deco
                          sampling=sampling_from_proto(message.sampling),
                          compression=compression_from_proto(message.compression),
                          generated_before=message.generated_before,
-                         incarnation=message.incarnation, cache_salt=message.cache_salt)
+                         incarnation=message.incarnation, cache_salt=message.cache_salt,
+                         traceparent=message.traceparent)
 
 
 # --- errors --------------------------------------------------------------------------------------

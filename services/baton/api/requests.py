@@ -90,6 +90,7 @@ class PrefillRequest:
     cache_salt: str = ""  # the caller's tenant, for the decode pod's prefix cache
     # How that pod takes pushed KV (its routing record's kv_transport): "grpc" or "nixl".
     decode_kv_transport: str = "grpc"
+    traceparent: str = ""  # W3C: the gateway's span of the request ("" = not traced)
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a prefill request needs a request_id")
@@ -111,6 +112,7 @@ class DecodeRequest:
     generated_before: int = 0  # a moved stream: the prompt ends with this many generated tokens
     incarnation: str = ""  # of the decode pod the caller meant ("" = any)
     cache_salt: str = ""  # the caller's tenant: prefix-cache hits only within it
+    traceparent: str = ""  # W3C: the caller's span of the request ("" = not traced)
 
     def __post_init__(self) -> None:
         require(bool(self.request_id), "a decode request needs a request_id")

@@ -34,6 +34,8 @@ from baton.config import (
     GatewayRoutingConfig,
     HttpConfig,
     KVTransportConfig,
+    LogConfig,
+    OtlpConfig,
     PlannerConfig,
     ServerConfig,
     StreamConfig,
@@ -112,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --autoscale: record every planner step (the series it read, "
                              "the sizes, its decision) to this JSON-lines file, gzipped if it "
                              "ends in .gz, for replaying in tests (baton.planner.trace)")
+    configtree.add_arguments(parser.add_argument_group("logs of every process"), LogConfig, "log")
+    configtree.add_arguments(parser.add_argument_group("traces of every process"), OtlpConfig, "otlp")
     configtree.add_arguments(parser.add_argument_group(
         "autoscaling (with --autoscale; baton up keeps its one chain, the planner's prefill "
         "target is only shown)"), PlannerConfig)
@@ -137,7 +141,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                                            if value is not None),
                        stream_interval_ms=args.stream_interval_ms, autoscale=planner,
                        decode_grace_s=args.decode_grace_s, kv_transport=args.kv_transport,
-                       decode_tensor_parallel_size=args.tensor_parallel_size)
+                       decode_tensor_parallel_size=args.tensor_parallel_size,
+                       log=configtree.from_arguments(args, LogConfig, "log"),
+                       otlp=configtree.from_arguments(args, OtlpConfig, "otlp"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ swappable parts are declared here too (``baton.registry``), so a setting's choic
 known without loading any engine.
 
 One module per role: model and KV pool, scheduler and PyramidInfer, chain and KV
-transport, serving (server, streams, routing store, mTLS, HTTP, keys), gateway routing,
+transport, serving (server, streams, routing store, mTLS, HTTP, keys), logs and traces, gateway routing,
 planner, training; ``services`` assembles each service's tree.
 """
 
@@ -23,6 +23,7 @@ from baton.config.chain import (
 )
 from baton.config.gateway import CHAIN_FAILURE_POLICIES, GATEWAY_POLICIES, GatewayRoutingConfig
 from baton.config.model import DEVICES, DTYPES, KVPoolConfig, ModelSourceConfig
+from baton.config.observability import LOG_FORMATS, LOG_LEVELS, LogConfig, OtlpConfig
 from baton.config.parallel import TensorParallelConfig
 from baton.config.planner import PlannerConfig
 from baton.config.scheduler import (
@@ -44,9 +45,9 @@ from baton.config.train import TrainConfig
 
 __all__ = [
     "CHAIN_BACKENDS", "CHAIN_FAILURE_POLICIES", "DEVICES", "DTYPES", "GATEWAY_POLICIES",
-    "KV_SHIPPING", "KV_TRANSPORTS", "PYRAMID_POLICIES", "RUNAHEAD_MODES", "SCHEDULER_POLICIES",
+    "KV_SHIPPING", "KV_TRANSPORTS", "LOG_FORMATS", "LOG_LEVELS", "PYRAMID_POLICIES", "RUNAHEAD_MODES", "SCHEDULER_POLICIES",
     "AuthConfig", "ChainConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
-    "GatewayServiceConfig", "HttpConfig", "KVPoolConfig", "KVTransportConfig", "ModelSourceConfig",
-    "MtlsConfig", "PlannerConfig", "PrefillServiceConfig", "PyramidConfig", "RoutingConfig",
+    "GatewayServiceConfig", "HttpConfig", "KVPoolConfig", "KVTransportConfig", "LogConfig", "ModelSourceConfig",
+    "MtlsConfig", "OtlpConfig", "PlannerConfig", "PrefillServiceConfig", "PyramidConfig", "RoutingConfig",
     "SchedulerConfig", "ServerConfig", "StreamConfig", "TensorParallelConfig", "TrainConfig",
 ]

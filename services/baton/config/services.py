@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from baton.config.chain import ChainConfig, KVTransportConfig
 from baton.config.gateway import GatewayRoutingConfig
 from baton.config.model import KVPoolConfig, ModelSourceConfig
+from baton.config.observability import LogConfig, OtlpConfig
 from baton.config.parallel import TensorParallelConfig
 from baton.config.scheduler import PyramidConfig, SchedulerConfig
 from baton.config.serving import (
@@ -33,6 +34,8 @@ class DecodeServiceConfig:
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     mtls: MtlsConfig = field(default_factory=MtlsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)
 
 
 @dataclass
@@ -46,6 +49,8 @@ class PrefillServiceConfig:
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     mtls: MtlsConfig = field(default_factory=MtlsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)
 
 
 @dataclass
@@ -59,3 +64,5 @@ class GatewayServiceConfig:
     http: HttpConfig = field(default_factory=HttpConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     mtls: MtlsConfig = field(default_factory=MtlsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)

@@ -27,14 +27,16 @@ from baton.transfer.receiver import PushedCache
 
 
 class PushedRequests:
-    def announce_push(self, handoff: KVHandoff) -> RequestStream:
+    def announce_push(self, handoff: KVHandoff, traceparent: str = "") -> RequestStream:
         """A checked push header: the request's stream opens, with the chain's first token
-        unless that follows (``publish_pushed_first``); the KV follows."""
+        unless that follows (``publish_pushed_first``); the KV follows. ``traceparent``: the
+        push's span on this pod (its request's spans go under it)."""
         full = len(handoff.prompt_token_ids) * len(handoff.kv.layer_num_tokens)
         kept = sum(handoff.kv.layer_num_tokens)
         stream = RequestStream(handoff.request_id, len(handoff.prompt_token_ids),
                                Route(self.address),
-                               PushedKVInfo(handoff.kv.total_bytes, kept, full), in_engine=False)
+                               PushedKVInfo(handoff.kv.total_bytes, kept, full), in_engine=False,
+                               traceparent=traceparent)
         with self._lock:
             if handoff.request_id in self._aborted_early:
                 raise RequestAborted(f"request {handoff.request_id!r} was aborted before its KV "

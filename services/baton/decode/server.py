@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry
 
+from baton import tracing
 from baton.api.v1 import decode_pb2
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
@@ -28,6 +29,7 @@ from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
 from baton.dtypes import dtype_name
+from baton.logs import configure_logging
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
 from baton.parallel.leader import start_group
@@ -243,8 +245,12 @@ def create_server(config: DecodeServiceConfig, store: RoutingStore | None = None
 
 def serve(config: DecodeServiceConfig) -> int:
     """Run until SIGTERM/SIGINT, then stop gracefully."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(config.log)
     Mtls(config.mtls).check_service("decode")
-    server, _ = create_server(config)
-    run_until_signalled(server.stop)
+    tracing.configure(config.otlp, "baton-decode")
+    try:
+        server, _ = create_server(config)
+        run_until_signalled(server.stop)
+    finally:
+        tracing.shutdown()
     return 0

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
+from baton import tracing
 from baton.api import convert
 from baton.api.requests import GenerationStep
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -168,11 +169,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.pushes_in_progress += 1
         worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
         handoff = stream = landing = None
+        span = tracing.start("baton.kv.receive", tracing.from_metadata(context.invocation_metadata()),
+                             server=True)
         try:
             handoff = await receive_header(request_iterator)
             check_push(handoff, self.spec, worker.model_config, worker.engine.pool, self.incarnation)
             # The first token streams from here on, or from its own message if it follows.
-            stream = worker.announce_push(handoff)
+            stream = worker.announce_push(handoff, tracing.traceparent(span))
             landing = PoolLanding(handoff.request_id, lambda: worker.land(handoff),
                                   worker.give_back)
 
@@ -190,6 +193,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if cache.landed:
                 landing = None  # the engine stores the cache in its landing's blocks
         except BaseException as e:
+            tracing.end(span, error=e)
             if handoff is not None and handoff.request_id:  # and its request's stream's
                 worker.push_failed(handoff.request_id, e, stream)
             if not isinstance(e, Exception):
@@ -201,6 +205,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 landing.release()
             self.pushes_in_progress -= 1
             worker.metrics.kv_pushes_in_progress.set(self.pushes_in_progress)
+        tracing.end(span, attributes={"baton.request_id": cache.request_id,
+                                      "baton.kv.bytes": cache.num_bytes})
         return decode_pb2.PushKVResponse(request_id=cache.request_id,
                                          bytes_received=cache.num_bytes)
 

@@ -24,6 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from baton import tracing
 from baton.api.requests import FinishReason, GenerationStep, Route, Timings, Usage
 from baton.errors import ServiceError
 from baton.sampling.logprobs import TokenLogprobs
@@ -89,6 +90,8 @@ class RequestStream:
     _holding: asyncio.Event | None = None  # set while a reader holds for more steps
     _taken_any: bool = False  # a reader has taken steps
     _taken: asyncio.Event | None = None  # set when it does, while a push waits for that
+    traceparent: str = ""  # W3C: the caller's span (the push's, when pushed); "" = untraced
+    first_step_s: float | None = None  # when the engine's first output for it came
 
     # --- the loop thread -----------------------------------------------------------------
 
@@ -106,6 +109,8 @@ class RequestStream:
         token_ids = list(output.new_token_ids)
         logprobs = output.logprobs
         text = output.text_delta
+        if self.first_step_s is None and (token_ids or output.finished):
+            self.first_step_s = now_s
         if self._repeat and token_ids:  # the engine repeats the header's first token
             token_ids, logprobs, self._repeat = token_ids[1:], logprobs[1:], False
         if self._echo:  # and its text (the same decoder's, so the text starts with it)
@@ -128,6 +133,20 @@ class RequestStream:
         if step.token_ids or step.text or step.prompt_logprobs or output.finished:
             self._steps.append(step)
         return gaps
+
+    def record_trace(self, now_s: float) -> None:
+        """The pod's spans of a traced request that ended: its whole stay, and its first step
+        (a local prompt's queue, prefill and first token; a pushed one's first step once its
+        KV was in)."""
+        span = tracing.start("baton.decode.request", self.traceparent, self.arrival_s, server=True,
+                             attributes={"baton.request_id": self.request_id,
+                                         "baton.decode": self.route.decode_address,
+                                         "baton.pushed": self.pushed is not None})
+        if self.first_step_s is not None:
+            began_s = self.arrival_s + (self.pushed.push_s if self.pushed is not None else 0.0)
+            tracing.record("baton.decode.first_step", span, began_s, self.first_step_s)
+        tracing.end(span, now_s, {"baton.prompt_tokens": self.num_prompt_tokens,
+                                  "baton.completion_tokens": self.num_tokens})
 
     def fail(self, message: str, error: type[StreamFailed] = StreamFailed) -> None:
         self.finished = True

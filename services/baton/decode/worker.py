@@ -98,7 +98,7 @@ class DecodeWorker(PushedRequests):
         capacity = self.engine.memory.capacity_tokens()
         num_prompt_tokens = len(request.prompt_token_ids)
         stream = RequestStream(request.request_id, num_prompt_tokens, Route(self.address),
-                               attached=True, queued=True)
+                               attached=True, queued=True, traceparent=request.traceparent)
         with self._lock:
             if self._queued_requests >= self.max_queued_requests:
                 raise ResourceExhausted(f"{self._queued_requests} requests wait for a prefill on "
@@ -225,6 +225,8 @@ class DecodeWorker(PushedRequests):
             if (first or output.finished) and stream.pushed is None:
                 self._settle_queued(stream)
             if output.finished:
+                if stream.traceparent:
+                    stream.record_trace(now_s)
                 with self._lock:
                     self._streams.pop(output.request_id, None)
                     if stream.pushed is not None and not stream.attached:

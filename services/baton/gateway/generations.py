@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from baton import tracing
 from baton.api import convert
 from baton.api.requests import (
     FinishReason,
@@ -43,6 +44,7 @@ from baton.gateway.routing_policy import (
     WorkersFull,
 )
 from baton.gateway.served_model import ServedModel
+from baton.logs import log_request, request_log_enabled
 from baton.metrics import GatewayMetrics
 from baton.routing import RequestRecord, RoutingView, WorkerInfo
 
@@ -57,10 +59,12 @@ class StreamClock:
         self.first_token_at: float | None = None
         self.last_token_at = self.arrival
         self.num_gaps = 0
+        self.num_tokens = 0  # generated tokens streamed
 
     def stamp(self, step: GenerationStep) -> GenerationStep:
         now = time.monotonic()
         if step.token_ids:
+            self.num_tokens += len(step.token_ids)
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.metrics.ttft_s.labels(path=self.path).observe(now - self.arrival)
@@ -104,17 +108,26 @@ class Generations:
         self._view_read = asyncio.Event()  # set (and replaced) at each read of the store
 
     async def generate(self, request: GenerateRequest, arrival: float, owner: str = "",
-                       made_id: bool = False) -> AsyncIterator[GenerationStep]:
+                       made_id: bool = False, traceparent: str = "") -> AsyncIterator[GenerationStep]:
         """The request's steps; the first names the request id (``arrival`` is when it reached
         the gateway, ``time.monotonic()``: TTFT counts from there; ``owner``, the caller's API
         key name, is the only identity that may abort it; ``made_id``: the door made the
-        request's id, so it is live nowhere else)."""
+        request's id, so it is live nowhere else; ``traceparent``: the caller's W3C trace
+        context, "" = a new trace when tracing is on)."""
         loop = asyncio.get_running_loop()
+        span = tracing.start("baton.gateway.request", traceparent, arrival, server=True)
         try:
-            live, prompt_ids, decision = await self._admit_when_a_pod_is_live(request, owner, made_id)
+            live, prompt_ids, decision = await self._admit_when_a_pod_is_live(request, owner, made_id,
+                                                                              span)
         except Exception as e:
             self.count_refused(e)
+            tracing.end(span, error=e)
             raise
+        if span is not None:
+            live.traceparent = tracing.traceparent(span)
+            tracing.record("baton.gateway.admit", span, arrival, time.monotonic(),
+                           {"baton.request_id": live.request_id,
+                            "baton.prompt_tokens": len(prompt_ids)})
         # Its record is written while it runs; the client learns the id from the first step,
         # so the store must hold it by then (an Abort may go to another gateway replica).
         recorded = (None if live.recorded.is_set() else
@@ -174,6 +187,8 @@ class Generations:
             self._in_background(loop.run_in_executor(None, self.table.finish, live.request_id))
             self.metrics.requests_in_flight.dec()
             self.metrics.requests_finished.labels(path=path, outcome=outcome).inc()
+            if span is not None or request_log_enabled():
+                _log_and_trace(span, live, clock, outcome)
 
     def count_refused(self, error: Exception) -> None:
         """A request refused before it was routed (a door's own checks call this too)."""
@@ -198,13 +213,15 @@ class Generations:
     # --- admission and rerouting -------------------------------------------------------------
 
     async def _admit_when_a_pod_is_live(self, request: GenerateRequest, owner: str,
-                                        made_id: bool = False):
+                                        made_id: bool = False, span=None):
         """Admit the request; while no decode pod is live (one restarting after a crash), wait
-        up to ``reroute_wait_s`` for one, as a request that lost its pod does."""
+        up to ``reroute_wait_s`` for one, as a request that lost its pod does. ``span``: the
+        request's trace span, the parent of the routing decision's."""
         loop = asyncio.get_running_loop()
         try:
             return await self._until_a_pod_is_live(
-                lambda: loop.run_in_executor(None, self._admit, request, owner, made_id), (NoLiveWorkers,),
+                lambda: loop.run_in_executor(None, self._admit, request, owner, made_id, span),
+                (NoLiveWorkers,),
                 give_up_when_draining=True)
         except NoLiveWorkers as e:
             raise NoLiveWorkers(f"{e} (waited {self.relay.config.reroute_wait_s:g} s for one)") from None
@@ -233,13 +250,14 @@ class Generations:
             except TimeoutError:
                 pass
 
-    def _admit(self, request: GenerateRequest, owner: str, made_id: bool = False
+    def _admit(self, request: GenerateRequest, owner: str, made_id: bool = False, span=None
                ) -> tuple[LiveRequest, tuple[int, ...], RouteDecision]:
         if self.draining:
             raise NoLiveWorkers("the gateway is shutting down")
         prompt_ids = self.model.prompt_ids(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         pinned = _prefill_route(request)
+        routing_began = time.monotonic()
         try:
             snapshot = self._snapshot()
             salt = tenant_salt(owner, request.cache_salt)
@@ -257,6 +275,9 @@ class Generations:
                                          self.table.in_flight(), pinned,
                                          RoutedPrompt(tuple(prompt_ids), salt,
                                                       request.compression.enabled is False))
+        if span is not None:
+            tracing.record("baton.gateway.route", span, routing_began, time.monotonic(),
+                           _route_attributes(decision, pinned))
         record = RequestRecord(request_id=request_id, decode_address=decision.decode.address,
                                chain_id=decision.chain.chain_id if decision.chain else "",
                                prefill_address=decision.chain.address if decision.chain else "",
@@ -326,6 +347,31 @@ class Generations:
         found = await self.relay.abort_pods(live.record)
         live.cancel_calls()
         return found
+
+
+def _route_attributes(decision: RouteDecision, pinned: str) -> dict[str, object]:
+    return {"baton.route.path": "local" if decision.chain is None else "chain",
+            "baton.route.reason": decision.reason, "baton.route.pinned": pinned,
+            "baton.route.decode": decision.decode.address,
+            "baton.route.chain": decision.chain.chain_id if decision.chain else "",
+            "baton.route.cached_tokens": decision.cached_tokens}
+
+
+def _log_and_trace(span, live: LiveRequest, clock: StreamClock, outcome: str) -> None:
+    """The request's line in the request log (when on) and the end of its span (when traced):
+    the same fields in both."""
+    now = time.monotonic()
+    record = live.record
+    fields = {"id": live.request_id, "route": "chain" if record.chain_id else "local",
+              "chain": record.chain_id, "decode": record.decode_address, "outcome": outcome,
+              "prompt_tokens": live.num_prompt_tokens, "completion_tokens": clock.num_tokens,
+              "ttft_s": (clock.first_token_at - clock.arrival) if clock.first_token_at else None,
+              "total_s": now - clock.arrival}
+    if request_log_enabled():
+        log_request(fields)
+    if span is not None:
+        tracing.end(span, now, {f"baton.{key}": value for key, value in fields.items()
+                                if value is not None})
 
 
 def _prefill_route(request: GenerateRequest) -> str:

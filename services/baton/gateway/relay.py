@@ -38,10 +38,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from baton import tracing
 from baton.api import convert
 from baton.api.requests import (
     DecodeRequest,
@@ -202,8 +204,15 @@ class Relay:
         log.warning("request %s: decode pod %s failed after %d tokens (%s); moving it (%d of %d)",
                     live.request_id, failed.address, len(sent), _describe(error), moves + 1,
                     self.config.migration_limit)
-        return await self._next_pod(live, prompt_ids, sent, reroute, _failed_pod(failed, error.code()),
-                                    error)
+        began = time.monotonic()
+        decode = await self._next_pod(live, prompt_ids, sent, reroute,
+                                      _failed_pod(failed, error.code()), error)
+        if live.traceparent:
+            tracing.record("baton.gateway.migrate", live.traceparent, began, time.monotonic(),
+                           {"baton.migration.from": failed.address, "baton.migration.to": decode.address,
+                            "baton.migration.code": error.code().name,
+                            "baton.migration.tokens_sent": len(sent), "baton.migration.number": moves + 1})
+        return decode
 
     async def _next_pod(self, live: LiveRequest, prompt_ids: tuple[int, ...], sent: list[int],
                         reroute: Reroute, exclude: frozenset[str], error: Exception) -> WorkerInfo:
@@ -233,7 +242,8 @@ class Relay:
                                        prompt_token_ids=prompt_ids + tuple(sent),
                                        sampling=sampling, compression=request.compression,
                                        generated_before=len(sent), incarnation=decode.incarnation,
-                                       cache_salt=tenant_salt(live.record.owner, request.cache_salt))
+                                       cache_salt=tenant_salt(live.record.owner, request.cache_salt),
+                                       traceparent=live.traceparent)
         call = self.channels.session(decode.address).generate(
             convert.decode_request_to_proto(decode_request))
         live.watch(call)
@@ -262,7 +272,8 @@ class Relay:
             cache_salt=tenant_salt(live.record.owner, request.cache_salt),
             # (a transport this release does not know, a newer pod's, is not used)
             decode_kv_transport=(decision.decode.kv_transport
-                                 if decision.decode.kv_transport in KV_TRANSPORTS else "grpc"))
+                                 if decision.decode.kv_transport in KV_TRANSPORTS else "grpc"),
+            traceparent=live.traceparent)
         prefill = self.channels.prefill(decision.chain.address).Prefill(
             convert.prefill_request_to_proto(prefill_request))
         live.watch(prefill)

@@ -53,6 +53,7 @@ class LiveRequest:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Set once the store holds the record (or cannot): a rewrite or a removal waits for it.
     recorded: threading.Event = field(default_factory=threading.Event)
+    traceparent: str = ""  # W3C: the gateway's span of it, the parent of the pods' ("" = untraced)
 
     @property
     def request_id(self) -> str:

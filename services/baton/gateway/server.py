@@ -17,6 +17,7 @@ import socket
 
 from prometheus_client import CollectorRegistry
 
+from baton import tracing
 from baton.api.v1 import api_pb2, api_pb2_grpc
 from baton.config import GatewayServiceConfig
 from baton.gateway.channels import Channels
@@ -28,6 +29,7 @@ from baton.gateway.request_table import RequestTable
 from baton.gateway.routing_policy import create_policy
 from baton.gateway.served_model import ServedModel
 from baton.gateway.servicer import BatonServicer
+from baton.logs import configure_logging
 from baton.metrics import GatewayMetrics, serve_metrics
 from baton.routing import Heartbeat, RoutingStore, RoutingView, WorkerInfo, open_store
 from baton.routing.prefix_index import PrefixIndex
@@ -163,10 +165,14 @@ def create_server(config: GatewayServiceConfig, store: RoutingStore | None = Non
 
 
 def serve(config: GatewayServiceConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(config.log)
     Mtls(config.mtls).check_service("gateway")
+    tracing.configure(config.otlp, "baton-gateway")
     server, _ = create_server(config)
     log.info("gateway for model %s on %s (gRPC)%s", server.model.info.id, server.address,
              f" and http://{config.http.host}:{server.http_port}/v1" if server.http else "")
-    run_until_signalled(server.stop)
+    try:
+        run_until_signalled(server.stop)
+    finally:
+        tracing.shutdown()
     return 0

@@ -24,6 +24,7 @@ from contextlib import aclosing
 
 import grpc
 
+from baton import tracing
 from baton.api import convert
 from baton.api.v1 import api_pb2, api_pb2_grpc, common_pb2
 from baton.errors import PermissionDenied, Unauthenticated
@@ -61,7 +62,9 @@ class BatonServicer(api_pb2_grpc.BatonServicer):
             await context.abort(convert.status_for(e), str(e))
         first = True
         try:
-            async with aclosing(self.generations.generate(request, arrival, owner)) as steps:
+            traceparent = tracing.from_metadata(context.invocation_metadata())
+            async with aclosing(self.generations.generate(request, arrival, owner,
+                                                          traceparent=traceparent)) as steps:
                 async for step in steps:
                     if not await self._write(context, convert.step_to_proto(step, first)):
                         return  # closing the steps aborts the request on its pods

@@ -189,6 +189,11 @@ class LocalCluster:
         mtls = self.mtls_for(role)
         args += (["--mtls-ca", mtls.ca, "--mtls-cert", mtls.cert, "--mtls-key", mtls.key]
                  if mtls.cert else ["--mtls-insecure", "true"])
+        log, otlp = self.spec.log, self.spec.otlp
+        args += ["--log-level", log.level, "--log-format", log.format,
+                 "--log-requests", str(log.requests).lower()]
+        if otlp.traces_endpoint:
+            args += ["--otlp-traces-endpoint", otlp.traces_endpoint]
         return args
 
     def wait_until_registered(self, timeout_s: float) -> None:

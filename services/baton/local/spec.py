@@ -9,6 +9,8 @@ from baton.config import (
     ChainConfig,
     GatewayRoutingConfig,
     KVTransportConfig,
+    LogConfig,
+    OtlpConfig,
     PlannerConfig,
     ServerConfig,
     StreamConfig,
@@ -54,6 +56,8 @@ class ClusterSpec:
     # each decode pod's model sharded over this many processes (its threads shared among them);
     # above 1 its KV compression is off (not supported under tensor parallelism yet)
     decode_tensor_parallel_size: int = 1
+    log: LogConfig = field(default_factory=LogConfig)  # every process's logs
+    otlp: OtlpConfig = field(default_factory=OtlpConfig)  # and traces
 
     def threads_of(self, role: str) -> int:
         """Torch threads of one process of ``role`` (the gateway runs no torch work)."""

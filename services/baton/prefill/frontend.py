@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton import tracing
 from baton.api import convert
 from baton.api.requests import PrefillRequest, PrefillStarted
 from baton.api.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -159,6 +160,10 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
             try:
                 queue_s = await pending.started
                 self.metrics.queue_s.observe(queue_s)
+                if prefill_request.traceparent:
+                    tracing.record("baton.prefill.queue", prefill_request.traceparent,
+                                   pending.arrival_s, pending.arrival_s + queue_s,
+                                   {"baton.request_id": prefill_request.request_id})
                 yield convert.prefill_started_to_proto(PrefillStarted(
                     prefill_request.request_id, tuple(pending.chain_request.boundaries), queue_s))
                 await asyncio.wait_for(asyncio.shield(pending.over), self.held_s)

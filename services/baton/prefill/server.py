@@ -20,12 +20,14 @@ import threading
 import torch
 from prometheus_client import CollectorRegistry
 
+from baton import tracing
 from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
 from baton.config.model import served_model_names
 from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
+from baton.logs import configure_logging
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.hub import resolve_model
 from baton.prefill.frontend import PrefillFrontend
@@ -145,12 +147,25 @@ class PrefillServer:
                              source=self.frontend if self.is_head else None,
                              make_observer=self.sink.make_observer if self.is_tail else None,
                              cpu_threads=self.config.model.threads or 1,
-                             on_layer=self.sink.on_layer if self.is_tail and self.by_layer else None)
+                             on_layer=self.sink.on_layer if self.is_tail and self.by_layer else None,
+                             on_computed=self._trace_slice if tracing.enabled() else None)
 
         # Rank 0 serves its chain on a thread of its own (the main thread waits for signals):
         # it loads on a short-lived one, so only the serving thread keeps an OpenMP pool
         # (see baton.compute_thread). The other ranks load and serve on the main thread.
         self.rank = build_on_short_lived_thread(build, "prefill-load") if self.is_head else build()
+
+    def _trace_slice(self, details: bytes, began_s: float, ended_s: float,
+                     prompt_slice: tuple[int, int]) -> None:
+        """This rank's span of a traced request: from its header's broadcast to its part done
+        (the KV of the ranks before it received, its slice computed, its KV sent on)."""
+        request = prefill_pb2.PrefillRequest.FromString(details)
+        if request.traceparent:
+            chain = self.config.chain
+            tracing.record("baton.prefill.rank", request.traceparent, began_s, ended_s,
+                           {"baton.request_id": request.request_id, "baton.chain": chain.chain_id,
+                            "baton.rank": chain.rank, "baton.slice.start": prompt_slice[0],
+                            "baton.slice.end": prompt_slice[1]})
 
     def _on_ready(self) -> None:
         # Advertised to the gateways (0: not measured here; the threshold alone decides).
@@ -230,8 +245,17 @@ class DecodePods:
 
 
 def serve(config: PrefillServiceConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(config.log)
     Mtls(config.mtls).check_service("prefill")
+    tracing.configure(config.otlp, "baton-prefill", **{"baton.chain": config.chain.chain_id,
+                                                       "baton.rank": config.chain.rank})
+    try:
+        return _serve(config)
+    finally:
+        tracing.shutdown()
+
+
+def _serve(config: PrefillServiceConfig) -> int:
     server = PrefillServer(config)
     if not server.is_head:
         try:

@@ -97,12 +97,16 @@ class ChainRank:
                  source: RequestSource | None = None,
                  make_observer: Callable[[int], CompressingObserver] | None = None,
                  cpu_threads: int = 1, gather_counters: bool = False,
-                 on_layer: Callable[[int, LayerKV], None] | None = None) -> None:
+                 on_layer: Callable[[int, LayerKV], None] | None = None,
+                 on_computed: Callable[[bytes, float, float, tuple[int, int]], None] | None = None
+                 ) -> None:
         """``gather_counters``: collect every rank's byte and work counters at the tail with
         each result (one collective per request: for benchmarks and tests, not serving).
         ``on_layer(l, kv)``: the tail's whole cache of each layer but the last, as soon as
         the layer is done (its keys are in, and its attention has been observed), while the
-        next one computes; the last comes with the result."""
+        next one computes; the last comes with the result. ``on_computed(details, began_s,
+        ended_s, (start, end))``: this rank is done with a request (monotonic times from its
+        header's arrival, and the slice of the prompt it computed), for its trace."""
         assert (source is not None) == (config.rank == 0), "rank 0, and only rank 0, has a source"
         self.config = config
         self.gather_counters = gather_counters
@@ -111,6 +115,7 @@ class ChainRank:
         self.source = source
         self.make_observer = make_observer
         self.on_layer = on_layer
+        self.on_computed = on_computed
         self.request_id = -1
         self.details = b""  # the current request's details (ChainRequest.details)
         self.pending: ChainRequest | None = None  # rank 0: the request being broadcast
@@ -246,6 +251,9 @@ class ChainRank:
                 torch.cuda.synchronize(self.device)  # the logits exist, not just their kernels
             ttft_s = (time.monotonic_ns() - self.header_received_ns) / 1e9
         transport.finish()
+        if self.on_computed is not None:
+            self.on_computed(self.details, self.header_received_ns / 1e9, time.monotonic(),
+                             (start, end))
         counters = self._gather_counters(transport.counters) if self.gather_counters else []
         if not self.is_tail:
             return

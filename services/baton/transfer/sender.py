@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
+from baton import tracing
 from baton.api.requests import PrefillRequest
 from baton.kv.dense import LayerKV
 from baton.security.mtls import Mtls
@@ -40,11 +41,13 @@ class Shipment:
     def __init__(self, details: bytes, request: PrefillRequest, push: PushCall,
                  prepare: Callable[[int, LayerKV], LayerKV] | None, model_id: str, revision: str,
                  source: NixlSource | None = None,
-                 shipper: concurrent.futures.Executor | None = None) -> None:
+                 shipper: concurrent.futures.Executor | None = None, span=None) -> None:
         """``prepare``: what becomes of a finished layer before it goes out (the request's
         compression; None: it goes as it is). ``shipper``: one thread that sends layers copied
-        off a GPU, in order (None: every layer is sent by the caller)."""
+        off a GPU, in order (None: every layer is sent by the caller). ``span``: the push's
+        trace span (None: untraced), ended with it."""
         self.details = details
+        self.span = span
         self._shipper = shipper
         self._queued: concurrent.futures.Future | None = None  # the last layer given to it
         self.source = source
@@ -99,6 +102,11 @@ class Shipment:
         first token, and wait for the pod's answer."""
         try:
             self._finish(first, layers)
+        except Exception as e:
+            self._end_span(e)
+            raise
+        else:
+            self._end_span()
         finally:
             if self.source is not None:
                 self.source.release()
@@ -126,9 +134,14 @@ class Shipment:
         self._writer.finish()
         self.push.end(self.source)
 
+    def _end_span(self, error: Exception | None = None) -> None:
+        span, self.span = self.span, None
+        tracing.end(span, attributes={"baton.kv.bytes": self.num_bytes}, error=error)
+
     def cancel(self) -> None:
         if self._failure is None:
             self._failure = RuntimeError("the shipment was cancelled")  # queued layers stop
+        self._end_span(self._failure)
         self.push.cancel()
         if self._queued is not None:
             # the layer the shipper may be sending still reads the NIXL source's memory
@@ -157,9 +170,10 @@ class Shipment:
 class PushCall:
     """A Decode.PushKV call opened before its messages exist: they are fed to it later."""
 
-    def __init__(self, method: grpc.StreamUnaryMultiCallable) -> None:
+    def __init__(self, method: grpc.StreamUnaryMultiCallable, traceparent: str = "") -> None:
         self._messages: queue.SimpleQueue = queue.SimpleQueue()
-        self._future = method.future(iter(self._messages.get, None), timeout=PUSH_TIMEOUT_S)
+        self._future = method.future(iter(self._messages.get, None), timeout=PUSH_TIMEOUT_S,
+                                     metadata=tracing.metadata(traceparent))
 
     def send(self, messages, source: NixlSource | None = None) -> None:
         """Send every message, then wait for the pod's answer (raises its status); with the
@@ -212,8 +226,12 @@ class Pushes:
         method = framing.stub_push_kv(self._channel(request.decode_address))
         source = (NixlSource(self.nixl) if self.nixl is not None
                   and request.decode_kv_transport == NIXL else None)
-        return Shipment(details, request, PushCall(method), prepare, self.model_id,
-                        self.revision, source, shipper)
+        span = (tracing.start("baton.kv.push", request.traceparent, attributes={
+            "baton.request_id": request.request_id, "baton.kv.decode": request.decode_address,
+            "baton.kv.transport": NIXL if source is not None else "grpc"})
+            if request.traceparent else None)
+        return Shipment(details, request, PushCall(method, tracing.traceparent(span)), prepare,
+                        self.model_id, self.revision, source, shipper, span)
 
     def _channel(self, address: str) -> grpc.Channel:
         fingerprint = self.mtls.fingerprint()

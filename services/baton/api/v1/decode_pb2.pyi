@@ -85,7 +85,7 @@ class PushKVResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "compression", "generated_before", "incarnation", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "compression", "generated_before", "incarnation", "cache_salt", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class DecodeGenerateRequest(_message.Message):
     GENERATED_BEFORE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -100,7 +101,8 @@ class DecodeGenerateRequest(_message.Message):
     generated_before: int
     incarnation: str
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., generated_before: _Optional[int] = ..., incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., generated_before: _Optional[int] = ..., incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("request_id", "wait_s", "incarnation")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.api.v1 import common_pb2 as baton_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/prefill.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\x90\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1b\n\x13\x64\x65\x63ode_kv_transport\x18\t \x01(\t\"4\n\x0ePrefillStarted\x12\x11\n\tpartition\x18\x01 \x03(\r\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\"P\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07started\x18\x02 \x01(\x0b\x32\x18.baton.v1.PrefillStarted2\xbc\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/prefill.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/common.proto\"\xa5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x30\n\x0b\x63ompression\x18\x05 \x01(\x0b\x32\x1b.baton.v1.CompressionParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1b\n\x13\x64\x65\x63ode_kv_transport\x18\t \x01(\t\x12\x13\n\x0btraceparent\x18\n \x01(\t\"4\n\x0ePrefillStarted\x12\x11\n\tpartition\x18\x01 \x03(\r\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\"P\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07started\x18\x02 \x01(\x0b\x32\x18.baton.v1.PrefillStarted2\xbc\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x35\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x14.baton.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.api.v1.prefill_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=60
-  _globals['_PREFILLREQUEST']._serialized_end=332
-  _globals['_PREFILLSTARTED']._serialized_start=334
-  _globals['_PREFILLSTARTED']._serialized_end=386
-  _globals['_PREFILLRESPONSE']._serialized_start=388
-  _globals['_PREFILLRESPONSE']._serialized_end=468
-  _globals['_PREFILL']._serialized_start=471
-  _globals['_PREFILL']._serialized_end=659
+  _globals['_PREFILLREQUEST']._serialized_end=353
+  _globals['_PREFILLSTARTED']._serialized_start=355
+  _globals['_PREFILLSTARTED']._serialized_end=407
+  _globals['_PREFILLRESPONSE']._serialized_start=409
+  _globals['_PREFILLRESPONSE']._serialized_end=489
+  _globals['_PREFILL']._serialized_start=492
+  _globals['_PREFILL']._serialized_end=680
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "compression", "decode_address", "decode_incarnation", "cache_salt", "decode_kv_transport")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "compression", "decode_address", "decode_incarnation", "cache_salt", "decode_kv_transport", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class PrefillRequest(_message.Message):
     DECODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class PrefillRequest(_message.Message):
     decode_incarnation: str
     cache_salt: str
     decode_kv_transport: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compression: _Optional[_Union[_common_pb2.CompressionParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., cache_salt: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PrefillStarted(_message.Message):
     __slots__ = ("partition", "queue_s")

@@ -27,6 +27,7 @@ from contextlib import aclosing
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from baton import tracing
 from baton.api.requests import FinishReason, GenerationStep
 from baton.config import HttpConfig
 from baton.errors import InvalidArgument, ResourceExhausted
@@ -195,8 +196,9 @@ class OpenAIServer:
             owner = request[IDENTITY]
             if len(planned) > 1:
                 return await self._several(request, answer, completion, planned, arrival, owner)
-            async with aclosing(self.generations.generate(planned[0].request, arrival, owner,
-                                                          made_id=not named)) as steps:
+            async with aclosing(self.generations.generate(
+                    planned[0].request, arrival, owner, made_id=not named,
+                    traceparent=tracing.checked(request.headers.get(tracing.TRACEPARENT)))) as steps:
                 first = await anext(steps)  # admission errors are raised here, as HTTP statuses
                 if completion.stream:
                     return await self._stream(request, answer, completion, planned[0], first, steps)
@@ -244,8 +246,10 @@ class OpenAIServer:
         """n, best_of or several prompts: the generations run side by side; the first
         failure to admit one fails the request (the others are aborted)."""
         async with contextlib.AsyncExitStack() as stack:
+            traceparent = tracing.checked(request.headers.get(tracing.TRACEPARENT))
             streams = [await stack.enter_async_context(aclosing(self.generations.generate(
-                plan.request, arrival, owner, made_id=True))) for plan in planned]
+                plan.request, arrival, owner, made_id=True, traceparent=traceparent)))
+                for plan in planned]
             firsts = [await anext(steps) for steps in streams]
             if completion.stream:
                 return await self._stream_several(request, answer, completion, planned, firsts,
