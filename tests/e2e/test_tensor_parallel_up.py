@@ -1,8 +1,8 @@
-"""Decode pods of two tensor-parallel ranks in a `baton up` cluster (gloo, fp32, compression
-off): the local route and the chain's route (a chain of one process per rank shipping its KV
-to a pod of two) give the tokens the monolithic engine gives; and a rank killed inside a
-pod's group takes that pod down, its streams move to the other pod, every stream completes
-with the same tokens, and the supervisor brings the pod back."""
+"""Decode pods of two tensor-parallel ranks in a `baton up` cluster (gloo, fp32): the local
+route and the chain's route (a chain of one process per rank shipping its KV to a pod of two)
+give the tokens one process gives, with compression off and on (PyramidInfer's defaults); and
+a rank killed inside a pod's group takes that pod down, its streams move to the other pod,
+every stream completes with the same tokens, and the supervisor brings the pod back."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ from pathlib import Path
 import pytest
 from baton.api.requests import CompressionParams, GenerateRequest
 from baton.client import BatonClient
+from baton.config import KVPoolConfig, PyramidConfig
 from baton.local.cluster import LocalCluster
 from baton.local.spec import ClusterSpec
+from baton.model.hub import SHIPPED_MODEL_DIR
+from baton.model.loader import load_checkpoint
+from baton.pyramid.engine_hook import engine_compressor_factory
+from baton.sarathi.engine import Engine
 from e2e_cluster import (
     CHAIN_THRESHOLD_TOKENS,
     WORKER_TTL_S,
@@ -54,7 +59,15 @@ def reference():
     return MonolithicReference()
 
 
-def test_both_routes_equal_one_process(tp_cluster, reference):
+@pytest.fixture(scope="module")
+def compressing_engine():
+    """One process with the deployment's compression (the pods run PyramidConfig's defaults)."""
+    loaded = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cpu")
+    return Engine(loaded.model, loaded.tokenizer, kv=KVPoolConfig(num_blocks=512),
+                  compressor_factory=engine_compressor_factory(PyramidConfig(), loaded.config))
+
+
+def test_both_routes_equal_one_process(tp_cluster, reference, compressing_engine):
     cluster, _ = tp_cluster
     short = reference.tokenizer.encode("def fibonacci(n):\n")
     long = long_prompt_ids(reference.tokenizer, CHAIN_THRESHOLD_TOKENS + 60)
@@ -66,6 +79,11 @@ def test_both_routes_equal_one_process(tp_cluster, reference):
                 prefill_route=route), timeout_s=120)
             assert bool(completion.last.route.chain_id) == (route == "chain")
             assert list(completion.token_ids) == reference.tokens(prompt, MAX_TOKENS), route
+            compressed = client.generate(GenerateRequest(
+                token_ids=tuple(prompt), sampling=greedy(MAX_TOKENS), prefill_route=route),
+                timeout_s=120)
+            want = compressing_engine.generate([list(prompt)], greedy(MAX_TOKENS))[0].token_ids
+            assert list(compressed.token_ids) == want, f"{route}, compressed"
     finally:
         client.close()
 

@@ -1,18 +1,20 @@
 """Tensor parallelism on the CPU over gloo: a group of two ranks gives what one process gives,
 on every family baton loads (fp32, greedy), through the engine (chunked prefills mixed with
-decodes, a paged pool) and through a plain prefill over a dense cache."""
+decodes, a paged pool) and through a plain prefill over a dense cache; and with PyramidInfer
+on, the group keeps the very tokens one process keeps, in the prompt and while generating."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from baton.config import KVPoolConfig, SchedulerConfig
+from baton.config import KVPoolConfig, PyramidConfig, SchedulerConfig
 from baton.kv import DenseKV
 from baton.model import prefill
 from baton.model.loader import load_checkpoint, save_checkpoint
 from baton.model.presets import random_model
 from baton.model.sharding import ShardLayout, check_divisible
 from baton.parallel.leader import start_group
+from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.sampling.params import SamplingParams
 from baton.sarathi.engine import Engine
 from hf_reference import tiny_config
@@ -102,3 +104,45 @@ def test_a_size_that_does_not_divide_the_model_is_refused():
         check_divisible(tiny_config("llama2"), 3)
     with pytest.raises(ValueError, match="num_key_value_heads 3"):
         check_divisible(tiny_config("llama2", num_attention_heads=6, num_key_value_heads=3), 2)
+
+
+# small enough that the test's prompts are pruned, and a generation's batches too
+PYRAMID = PyramidConfig(keep_ratio=0.5, min_context=8, num_sinks=2, generation_update_every=4)
+COMPRESSED_PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def kept_positions(loaded, token_lists) -> tuple[list[list[int]], list]:
+    """(tokens per prompt, after every step: each live sequence's kept positions per layer)."""
+    engine = Engine(loaded.model, None, scheduler=SCHEDULER, kv=KV,
+                    compressor_factory=engine_compressor_factory(PYRAMID, loaded.config))
+    ids = [engine.add_request(prompt, COMPRESSED_PARAMS) for prompt in token_lists]
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    history = []
+    while engine.has_work():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+        pool = engine.pool
+        history.append({seq: [pool.gather(seq, layer).positions.tolist()
+                              for layer in range(pool.num_layers)]
+                        for seq in sorted(pool.sequence_ids())})
+    return [tokens[request_id] for request_id in ids], history
+
+
+@pytest.mark.parametrize("variant", ["llama3", "qwen3"])
+def test_two_ranks_keep_what_one_process_keeps(variant, tmp_path):
+    config = tiny_config(variant, num_attention_heads=4, num_key_value_heads=2)
+    save_model(config, tmp_path)
+    token_lists = prompts(config.vocab_size)
+    single = load_checkpoint(str(tmp_path), "float32", "cpu", with_tokenizer=False)
+    want_tokens, want_kept = kept_positions(single, token_lists)
+    loaded, followers = start_group(2, str(tmp_path), "float32", "cpu", timeout_s=60.0,
+                                    with_tokenizer=False)
+    try:
+        got_tokens, got_kept = kept_positions(loaded, token_lists)
+    finally:
+        followers.close()
+    assert got_tokens == want_tokens
+    # something was pruned, in the prompt and while generating, and the same everywhere
+    lengths = [len(layer) for step in want_kept for layers in step.values() for layer in layers]
+    assert min(lengths) < max(lengths)
+    assert got_kept == want_kept

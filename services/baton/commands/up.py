@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode pods to start")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="shard each decode pod's model over N processes (gloo on a CPU, "
-                             "NCCL on GPUs); above 1 the decode pods' KV compression is off")
+                             "NCCL on GPUs)")
     parser.add_argument("--chain-ranks", type=int, default=ChainConfig.ranks,
                         help="ranks of the one prefill chain (0 = no chain; default: %(default)s)")
     parser.add_argument("--redis", default="", metavar="URL",
@@ -167,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
                   f"routing in {cluster.redis_url}", flush=True)
             if spec.decode_tensor_parallel_size > 1:
                 print(f"each decode pod: {spec.decode_tensor_parallel_size} tensor-parallel ranks "
-                      f"of {spec.threads_of('decode')} thread(s); its KV compression is off (not "
-                      "supported under tensor parallelism yet)", flush=True)
+                      f"of {spec.threads_of('decode')} thread(s)", flush=True)
             if spec.chain_ranks:
                 print(_chain_routing(cluster.redis_url, spec), flush=True)
             print(f"try: baton generate --server {cluster.gateway_address} \"import os\"", flush=True)

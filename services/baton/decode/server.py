@@ -147,9 +147,6 @@ class DecodeServer:
         if parallel.size == 1:
             return load_checkpoint(model.path, dtype=model.dtype, device=model.device,
                                    revision=model.revision, max_model_len=model.max_model_len)
-        if self.config.pyramid.enabled:
-            raise ValueError(f"tensor_parallel size {parallel.size} with KV compression is not "
-                             "supported yet: set --pyramid-enabled false on this decode pod")
         loaded, self.followers = start_group(parallel.size, model.path, model.dtype, model.device,
                                              model.revision, model.max_model_len, parallel.backend,
                                              parallel.timeout_s, model.threads)

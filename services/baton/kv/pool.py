@@ -79,19 +79,33 @@ class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
         self._write_at(to_device(slots, self.k_cache.device), k, v, positions)
 
     def gather(self, seq_id: str, layer: int) -> LayerKV:
-        """One layer of one sequence as contiguous tensors (a copy)."""
+        """One layer of one sequence as contiguous tensors (a copy; every KV head, under a
+        mirror too)."""
         table = self._tables[seq_id][layer]
-        index = to_device(table.blocks, self.k_cache.device)
-        return LayerKV(*(self._rows(cache, index, table.length)
-                         for cache in (self.k_cache, self.v_cache, self.positions)))
+        k, v, positions = self.read_rows(to_device(table.blocks, self.k_cache.device),
+                                         table.length, with_values=True)
+        return LayerKV(k, v, positions)
 
     def keys(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of one sequence's keys [n, Hkv, D] and their positions [n] (copies):
         ``gather`` without the values, for a reader that scores."""
         table = self._tables[seq_id][layer]
-        index = to_device(table.blocks, self.k_cache.device)
-        return (self._rows(self.k_cache, index, table.length),
-                self._rows(self.positions, index, table.length))
+        k, _, positions = self.read_rows(to_device(table.blocks, self.k_cache.device),
+                                         table.length, with_values=False)
+        return k, positions
+
+    def read_rows(self, blocks: torch.Tensor, length: int, with_values: bool):
+        """(keys, values or None, positions) of the first ``length`` token rows of ``blocks``;
+        under a mirror, every rank's heads."""
+        if self.mirror is not None:
+            return self.mirror.read(self, blocks, length, with_values)
+        return self.own_rows(blocks, length, with_values)
+
+    def own_rows(self, blocks: torch.Tensor, length: int, with_values: bool):
+        """``read_rows`` of this rank's storage alone."""
+        return (self._rows(self.k_cache, blocks, length),
+                self._rows(self.v_cache, blocks, length) if with_values else None,
+                self._rows(self.positions, blocks, length))
 
     @staticmethod
     def _rows(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
@@ -158,6 +172,10 @@ class StorageMirror(Protocol):
         """Every rank writes its heads of k, v ([T, Hkv, D], all heads); returns this rank's."""
 
     def move(self, pool: KVPool, source: torch.Tensor, target: torch.Tensor) -> None: ...
+
+    def read(self, pool: KVPool, blocks: torch.Tensor, length: int, with_values: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``KVPool.own_rows`` of every rank, their heads joined."""
 
 
 class PagedSequenceKV:

@@ -176,8 +176,7 @@ class LocalCluster:
             args += ["--stream-interval-ms", str(self.spec.stream_interval_ms),
                      "--server-grace-s", str(self.spec.decode_grace_s)]
             if self.spec.decode_tensor_parallel_size > 1:
-                args += ["--tensor-parallel-size", str(self.spec.decode_tensor_parallel_size),
-                         "--pyramid-enabled", "false"]
+                args += ["--tensor-parallel-size", str(self.spec.decode_tensor_parallel_size)]
         if self.spec.model_path:
             args += ["--model-path", self.spec.model_path]
         if self.spec.model_revision:

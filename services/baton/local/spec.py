@@ -53,8 +53,7 @@ class ClusterSpec:
     autoscale: PlannerConfig | None = None
     decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
     kv_transport: str = KVTransportConfig.kind  # the chain's and the decode pods' --kv-transport-kind
-    # each decode pod's model sharded over this many processes (its threads shared among them);
-    # above 1 its KV compression is off (not supported under tensor parallelism yet)
+    # each decode pod's model sharded over this many processes (its threads shared among them)
     decode_tensor_parallel_size: int = 1
     log: LogConfig = field(default_factory=LogConfig)  # every process's logs
     otlp: OtlpConfig = field(default_factory=OtlpConfig)  # and traces

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from baton.kernels import cpu as cpu_kernels
 from baton.kv.decode_step import DecodeGroup, DecodeStep
 from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
+from baton.model.sharding import HeadGather
 
 
 class SequenceKV(Protocol):
@@ -96,7 +97,9 @@ class AttentionPlan:
     similar length in one padded kernel call."""
 
     def __init__(self, segments: Sequence[Segment], decode: DecodeBatch | None,
-                 num_rows: int, num_layers: int) -> None:
+                 num_rows: int, num_layers: int, head_gather: HeadGather | None = None) -> None:
+        """``head_gather``: a tensor-parallel rank's, so that observers see every head."""
+        self.head_gather = head_gather
         self.segments: list[tuple[int, Segment]] = []
         row = 0
         for segment in segments:
@@ -125,7 +128,10 @@ class AttentionPlan:
             k_all, v_all, key_positions = segment.kv.extend(layer, k[row:end], v[row:end],
                                                             positions[row:end])
             if segment.observer is not None:
-                segment.observer.observe(layer, q[row:end], positions[row:end], k_all, key_positions)
+                q_seen, k_seen = q[row:end], k_all
+                if self.head_gather is not None:
+                    q_seen, k_seen = self.head_gather.queries(q_seen), self.head_gather.keys(k_seen)
+                segment.observer.observe(layer, q_seen, positions[row:end], k_seen, key_positions)
             first = row
             if rows is not None:  # from this segment's first wanted row on (usually its last)
                 inside = [r for r in rows if row <= r < end]
@@ -148,6 +154,8 @@ class AttentionPlan:
             self._decode_queries.append(q)
             if layer == self.num_layers - 1:
                 queries = torch.stack(self._decode_queries, dim=1)  # [B, layers, H, D]
+                if self.head_gather is not None:
+                    queries = self.head_gather.queries(queries)
                 if self.decode.record_queries:
                     self.decode.queries = queries
                 if self.observed:

@@ -38,7 +38,7 @@ from baton.model.forward_batch import (
 from baton.model.layers import Backbone
 from baton.model.linear import Linear
 from baton.model.rope import RotaryEmbedding
-from baton.model.sharding import Collectives, ShardLayout, SingleRank
+from baton.model.sharding import Collectives, HeadGather, ShardLayout, SingleRank
 
 
 class CausalLM(nn.Module):
@@ -52,6 +52,8 @@ class CausalLM(nn.Module):
         self.layout = layout or ShardLayout(config)
         self.collectives = collectives or SingleRank()
         self.model = Backbone(config, self.layout, self.collectives)
+        # what an attention observer reads under tensor parallelism: every rank's heads
+        self.head_gather = HeadGather(self.layout, self.collectives) if self.layout.size > 1 else None
         # a tensor-parallel group's leader: the other ranks, told of each forward and logits
         # call this rank takes, to take theirs alongside (``baton.parallel.leader.Followers``)
         self.followers = None
@@ -120,7 +122,8 @@ class CausalLM(nn.Module):
         rotations = self.rotary.cos_sin(positions, hidden.dtype)
         local_rotations = (None if self.rotary_local is None
                            else self.rotary_local.cos_sin(positions, hidden.dtype))
-        plan = AttentionPlan(segments, decode, token_ids.shape[0], len(self.model.layers))
+        plan = AttentionPlan(segments, decode, token_ids.shape[0], len(self.model.layers),
+                             self.head_gather)
         if decode is not None:
             plan.in_place = self.reads_decode_cache_in_place()
         # The last layer's output is read at ``output_rows`` only. Its K,V are stored for
@@ -164,7 +167,7 @@ class CausalLM(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         if self.layout.size > 1:  # each rank's run of the vocabulary, then the padding cut off
-            logits = self.collectives.all_gather_columns(logits)[:, :self.config.vocab_size]
+            logits = self.collectives.all_gather(logits, dim=1)[:, :self.config.vocab_size]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -147,8 +147,33 @@ class Collectives(Protocol):
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place."""
 
-    def all_gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
-        """[R, C] on every rank -> [R, size * C], rank 0's columns first."""
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``tensor`` (alike in shape) joined along ``dim``, rank 0's first."""
+
+
+class HeadGather:
+    """Every head of tensors whose ranks each hold their own heads (at dim -2): what an
+    observer of attention reads, so that PyramidInfer under tensor parallelism scores with
+    the queries and keys it scores with in one process, and keeps the same tokens."""
+
+    def __init__(self, layout: ShardLayout, collectives: Collectives) -> None:
+        self.layout = layout
+        self.collectives = collectives
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """[..., H / size, D] on each rank -> [..., H, D] (query heads are never replicated)."""
+        return self.collectives.all_gather(q.contiguous(), dim=q.dim() - 2)
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """[..., Hkv / size, D] on each rank -> [..., Hkv, D]; a KV head that several ranks
+        hold (fewer KV heads than ranks) is taken once."""
+        dim = k.dim() - 2
+        every = self.collectives.all_gather(k.contiguous(), dim=dim)
+        num_kv_heads, size = self.layout.config.num_key_value_heads, self.layout.size
+        if num_kv_heads >= size:
+            return every
+        ranks = torch.arange(0, size, size // num_kv_heads, device=k.device)  # one per head
+        return every.index_select(dim, ranks)
 
 
 class SingleRank:
@@ -160,5 +185,5 @@ class SingleRank:
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         pass
 
-    def all_gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return tensor

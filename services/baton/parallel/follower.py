@@ -17,7 +17,7 @@ import torch
 from baton.model.loader import load_checkpoint, resolve_device
 from baton.model.sharding import ShardLayout
 from baton.parallel.group import TensorParallelGroup
-from baton.parallel.step import Replica
+from baton.parallel.step import Replica, read_every_head
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ def follow(place: GroupPlace) -> None:
             elif kind == "write":
                 _, key, index, k, v, positions = message
                 replica.pools[key]._write_at(index.to(model.device), k[:, heads], v[:, heads], positions)
+            elif kind == "read":
+                _, key, blocks, length, with_values = message
+                read_every_head(replica.pools[key], model.head_gather, blocks, length, with_values)
             elif kind == "move":
                 _, key, source, target = message
                 replica.pools[key].move_tokens(source.to(model.device), target.to(model.device))

@@ -49,11 +49,11 @@ class TensorParallelGroup:
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor)
 
-    def all_gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor)
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=dim)
 
     def broadcast(self, message: object = None) -> object:
         """Rank 0's ``message`` on every rank (the others pass nothing)."""

@@ -25,7 +25,7 @@ from baton.kv.pool import KVPool
 from baton.model.loader import LoadedModel
 from baton.parallel.follower import GroupPlace, follow
 from baton.parallel.group import TensorParallelGroup
-from baton.parallel.step import StepEncoder, pool_geometry
+from baton.parallel.step import StepEncoder, pool_geometry, read_every_head
 from baton.serving import free_port
 
 
@@ -39,6 +39,7 @@ class Followers:
     def __init__(self, group: TensorParallelGroup, loaded: LoadedModel, processes: list) -> None:
         self.group = group
         self.layout = loaded.model.layout
+        self.heads = loaded.model.head_gather
         self.processes = processes
         self.encoder = StepEncoder()
         self.lock = threading.RLock()
@@ -96,6 +97,12 @@ class Followers:
     def move(self, pool: KVPool, source, target) -> None:
         with self.lock:
             self._send(("move", self.encoder.key_of(pool.k_cache), source.cpu(), target.cpu()))
+
+    def read(self, pool: KVPool, blocks, length: int, with_values: bool):
+        with self.lock:
+            self._send(("read", self.encoder.key_of(pool.k_cache), blocks.cpu(), length, with_values))
+            with self._collectives():
+                return read_every_head(pool, self.heads, blocks, length, with_values)
 
     # --- the group ------------------------------------------------------------------------
 

@@ -3,6 +3,9 @@ the attention metadata the runner built (``PrefillSegment``, ``DecodeStep``), wi
 named by its pool instead of its storage. A follower rebuilds the same metadata over its own
 storage (``Replica``), so every rank writes and reads the same slots of its own heads.
 
+An observed segment or decode row (PyramidInfer's) has every head gathered for it on every
+rank (``HeadGather``): a follower's forward joins those gathers with a stand-in observer.
+
 A dense cache (``DenseKV``: a step measured on a fresh one, a prompt prefilled outside a pool)
 is named by the leader's object: a follower keeps its own beside it while the leader's lives.
 """
@@ -18,6 +21,7 @@ from baton.kv.dense import DenseKV
 from baton.kv.pool import KVPool
 from baton.kv.prefill_step import PrefillSegment
 from baton.model.forward_batch import DecodeBatch, Segment
+from baton.model.sharding import HeadGather
 
 DENSE_CACHES_KEPT = 64  # a follower's dense caches, oldest dropped first
 
@@ -56,26 +60,36 @@ class StepEncoder:
                 None if decode is None else self._decode(decode))
 
     def _segment(self, segment: Segment) -> tuple:
-        if segment.observer is not None:
-            raise ValueError("KV compression under tensor parallelism is not supported yet: "
-                             "turn compression off where tensor_parallel_size > 1")
-        kv = segment.kv
+        kv, observed = segment.kv, segment.observer is not None
         if isinstance(kv, PrefillSegment):
-            return (segment.length, "paged", self.key_of(kv.k_cache), _host(kv.slots),
+            return (segment.length, observed, "paged", self.key_of(kv.k_cache), _host(kv.slots),
                     _host(kv.blocks), list(kv.lengths))
         if isinstance(kv, DenseKV):
-            return (segment.length, "dense", id(kv), len(kv.layers),
+            return (segment.length, observed, "dense", id(kv), len(kv.layers),
                     all(layer is None for layer in kv.layers))
         raise ValueError(f"a {type(kv).__name__} cannot be sharded over a tensor-parallel group")
 
     def _decode(self, decode: DecodeBatch) -> tuple:
-        if any(observer is not None for observer in decode.observers) or decode.record_queries:
-            raise ValueError("KV compression under tensor parallelism is not supported yet: "
-                             "turn compression off where tensor_parallel_size > 1")
+        assert not decode.record_queries, "a CUDA graph's decode step is not sharded"
         step = decode.step
         groups = [(group.rows, _host(group.blocks), group.lengths.cpu(), group.uniform)
                   for group in step.groups]
-        return (self.key_of(step.k_cache), step.slots.cpu(), groups)
+        observed = [observer is not None for observer in decode.observers]
+        return (self.key_of(step.k_cache), step.slots.cpu(), groups, observed)
+
+
+class _JoinsGathers:
+    """A follower's stand-in for the leader's observer of a segment or a decode row: the
+    forward gathers every head for it (the leader's observer reads them), and it reads none."""
+
+    def observe(self, layer, q, query_positions, k, key_positions) -> None:
+        pass
+
+    def observe_decode(self, queries, position) -> None:
+        pass
+
+
+JOINS_GATHERS = _JoinsGathers()
 
 
 class Replica:
@@ -103,27 +117,29 @@ class Replica:
                 None if decode is None else self._decode(decode))
 
     def _segment(self, described: tuple) -> Segment:
-        length, kind = described[0], described[1]
+        length, observed, kind = described[:3]
+        observer = JOINS_GATHERS if observed else None
         if kind == "paged":
-            _, _, key, slots, blocks, lengths = described
+            key, slots, blocks, lengths = described[3:]
             pool = self.pools[key]
             return Segment(length, PrefillSegment(self._on_device(slots), self._on_device(blocks),
-                                                  lengths, pool.k_cache, pool.v_cache, pool.positions))
-        _, _, leader_id, num_layers, fresh = described
+                                                  lengths, pool.k_cache, pool.v_cache, pool.positions),
+                           observer)
+        leader_id, num_layers, fresh = described[3:]
         if fresh or leader_id not in self.dense:
             self.dense[leader_id] = DenseKV(num_layers)
             while len(self.dense) > DENSE_CACHES_KEPT:
                 self.dense.popitem(last=False)
-        return Segment(length, self.dense[leader_id])
+        return Segment(length, self.dense[leader_id], observer)
 
     def _decode(self, described: tuple) -> DecodeBatch:
-        key, slots, groups = described
+        key, slots, groups, observed = described
         pool = self.pools[key]
         step = DecodeStep(slots.to(self.device),
                           [DecodeGroup(rows, self._on_device(blocks), lengths.to(self.device), uniform)
                            for rows, blocks, lengths, uniform in groups],
                           pool.k_cache, pool.v_cache, pool.positions)
-        return DecodeBatch(step)
+        return DecodeBatch(step, [JOINS_GATHERS if seen else None for seen in observed])
 
     def _on_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [tensor.to(self.device) for tensor in tensors]
@@ -131,3 +147,11 @@ class Replica:
 
 def _host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [tensor.cpu() for tensor in tensors]
+
+
+def read_every_head(pool: KVPool, heads: HeadGather, blocks: torch.Tensor, length: int,
+                    with_values: bool):
+    """A pool read (``KVPool.own_rows``) on every rank alike, the heads joined: what each rank
+    runs for the leader's ``read``."""
+    k, v, positions = pool.own_rows(blocks.to(pool.k_cache.device), length, with_values)
+    return heads.keys(k), None if v is None else heads.keys(v), positions

@@ -376,10 +376,6 @@ class Engine:
         if len(prompt_ids) >= self.memory.capacity_tokens():
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV pool holds "
                              f"{self.memory.capacity_tokens()} tokens")
-        if (self.model.followers is not None and self.compressor_factory is not None
-                and self.compressor_factory(prompt_ids, params) is not None):
-            raise ValueError("compression: KV compression is not supported under tensor "
-                             "parallelism yet; send the request with compression off")
 
     def _grammar(self, params: SamplingParams, generated: SequenceOf[int]) -> GrammarState | None:
         """The request's grammar matcher past ``generated`` (compiled here, on the caller's
