@@ -112,6 +112,8 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
 def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
     return DecodeServiceConfig(
         server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec, "decode"), kv=spec.decode.kv,
+        tensor_parallel=dataclasses.replace(spec.decode.tensor_parallel,
+                                            backend="nccl" if spec.gpu.per_pod else "gloo"),
         kv_transport=spec.kv_transport, scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
         routing=_routing(name, namespace, spec), mtls=_mtls(spec), log=spec.log, otlp=spec.otlp)
 

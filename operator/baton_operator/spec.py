@@ -31,6 +31,7 @@ from baton.config import (
     PyramidConfig,
     SchedulerConfig,
     StreamConfig,
+    TensorParallelConfig,
 )
 
 from baton_operator import disruption_budgets, pod_overlay
@@ -93,6 +94,7 @@ class DecodeSpec:
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     max_model_len: int = 0  # the decode pods' own limit; 0 = spec.model's
     resources: dict = field(default_factory=dict)
 
@@ -249,6 +251,7 @@ def _read_decode(spec: dict) -> DecodeSpec:
         kv=_settings(spec, "decode", KVPoolConfig),
         scheduler=_settings(spec, "decode", SchedulerConfig),
         stream=_settings(spec, "decode", StreamConfig),
+        tensor_parallel=_settings(spec, "decode", TensorParallelConfig),
         max_model_len=_max_model_len(spec, "decode"),
         resources=decode.get("resources") or {})
 

@@ -125,8 +125,14 @@ def _volumes(name: str, spec: ServiceSpec, role: str) -> tuple[list[dict], list[
 def _resources(spec: ServiceSpec, role: str, requested: dict) -> dict:
     resources = {k: dict(v) for k, v in requested.items()}
     if role in ("prefill", "decode") and spec.gpu.per_pod:
-        resources.setdefault("limits", {})[spec.gpu.resource_name] = spec.gpu.per_pod
+        resources.setdefault("limits", {})[spec.gpu.resource_name] = devices_per_pod(spec, role)
     return resources
+
+
+def devices_per_pod(spec: ServiceSpec, role: str) -> int:
+    """gpu.perPod for each of the pod's processes: a decode pod runs one per tensor-parallel rank."""
+    ranks = spec.decode.tensor_parallel.size if role == "decode" else 1
+    return spec.gpu.per_pod * ranks
 
 
 def _probes() -> dict:

@@ -139,6 +139,20 @@ def test_gpu_spec_asks_for_gpus_and_nccl(cluster, reconciler):
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
+def test_a_tensor_parallel_decode_pod_asks_for_a_device_per_rank(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "gpu": {"perPod": 1},
+                                          "decode": {"tensorParallelSize": 4}})
+    _reconcile(cluster, reconciler)
+    decode = cluster.kube.get("Deployment", NS, "demo-decode")
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert _flag(container["args"], "--tensor-parallel-size") == "4"
+    assert _flag(container["args"], "--tensor-parallel-backend") == "nccl"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    chain = cluster.kube.get("StatefulSet", NS, "demo-prefill-0")  # a chain rank: one device
+    assert chain["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
 @pytest.mark.parametrize("bad, says", [
     ({"compression": {"keepRatio": 1.5}}, "keep_ratio"),
     ({"redis": {"mode": "external"}}, "urlSecretRef"),
