@@ -94,6 +94,7 @@ def _rendered(report: str) -> str:
     import route_ttft
     import sampling_cost
     import shared_prefix
+    import tp_cost
     import trace_overhead
 
     renders = {
@@ -109,6 +110,7 @@ def _rendered(report: str) -> str:
         "sampling-cost.md": lambda: sampling_cost.report(common.load_results("sampling-cost")),
         "moe-step.md": lambda: moe_step.report(common.load_results("moe-step")),
         "trace-overhead.md": lambda: trace_overhead.report(common.load_results("trace-overhead")),
+        "tp-cost.md": lambda: tp_cost.report(common.load_results("tp-cost")),
     }
     return renders[report]()
 

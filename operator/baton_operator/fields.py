@@ -85,9 +85,10 @@ SPEC_FIELDS: list[SpecField] = [
     *section("decode", KVPoolConfig, "memory_mib", "memory_fraction", "block_size", prefix="kv"),
     *section("decode", KVPoolConfig, "prefix_cache"),
     *section("decode", StreamConfig, "interval_ms", prefix="stream"),
-    # each decode pod: this many ranks, one per device (gpu.perPod each, on a GPU cluster)
-    *section("decode", TensorParallelConfig, "size", keys={"size": "tensorParallelSize"},
-             schema={"size": {"maximum": 64}}),
+    # each decode pod, each chain rank: this many ranks, one per device (gpu.perPod each)
+    *[spec_field for role in ("prefill", "decode")
+      for spec_field in section(role, TensorParallelConfig, "size", keys={"size": "tensorParallelSize"},
+                                schema={"size": {"maximum": 64}})],
     *section("compression", PyramidConfig, "enabled", "keep_ratio", "recent_ratio", "num_sinks",
              "min_context"),
     *section("routing", GatewayRoutingConfig, "policy", "prefill_threshold_tokens",

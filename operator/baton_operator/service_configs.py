@@ -101,6 +101,8 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
     return PrefillServiceConfig(
         server=_server(PREFILL_PORT, f"$(POD_NAME).{chain}.{namespace}.svc"),
         model=_model_config(spec, "prefill"),
+        tensor_parallel=dataclasses.replace(spec.prefill.tensor_parallel,
+                                            backend="nccl" if spec.gpu.per_pod else "gloo"),
         chain=dataclasses.replace(
             spec.prefill.chain, chain_id=chain, master_addr=f"{chain}-0.{chain}.{namespace}.svc",
             master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",

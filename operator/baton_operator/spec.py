@@ -85,6 +85,7 @@ class PrefillSpec:
     chain: ChainConfig = field(default_factory=ChainConfig)  # ranks and mode; rank comes per pod
     partition_table: str = ""  # JSON text shipped in a ConfigMap; empty = the image's default
     max_model_len: int = 0  # the chains' own limit; 0 = spec.model's
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     resources: dict = field(default_factory=dict)
 
 
@@ -241,6 +242,7 @@ def _read_prefill(spec: dict) -> PrefillSpec:
     return PrefillSpec(chains=_count(prefill, "prefill", "chains", PrefillSpec.chains),
                        chain=chain, partition_table=prefill.get("partitionTable", ""),
                        max_model_len=_max_model_len(spec, "prefill"),
+                       tensor_parallel=_settings(spec, "prefill", TensorParallelConfig, section="prefill"),
                        resources=prefill.get("resources") or {})
 
 
@@ -251,7 +253,7 @@ def _read_decode(spec: dict) -> DecodeSpec:
         kv=_settings(spec, "decode", KVPoolConfig),
         scheduler=_settings(spec, "decode", SchedulerConfig),
         stream=_settings(spec, "decode", StreamConfig),
-        tensor_parallel=_settings(spec, "decode", TensorParallelConfig),
+        tensor_parallel=_settings(spec, "decode", TensorParallelConfig, section="decode"),
         max_model_len=_max_model_len(spec, "decode"),
         resources=decode.get("resources") or {})
 

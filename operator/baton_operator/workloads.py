@@ -130,8 +130,8 @@ def _resources(spec: ServiceSpec, role: str, requested: dict) -> dict:
 
 
 def devices_per_pod(spec: ServiceSpec, role: str) -> int:
-    """gpu.perPod for each of the pod's processes: a decode pod runs one per tensor-parallel rank."""
-    ranks = spec.decode.tensor_parallel.size if role == "decode" else 1
+    """gpu.perPod for each of the pod's processes: one per tensor-parallel rank."""
+    ranks = (spec.decode.tensor_parallel if role == "decode" else spec.prefill.tensor_parallel).size
     return spec.gpu.per_pod * ranks
 
 

@@ -89,10 +89,10 @@ def test_both_routes_equal_one_process(tp_cluster, reference, compressing_engine
 
 
 def followers_of(pid: int) -> list[int]:
-    """The tensor-parallel followers a decode pod spawned (multiprocessing's spawn children)."""
+    """The tensor-parallel followers a decode pod started."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(child) for child in children
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+            if b"baton.parallel.follower" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
 def test_a_rank_killed_inside_a_group_loses_no_stream(tp_cluster, reference):

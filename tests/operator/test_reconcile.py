@@ -153,6 +153,18 @@ def test_a_tensor_parallel_decode_pod_asks_for_a_device_per_rank(cluster, reconc
     assert chain["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def test_a_tensor_parallel_chain_rank_asks_for_a_device_per_rank(cluster, reconciler):
+    create_service(cluster.kube, "demo", {**SPEC, "gpu": {"perPod": 1},
+                                          "prefill": {"tensorParallelSize": 2}})
+    _reconcile(cluster, reconciler)
+    chain = cluster.kube.get("StatefulSet", NS, "demo-prefill-0")
+    container = chain["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert _flag(container["args"], "--tensor-parallel-size") == "2"
+    decode = cluster.kube.get("Deployment", NS, "demo-decode")
+    assert "--tensor-parallel-size" not in decode["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 @pytest.mark.parametrize("bad, says", [
     ({"compression": {"keepRatio": 1.5}}, "keep_ratio"),
     ({"redis": {"mode": "external"}}, "urlSecretRef"),

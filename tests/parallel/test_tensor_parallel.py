@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU over gloo: a group of two ranks gives what one process gives,
 on every family baton loads (fp32, greedy), through the engine (chunked prefills mixed with
-decodes, a paged pool) and through a plain prefill over a dense cache; and with PyramidInfer
-on, the group keeps the very tokens one process keeps, in the prompt and while generating."""
+decodes, a paged pool) and through a plain prefill over a dense cache; with PyramidInfer on,
+the group keeps the very tokens one process keeps, in the prompt and while generating; and a
+KV-Runahead chain of two ranks that are each a group of two equals one process, its cache
+decoded by a group or by one process alike."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from baton.model.presets import random_model
 from baton.model.sharding import ShardLayout, check_divisible
 from baton.parallel.leader import start_group
 from baton.pyramid.engine_hook import engine_compressor_factory
+from baton.pyramid.prefill import compressor_factory
+from baton.runahead.local import LocalChain
+from baton.runahead.request import ModelSource
 from baton.sampling.params import SamplingParams
 from baton.sarathi.engine import Engine
 from hf_reference import tiny_config
@@ -146,3 +151,41 @@ def test_two_ranks_keep_what_one_process_keeps(variant, tmp_path):
     lengths = [len(layer) for step in want_kept for layers in step.values() for layer in layers]
     assert min(lengths) < max(lengths)
     assert got_kept == want_kept
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["full", "compressed"])
+def test_a_chain_of_two_groups_equals_one_process(compressed, tmp_path):
+    config = tiny_config("llama3", num_attention_heads=4, num_key_value_heads=2)
+    save_model(config, tmp_path)
+    prompt = prompts(config.vocab_size)[1]  # 41 tokens over two chain ranks
+    single = load_checkpoint(str(tmp_path), "float32", "cpu", with_tokenizer=False)
+    make_observer = compressor_factory(PYRAMID, config) if compressed else None
+    observer = make_observer(len(prompt)) if compressed else None
+    kv = DenseKV(config.num_hidden_layers)
+    want_logits = prefill(single.model, torch.tensor(prompt), torch.arange(len(prompt)), kv,
+                          observer=observer)
+    want_layers = observer.compress(kv.complete_layers()) if compressed else kv.complete_layers()
+    with LocalChain(ModelSource(path=str(tmp_path), dtype="float32"), 2, timeout_s=60,
+                    make_observer=make_observer, tensor_parallel_size=2) as chain:
+        result = chain.prefill(torch.tensor(prompt))
+    torch.testing.assert_close(result.first_token_logits, want_logits, rtol=1e-4, atol=1e-4)
+    for got, want in zip(result.layers, want_layers, strict=True):
+        assert torch.equal(got.positions, want.positions)  # the same tokens kept
+        torch.testing.assert_close(got.k, want.k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.v, want.v, rtol=1e-4, atol=1e-4)
+    # the chain's cache (every head) decoded by one process and by a group of two alike
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    decoded = []
+    loaded, followers = start_group(2, str(tmp_path), "float32", "cpu", timeout_s=60.0,
+                                    with_tokenizer=False)
+    try:
+        for model in (single.model, loaded.model):
+            engine = Engine(model, None, scheduler=SCHEDULER, kv=KV)
+            request = engine.add_prefilled_request(prompt, result.layers, result.first_token_logits,
+                                                   params)
+            outputs = [output for _ in range(64) if engine.has_work() for output in engine.step()]
+            decoded.append([t for output in outputs if output.request_id == request
+                            for t in output.new_token_ids])
+    finally:
+        followers.close()
+    assert decoded[0] == decoded[1] and len(decoded[0]) == 8

@@ -64,8 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-workers", type=int, default=1, choices=(1, 2),
                         help="decode pods to start")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="shard each decode pod's model over N processes (gloo on a CPU, "
-                             "NCCL on GPUs)")
+                        help="shard each decode pod's and each chain rank's model over N "
+                             "processes (gloo on a CPU, NCCL on GPUs)")
+    parser.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="the chain ranks' own size (default: --tensor-parallel-size); a "
+                             "chain ships every KV head, so it may differ from the decode pods'")
     parser.add_argument("--chain-ranks", type=int, default=ChainConfig.ranks,
                         help="ranks of the one prefill chain (0 = no chain; default: %(default)s)")
     parser.add_argument("--redis", default="", metavar="URL",
@@ -142,6 +145,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                        stream_interval_ms=args.stream_interval_ms, autoscale=planner,
                        decode_grace_s=args.decode_grace_s, kv_transport=args.kv_transport,
                        decode_tensor_parallel_size=args.tensor_parallel_size,
+                       prefill_tensor_parallel_size=(args.tensor_parallel_size
+                                                     if args.prefill_tensor_parallel_size is None
+                                                     else args.prefill_tensor_parallel_size),
                        log=configtree.from_arguments(args, LogConfig, "log"),
                        otlp=configtree.from_arguments(args, OtlpConfig, "otlp"))
 
@@ -165,9 +171,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{spec.decode_workers} decode pod(s) of {spec.threads_of('decode')} thread(s), "
                   f"chain of {spec.chain_ranks} ranks of {spec.threads_of('prefill')} thread(s), "
                   f"routing in {cluster.redis_url}", flush=True)
-            if spec.decode_tensor_parallel_size > 1:
-                print(f"each decode pod: {spec.decode_tensor_parallel_size} tensor-parallel ranks "
-                      f"of {spec.threads_of('decode')} thread(s)", flush=True)
+            if spec.decode_tensor_parallel_size > 1 or spec.prefill_tensor_parallel_size > 1:
+                print(f"tensor parallelism: each decode pod {spec.decode_tensor_parallel_size} "
+                      f"rank(s) of {spec.threads_of('decode')} thread(s), each chain rank "
+                      f"{spec.prefill_tensor_parallel_size}", flush=True)
             if spec.chain_ranks:
                 print(_chain_routing(cluster.redis_url, spec), flush=True)
             print(f"try: baton generate --server {cluster.gateway_address} \"import os\"", flush=True)

@@ -44,6 +44,7 @@ class PrefillServiceConfig:
 
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     chain: ChainConfig = field(default_factory=ChainConfig)
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)

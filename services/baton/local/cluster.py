@@ -172,6 +172,8 @@ class LocalCluster:
             args += ["--server-listen", "127.0.0.1:0",
                      "--model-threads", str(self.spec.threads_of(role)),
                      "--kv-transport-kind", self.spec.kv_transport]
+        if role == "prefill" and self.spec.prefill_tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.spec.prefill_tensor_parallel_size)]
         if role == "decode":
             args += ["--stream-interval-ms", str(self.spec.stream_interval_ms),
                      "--server-grace-s", str(self.spec.decode_grace_s)]

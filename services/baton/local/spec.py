@@ -55,22 +55,24 @@ class ClusterSpec:
     kv_transport: str = KVTransportConfig.kind  # the chain's and the decode pods' --kv-transport-kind
     # each decode pod's model sharded over this many processes (its threads shared among them)
     decode_tensor_parallel_size: int = 1
+    prefill_tensor_parallel_size: int = 1  # each chain rank's, likewise (the chain ships every head)
     log: LogConfig = field(default_factory=LogConfig)  # every process's logs
     otlp: OtlpConfig = field(default_factory=OtlpConfig)  # and traces
 
     def threads_of(self, role: str) -> int:
         """Torch threads of one process of ``role`` (the gateway runs no torch work)."""
         if role != "decode":
-            return self.threads_per_process
+            return self.threads_per_process  # each rank of a sharded chain rank too
         if self.decode_threads:
             return self.decode_threads
         most = self.autoscale.max_decode_pods if self.autoscale else self.decode_workers
         return max(1, len(os.sched_getaffinity(0)) // (most * self.decode_tensor_parallel_size))
 
     def __post_init__(self) -> None:
-        if self.decode_tensor_parallel_size < 1:
-            raise ValueError(f"decode_tensor_parallel_size must be >= 1, got "
-                             f"{self.decode_tensor_parallel_size}")
+        for role in ("decode", "prefill"):
+            size = getattr(self, f"{role}_tensor_parallel_size")
+            if size < 1:
+                raise ValueError(f"{role}_tensor_parallel_size must be >= 1, got {size}")
         if not 1 <= self.decode_workers <= MAX_DECODE_WORKERS:
             raise ValueError(f"decode_workers must be in 1..{MAX_DECODE_WORKERS}, got "
                              f"{self.decode_workers}")

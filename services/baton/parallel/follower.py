@@ -67,7 +67,8 @@ def follow(place: GroupPlace) -> None:
     group, loaded = place.join()
     model = loaded.model
     layout: ShardLayout = model.layout
-    replica = Replica(layout.num_kv_heads, loaded.config.head_dim, model.device)
+    replica = Replica(layout.num_kv_heads, loaded.config.head_dim, model.device,
+                      model.head_gather, group)
     heads = slice(layout.first_kv_head, layout.first_kv_head + layout.num_kv_heads)
     try:
         while True:
@@ -96,3 +97,11 @@ def follow(place: GroupPlace) -> None:
         os._exit(1)
     group.close()
     os._exit(0)  # nothing to tear down but the interpreter, which takes seconds with torch
+
+
+if __name__ == "__main__":  # started by the leader: python -m baton.parallel.follower PLACE_JSON
+    import json
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    follow(GroupPlace(**json.loads(sys.argv[1])))

@@ -15,7 +15,10 @@ between them, so that an idle group's followers never time out while waiting.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
+import dataclasses
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from baton.kv.pool import KVPool
 from baton.model.loader import LoadedModel
-from baton.parallel.follower import GroupPlace, follow
+from baton.parallel.follower import GroupPlace
 from baton.parallel.group import TensorParallelGroup
 from baton.parallel.step import StepEncoder, pool_geometry, read_every_head
 from baton.serving import free_port
@@ -117,9 +120,9 @@ class Followers:
         self._last_message_s = time.monotonic()
 
     def _diagnose(self, error: Exception) -> str:
-        exited = [f"rank {rank} exited with code {process.exitcode}"
+        exited = [f"rank {rank} exited with code {process.returncode}"
                   for rank, process in enumerate(self.processes, start=1)
-                  if process.exitcode is not None]
+                  if process.poll() is not None]
         return "; ".join(exited) or f"a follower stopped answering ({error})"
 
     def _keep_alive(self) -> None:
@@ -136,7 +139,7 @@ class Followers:
                     self.lock.release()
 
     def alive(self) -> bool:
-        return self.down is None and all(process.exitcode is None for process in self.processes)
+        return self.down is None and all(process.poll() is None for process in self.processes)
 
     def close(self, grace_s: float = 10.0) -> None:
         """Stop the followers (a stop message, then a kill after ``grace_s``) and leave the group."""
@@ -147,10 +150,11 @@ class Followers:
             self.down = "closed"
         until = time.monotonic() + grace_s
         for process in self.processes:
-            process.join(max(0.0, until - time.monotonic()))
-            if process.is_alive():
+            try:
+                process.wait(max(0.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join()
+                process.wait()
         self.group.close()
 
 
@@ -164,11 +168,10 @@ def start_group(size: int, model: str = "", dtype: str = "auto", device: str = "
     places = [GroupPlace(size, rank, port, model, dtype, device, revision, max_model_len,
                          backend, timeout_s, cpu_threads=cpu_threads, with_tokenizer=with_tokenizer)
               for rank in range(size)]
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=follow, args=(place,), name=f"baton-tp-rank-{place.rank}",
-                                 daemon=True) for place in places[1:]]
-    for process in processes:
-        process.start()
+    # Processes of their own (not multiprocessing's: a daemonic chain rank may not have those),
+    # which leave when their leader does (their next wait on it fails).
+    processes = [subprocess.Popen([sys.executable, "-m", "baton.parallel.follower",
+                                   json.dumps(dataclasses.asdict(place))]) for place in places[1:]]
     try:
         group, loaded = places[0].join()
     except Exception:

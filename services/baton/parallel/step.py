@@ -8,6 +8,7 @@ rank (``HeadGather``): a follower's forward joins those gathers with a stand-in 
 
 A dense cache (``DenseKV``: a step measured on a fresh one, a prompt prefilled outside a pool)
 is named by the leader's object: a follower keeps its own beside it while the leader's lives.
+A chain's cache of every head (``GatheredKV``) has a follower's side of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from baton.kv.pool import KVPool
 from baton.kv.prefill_step import PrefillSegment
 from baton.model.forward_batch import DecodeBatch, Segment
 from baton.model.sharding import HeadGather
+from baton.parallel.gathered_kv import GatheredKV, GatheredKVFollower
 
 DENSE_CACHES_KEPT = 64  # a follower's dense caches, oldest dropped first
 
@@ -67,6 +69,8 @@ class StepEncoder:
         if isinstance(kv, DenseKV):
             return (segment.length, observed, "dense", id(kv), len(kv.layers),
                     all(layer is None for layer in kv.layers))
+        if isinstance(kv, GatheredKV):
+            return (segment.length, observed, "gathered")
         raise ValueError(f"a {type(kv).__name__} cannot be sharded over a tensor-parallel group")
 
     def _decode(self, decode: DecodeBatch) -> tuple:
@@ -96,10 +100,13 @@ class Replica:
     """A follower's side: its storage for each of the leader's pools, and the forward's
     arguments rebuilt over them."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, device: torch.device,
+                 heads: HeadGather | None = None, group=None) -> None:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = device
+        self.heads = heads  # for a chain's cache of every head (``GatheredKV``)
+        self.group = group
         self.pools: dict[int, KVPool] = {}
         self.dense: OrderedDict[int, DenseKV] = OrderedDict()
 
@@ -125,6 +132,8 @@ class Replica:
             return Segment(length, PrefillSegment(self._on_device(slots), self._on_device(blocks),
                                                   lengths, pool.k_cache, pool.v_cache, pool.positions),
                            observer)
+        if kind == "gathered":
+            return Segment(length, GatheredKVFollower(self.heads, self.group, self.device), observer)
         leader_id, num_layers, fresh = described[3:]
         if fresh or leader_id not in self.dense:
             self.dense[leader_id] = DenseKV(num_layers)

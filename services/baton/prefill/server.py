@@ -148,7 +148,8 @@ class PrefillServer:
                              make_observer=self.sink.make_observer if self.is_tail else None,
                              cpu_threads=self.config.model.threads or 1,
                              on_layer=self.sink.on_layer if self.is_tail and self.by_layer else None,
-                             on_computed=self._trace_slice if tracing.enabled() else None)
+                             on_computed=self._trace_slice if tracing.enabled() else None,
+                             tensor_parallel_size=self.config.tensor_parallel.size)
 
         # Rank 0 serves its chain on a thread of its own (the main thread waits for signals):
         # it loads on a short-lived one, so only the serving thread keeps an OpenMP pool

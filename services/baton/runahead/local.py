@@ -68,11 +68,13 @@ class QueueSink:
 
 
 def _rank_main(config: ChainConfig, model_source: ModelSource, inbox, outbox,
-               make_observer: Callable[[int], CompressingObserver] | None) -> None:
+               make_observer: Callable[[int], CompressingObserver] | None,
+               tensor_parallel_size: int = 1) -> None:
     sink = QueueSink(outbox)
     try:
         rank = ChainRank(config, model_source, sink, QueueSource(inbox) if config.rank == 0 else None,
-                         make_observer, gather_counters=True)  # benchmarks and tests read them
+                         make_observer, gather_counters=True,  # benchmarks and tests read them
+                         tensor_parallel_size=tensor_parallel_size)
     except Exception as e:  # noqa: BLE001 - the process boundary: whatever stopped the rank is reported
         sink.fail(config.rank, -1, f"rank {config.rank}: could not join the chain: {e}")
         _exit(outbox, 1)
@@ -97,7 +99,8 @@ class LocalChain:
     def __init__(self, model_source: ModelSource, ranks: int, table: PartitionTable | None = None,
                  timeout_s: float = ChainConfig.timeout_s, backend: str = ChainConfig.backend,
                  make_observer: Callable[[int], CompressingObserver] | None = None,
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, tensor_parallel_size: int = 1) -> None:
+        """``tensor_parallel_size``: each rank's model sharded over that many processes."""
         self.model_source = model_source
         self.model_config = model_source.config()
         self.num_ranks = ranks
@@ -106,7 +109,7 @@ class LocalChain:
         self._validate_table()
         self.down: str | None = None  # why the chain stopped serving
         self._next_id = 0
-        self._init_processes(backend, make_observer)
+        self._init_processes(backend, make_observer, tensor_parallel_size)
         self._wait_ready(start_timeout_s)
 
     def _validate_table(self) -> None:
@@ -114,7 +117,7 @@ class LocalChain:
         if self.table is not None:
             self.table.require_ranks(self.num_ranks)
 
-    def _init_processes(self, backend: str, make_observer) -> None:
+    def _init_processes(self, backend: str, make_observer, tensor_parallel_size: int) -> None:
         backend = local_backend(backend, self.num_ranks)
         context = mp.get_context("spawn")
         self.inbox, self.outbox = context.Queue(), context.Queue()
@@ -125,7 +128,7 @@ class LocalChain:
                                  timeout_s=self.timeout_s)
             process = context.Process(target=_rank_main, name=f"baton-chain-rank-{rank}",
                                       args=(config, self.model_source, self.inbox, self.outbox,
-                                            make_observer), daemon=True)
+                                            make_observer, tensor_parallel_size), daemon=True)
             process.start()
             self.processes.append(process)
 

@@ -32,6 +32,8 @@ from baton.config import ChainConfig
 from baton.kv import LayerKV
 from baton.model import prefill
 from baton.model.forward_batch import AttentionObserver
+from baton.parallel.gathered_kv import GatheredKV
+from baton.parallel.leader import start_group
 from baton.runahead.errors import ChainError
 from baton.runahead.request import MODES, ChainRequest, ChainResult, ModelSource
 from baton.runahead.transport import AllGatherKV, RankCounters, RunaheadKV
@@ -98,15 +100,17 @@ class ChainRank:
                  make_observer: Callable[[int], CompressingObserver] | None = None,
                  cpu_threads: int = 1, gather_counters: bool = False,
                  on_layer: Callable[[int, LayerKV], None] | None = None,
-                 on_computed: Callable[[bytes, float, float, tuple[int, int]], None] | None = None
-                 ) -> None:
+                 on_computed: Callable[[bytes, float, float, tuple[int, int]], None] | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         """``gather_counters``: collect every rank's byte and work counters at the tail with
         each result (one collective per request: for benchmarks and tests, not serving).
         ``on_layer(l, kv)``: the tail's whole cache of each layer but the last, as soon as
         the layer is done (its keys are in, and its attention has been observed), while the
         next one computes; the last comes with the result. ``on_computed(details, began_s,
         ended_s, (start, end))``: this rank is done with a request (monotonic times from its
-        header's arrival, and the slice of the prompt it computed), for its trace."""
+        header's arrival, and the slice of the prompt it computed), for its trace.
+        ``tensor_parallel_size``: this rank's model sharded over that many processes of its
+        own, which it leads (``baton.parallel``); its chain exchanges every head."""
         assert (source is not None) == (config.rank == 0), "rank 0, and only rank 0, has a source"
         self.config = config
         self.gather_counters = gather_counters
@@ -121,10 +125,22 @@ class ChainRank:
         self.pending: ChainRequest | None = None  # rank 0: the request being broadcast
         self._init_device(cpu_threads)
         self._init_group()
-        self._init_model(model_source)
+        self._init_model(model_source, tensor_parallel_size, cpu_threads)
 
-    def _init_model(self, model_source: ModelSource) -> None:
-        self.model = model_source.load(self.device)
+    def _init_model(self, model_source: ModelSource, tensor_parallel_size: int,
+                    cpu_threads: int) -> None:
+        self.followers = None
+        if tensor_parallel_size == 1:
+            self.model = model_source.load(self.device)
+        else:
+            if model_source.preset:
+                raise ValueError("a chain rank under tensor parallelism loads a checkpoint, "
+                                 f"not the preset {model_source.preset!r}")
+            loaded, self.followers = start_group(
+                tensor_parallel_size, model_source.path, model_source.dtype, self.device.type,
+                max_model_len=model_source.max_model_len, backend=self.config.backend,
+                timeout_s=self.config.timeout_s, cpu_threads=cpu_threads, with_tokenizer=False)
+            self.model, self.device = loaded.model, loaded.model.device
         dist.barrier()  # nobody times a request while a peer is still loading
 
     def _init_device(self, cpu_threads: int) -> None:
@@ -174,6 +190,9 @@ class ChainRank:
         except Exception as e:
             self.sink.fail(self.config.rank, self.request_id, f"rank {self.config.rank}: {e!r}")
             raise
+        finally:
+            if self.followers is not None:
+                self.followers.close()
         dist.destroy_process_group()
 
     def _next_request(self) -> tuple[list[int], torch.Tensor | None]:
@@ -241,6 +260,8 @@ class ChainRank:
         logits = None
         if end > start:
             kv = _LayerTap(transport, self.on_layer) if self.is_tail and self.on_layer else transport
+            if self.followers is not None:  # the transport holds every head
+                kv = GatheredKV(kv, self.model.head_gather, self.followers.group)
             logits = prefill(self.model, token_ids[start:end],
                              torch.arange(start, end, device=self.device), kv,
                              observer=observer, want_logits=self.is_tail)
