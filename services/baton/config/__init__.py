@@ -33,6 +33,7 @@ from baton.config.scheduler import (
 from baton.config.services import DecodeServiceConfig, GatewayServiceConfig, PrefillServiceConfig
 from baton.config.serving import (
     AuthConfig,
+    DecodeHttpConfig,
     HttpConfig,
     MtlsConfig,
     RoutingConfig,
@@ -44,7 +45,7 @@ from baton.config.train import TrainConfig
 __all__ = [
     "CHAIN_BACKENDS", "CHAIN_FAILURE_POLICIES", "DEVICES", "DTYPES", "GATEWAY_POLICIES",
     "KV_SHIPPING", "KV_TRANSPORTS", "PYRAMID_POLICIES", "RUNAHEAD_MODES", "SCHEDULER_POLICIES",
-    "AuthConfig", "ChainConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
+    "AuthConfig", "ChainConfig", "DecodeHttpConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
     "GatewayServiceConfig", "HttpConfig", "KVPoolConfig", "KVTransportConfig", "ModelSourceConfig",
     "MtlsConfig", "PlannerConfig", "PrefillServiceConfig", "PyramidConfig", "RoutingConfig",
     "SchedulerConfig", "ServerConfig", "StreamConfig", "TrainConfig",

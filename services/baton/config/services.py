@@ -10,6 +10,7 @@ from baton.config.model import KVPoolConfig, ModelSourceConfig
 from baton.config.scheduler import PyramidConfig, SchedulerConfig
 from baton.config.serving import (
     AuthConfig,
+    DecodeHttpConfig,
     HttpConfig,
     MtlsConfig,
     RoutingConfig,
@@ -31,6 +32,12 @@ class DecodeServiceConfig:
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     mtls: MtlsConfig = field(default_factory=MtlsConfig)
+    # The pod's own OpenAI door (an InferencePool endpoint): it routes as the gateway does
+    # (``gateway``: policy, threshold, chain failures) among itself and the chains, and
+    # takes the gateway's API keys (``auth``).
+    http: DecodeHttpConfig = field(default_factory=DecodeHttpConfig)
+    gateway: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 @dataclass
