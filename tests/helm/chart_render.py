@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import helm_python
@@ -57,19 +58,32 @@ def _closed(schema: dict) -> dict:
     return schema
 
 
-def crd_schema(kind: str) -> dict:
-    for path in (CHART / "crds").glob("*.yaml"):
+# Other projects' CRDs for kinds the chart renders (each file names its project and release).
+PROJECT_CRDS = Path(__file__).resolve().parent / "crds"
+
+
+@functools.cache
+def _crds() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> its schema, of baton's CRDs and the other projects'."""
+    found = {}
+    for path in [*(CHART / "crds").glob("*.yaml"), *PROJECT_CRDS.glob("*.yaml")]:
         crd = yaml.safe_load(path.read_text())
-        if crd["spec"]["names"]["kind"] == kind:
-            return _closed(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
-    raise KeyError(kind)
+        for version in crd["spec"]["versions"]:
+            found[f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"]] = \
+                version["schema"]["openAPIV3Schema"]
+    return found
+
+
+def crd_schema(kind: str, api_version: str = "baton.dev/v1alpha1") -> dict:
+    return _closed(_crds()[api_version, kind])
 
 
 def validate(obj: dict) -> None:
-    """Built-in kinds against Kubernetes' own schemas (strict: unknown fields fail);
-    baton's kinds against the CRDs' OpenAPI schemas (CEL rules are the API server's job)."""
-    if obj["apiVersion"].startswith("baton.dev/"):
+    """Built-in kinds against Kubernetes' own schemas (strict: unknown fields fail); kinds of
+    a CRD (baton's, or another project's kept in ``PROJECT_CRDS``) against its OpenAPI schema
+    (CEL rules are the API server's job)."""
+    if (obj["apiVersion"], obj["kind"]) in _crds():
         # OpenAPI v3.0 schemas use draft-4 style exclusiveMinimum/Maximum booleans.
-        jsonschema.Draft4Validator(crd_schema(obj["kind"])).validate(obj)
+        jsonschema.Draft4Validator(crd_schema(obj["kind"], obj["apiVersion"])).validate(obj)
     else:
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)

@@ -109,15 +109,12 @@ class PodRouter:
                       chain_id=decision.chain.chain_id if decision.chain else "",
                       reason=decision.reason)
         if decision.chain is None:
-            steps = self._local(request_id, request, prompt_ids, salt)
+            steps = self._local(request_id, request, prompt_ids, salt, route)
         else:
-            steps = self._through_chain(request_id, request, prompt_ids, salt, decision, arrival)
+            steps = self._through_chain(request_id, request, prompt_ids, salt, decision, route,
+                                        arrival)
         async with contextlib.aclosing(steps):
             async for step in steps:
-                if step.finish_reason is not None:
-                    step = dataclasses.replace(step, route=dataclasses.replace(
-                        route, partition=step.route.partition if step.route else (),
-                        reason=route.reason))
                 yield step
 
     # --- routing ----------------------------------------------------------------------------
@@ -141,25 +138,25 @@ class PodRouter:
     # --- the two routes ---------------------------------------------------------------------
 
     async def _local(self, request_id: str, request: GenerateRequest, prompt_ids: tuple[int, ...],
-                     salt: str) -> AsyncIterator[GenerationStep]:
+                     salt: str, route: Route) -> AsyncIterator[GenerationStep]:
         """Prefilled and generated here, as a Generate on this pod."""
-        me = self.describe()
         stream = await self._open(convert.decode_request_to_proto(DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=request.sampling,
-            compression=request.compression, incarnation=me.incarnation, cache_salt=salt)))
-        async with contextlib.aclosing(self._steps(stream)) as steps:
+            compression=request.compression, incarnation=self.describe().incarnation,
+            cache_salt=salt)))
+        async with contextlib.aclosing(self._steps(stream, route)) as steps:
             async for step in steps:
                 yield step
 
     async def _through_chain(self, request_id: str, request: GenerateRequest,
                              prompt_ids: tuple[int, ...], salt: str, decision: RouteDecision,
-                             arrival: float) -> AsyncIterator[GenerationStep]:
+                             route: Route, arrival: float) -> AsyncIterator[GenerationStep]:
         """Prefilled by a chain that pushes the KV here; recomputed here when the chain fails
         it before its first token (and the request is not pinned to a chain)."""
         chain = decision.chain
         try:
             steps, first = await self._first_from_chain(request_id, request, prompt_ids, salt,
-                                                       decision)
+                                                       decision, route)
         except (grpc.RpcError, ChainIncomplete) as e:
             code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
             if (code not in POD_FAILURES or self.config.chain_failure != "recompute"
@@ -169,7 +166,10 @@ class PodRouter:
             log.warning("request %s: chain %s failed it (%s); prefilling it here", request_id,
                         chain.chain_id, _describe(e))
             self.servicer.worker.abort(request_id)  # a late push under its id is refused
-            async for step in self._local(request_id, request, prompt_ids, salt):
+            here = Route(decode_address=route.decode_address, reason=(
+                f"{route.reason}; chain {chain.chain_id} failed it ({code.name}): prefilled on "
+                f"the decode pod"))
+            async for step in self._local(request_id, request, prompt_ids, salt, here):
                 yield step
             return
         # vLLM's request latencies of a pushed request are its front end's (this door's)
@@ -181,8 +181,8 @@ class PodRouter:
         self.metrics.vllm.latencies.e2e_s.observe(time.monotonic() - arrival)
 
     async def _first_from_chain(self, request_id: str, request: GenerateRequest,
-                                prompt_ids: tuple[int, ...], salt: str, decision: RouteDecision
-                                ) -> tuple[AsyncIterator[GenerationStep], GenerationStep]:
+                                prompt_ids: tuple[int, ...], salt: str, decision: RouteDecision,
+                                route: Route) -> tuple[AsyncIterator[GenerationStep], GenerationStep]:
         """Queue the prompt on the chain; once it has started, attach to the push here and
         take the first token it brings: the stream's steps and that first one. Raises when
         the chain fails first (its call fails)."""
@@ -214,7 +214,7 @@ class PodRouter:
                                                        GenerationStep]:
             stream = await self._open(decode_pb2.AttachRequest(
                 request_id=request_id, wait_s=self.config.kv_wait_s, incarnation=me.incarnation))
-            steps = self._steps(stream)
+            steps = self._steps(stream, route)
             try:
                 return steps, await anext(steps)
             except BaseException:
@@ -239,9 +239,13 @@ class PodRouter:
         """A Generate's or an Attach's stream on this pod, as its gRPC calls open them."""
         return await self.servicer.open_stream(self.servicer.worker, request)
 
-    async def _steps(self, stream: RequestStream) -> AsyncIterator[GenerationStep]:
-        """The stream's steps (``DecodeServicer.steps``: a reader who leaves aborts it)."""
+    async def _steps(self, stream: RequestStream, route: Route) -> AsyncIterator[GenerationStep]:
+        """The stream's steps (``DecodeServicer.steps``: a reader who leaves aborts it), the
+        last with the route it took (a chain's partition from the push's header)."""
         async for step, _ in self.servicer.steps(self.servicer.worker, stream):
+            if step.finish_reason is not None:
+                step = dataclasses.replace(step, route=dataclasses.replace(
+                    route, partition=step.route.partition if step.route else ()))
             yield step
 
     async def close(self) -> None:
