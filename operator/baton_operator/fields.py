@@ -96,6 +96,8 @@ SPEC_FIELDS: list[SpecField] = [
              "reroute_wait_s"),
     # Port 0 (off) is spelled `enabled: false` in the spec.
     *section("gateway.http", HttpConfig, "port", schema={"port": {"minimum": 1}}),
+    *section("decode.http", HttpConfig, "port", schema={"port": {"minimum": 1, "description": (
+        "port of each decode pod's own OpenAI HTTP API (with decode.http.enabled)")}}),
     *section("autoscaling", PlannerConfig, "ttft_p90_s", "itl_p90_s", "interval_s",
              "scale_up_cooldown_s", "scale_down_cooldown_s",
              schema={"interval_s": {"minimum": 1}}),  # a scrape a second at most

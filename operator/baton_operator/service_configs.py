@@ -10,6 +10,7 @@ from typing import Any
 
 from baton.config import (
     AuthConfig,
+    DecodeHttpConfig,
     DecodeServiceConfig,
     GatewayServiceConfig,
     ModelSourceConfig,
@@ -112,12 +113,26 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
 
 
 def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeServiceConfig:
+    """A decode pod's; with its own OpenAI door on, the door routes as the gateway does (the
+    same routing settings) and takes the gateway's API keys."""
+    http = DecodeHttpConfig()
+    if spec.decode.http.port:
+        _check_http_port(spec.decode.http.port, "decode", DECODE_PORT)
+        http = DecodeHttpConfig(**{**dataclasses.asdict(spec.decode.http), "host": "0.0.0.0"})
     return DecodeServiceConfig(
         server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec, "decode"), kv=spec.decode.kv,
         tensor_parallel=dataclasses.replace(spec.decode.tensor_parallel,
                                             backend="nccl" if spec.gpu.per_pod else "gloo"),
         kv_transport=spec.kv_transport, scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
-        routing=_routing(name, namespace, spec), mtls=_mtls(spec), log=spec.log, otlp=spec.otlp)
+        routing=_routing(name, namespace, spec), mtls=_mtls(spec), http=http, log=spec.log, otlp=spec.otlp,
+        gateway=spec.gateway.routing,
+        auth=AuthConfig(api_keys_file=_api_keys_file(spec) if spec.decode.http.port else ""))
+
+
+def _check_http_port(port: int, role: str, grpc_port: int) -> None:
+    if port in (grpc_port, METRICS_PORT):
+        raise InvalidSpec(f"spec.{role}.http.port {port} is the {role} pod's "
+                          f"{'gRPC' if port == grpc_port else 'metrics'} port: pick another")
 
 
 def _api_keys_file(spec: ServiceSpec) -> str:
@@ -127,10 +142,7 @@ def _api_keys_file(spec: ServiceSpec) -> str:
 
 
 def gateway_config(name: str, namespace: str, spec: ServiceSpec) -> GatewayServiceConfig:
-    http_port = spec.gateway.http.port
-    if http_port in (GATEWAY_PORT, METRICS_PORT):
-        raise InvalidSpec(f"spec.gateway.http.port {http_port} is the gateway pod's "
-                          f"{'gRPC' if http_port == GATEWAY_PORT else 'metrics'} port: pick another")
+    _check_http_port(spec.gateway.http.port, "gateway", GATEWAY_PORT)
     server = _server(GATEWAY_PORT, "$(POD_IP)")
     if spec.gateway.tls_secret_name:  # clients' TLS on the public gRPC port (no client certificate)
         server = dataclasses.replace(server, tls_cert=f"{TLS_DIR}/tls.crt", tls_key=f"{TLS_DIR}/tls.key")

@@ -97,6 +97,8 @@ class DecodeSpec:
     stream: StreamConfig = field(default_factory=StreamConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     max_model_len: int = 0  # the decode pods' own limit; 0 = spec.model's
+    # each pod's own OpenAI door (an InferencePool endpoint); port 0 = off, the default
+    http: HttpConfig = field(default_factory=lambda: HttpConfig(port=0))
     resources: dict = field(default_factory=dict)
 
 
@@ -255,16 +257,19 @@ def _read_decode(spec: dict) -> DecodeSpec:
         stream=_settings(spec, "decode", StreamConfig),
         tensor_parallel=_settings(spec, "decode", TensorParallelConfig, section="decode"),
         max_model_len=_max_model_len(spec, "decode"),
+        http=_read_http(spec, "decode", enabled=False),
         resources=decode.get("resources") or {})
 
 
-def _read_http(spec: dict, gateway: dict) -> HttpConfig:
-    http = gateway.get("http") or {}
-    enabled = http.get("enabled", True)
+def _read_http(spec: dict, role: str, enabled: bool) -> HttpConfig:
+    """``spec.<role>.http``: its port, or port 0 unless ``enabled`` (the role's default)."""
+    http = _section(spec, role).get("http") or {}
+    enabled = http.get("enabled", enabled)
     if not isinstance(enabled, bool):
-        raise InvalidSpec(f"spec.gateway.http.enabled must be true or false, got {enabled!r}")
-    _count(http, "gateway.http", "port", HttpConfig.port, minimum=1)  # 0 is `enabled: false`
-    config = _settings(spec, "gateway.http", HttpConfig)
+        raise InvalidSpec(f"spec.{role}.http.enabled must be true or false, got {enabled!r}")
+    where = f"{role}.http"
+    _count(http, where, "port", HttpConfig.port, minimum=1)  # 0 is `enabled: false`
+    config = _settings(spec, where, HttpConfig, section=where)
     return config if enabled else dataclasses.replace(config, port=0)
 
 
@@ -284,7 +289,7 @@ def _read_gateway(spec: dict) -> GatewaySpec:
         tls_secret_name=(gateway.get("tls") or {}).get("secretName", ""),
         api_keys_secret_name=api_keys.get("secretName", ""),
         api_keys_secret_key=api_keys_key,
-        http=_read_http(spec, gateway),
+        http=_read_http(spec, "gateway", enabled=True),
         routing=_settings(spec, "routing", GatewayRoutingConfig),
         resources=gateway.get("resources") or {})
 

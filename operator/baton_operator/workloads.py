@@ -112,7 +112,7 @@ def _volumes(name: str, spec: ServiceSpec, role: str) -> tuple[list[dict], list[
     if role == "gateway" and spec.gateway.tls_secret_name:
         volumes.append({"name": "tls", "secret": {"secretName": spec.gateway.tls_secret_name}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-    if role == "gateway" and spec.gateway.api_keys_secret_name:
+    if (role == "gateway" or _http_port(spec, role)) and spec.gateway.api_keys_secret_name:
         # No subPath: the kubelet updates a whole-volume mount when the Secret changes, and
         # the gateway re-reads the file. A key missing from the Secret keeps the pod from starting.
         key = spec.gateway.api_keys_secret_key
@@ -120,6 +120,12 @@ def _volumes(name: str, spec: ServiceSpec, role: str) -> tuple[list[dict], list[
             "secretName": spec.gateway.api_keys_secret_name, "items": [{"key": key, "path": key}]}})
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     return volumes, mounts
+
+
+def _http_port(spec: ServiceSpec, role: str) -> int:
+    """The role's OpenAI HTTP port: the gateway's, or each decode pod's own door (an
+    InferencePool endpoint); 0 = none."""
+    return {"gateway": spec.gateway.http.port, "decode": spec.decode.http.port}.get(role, 0)
 
 
 def _resources(spec: ServiceSpec, role: str, requested: dict) -> dict:
@@ -164,8 +170,9 @@ def pod_template(name: str, spec: ServiceSpec, role: str, args: list[str], port:
                                                        "containerPort": METRICS_PORT}]
     if role == "prefill":
         ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT})
-    if role == "gateway" and spec.gateway.http.port:
-        ports.append({"name": "http", "containerPort": spec.gateway.http.port})
+    http_port = _http_port(spec, role)
+    if http_port:
+        ports.append({"name": "http", "containerPort": http_port})
     annotations = {}
     if role == "prefill" and spec.prefill.partition_table:
         # A new table must restart the chains that read it at startup.

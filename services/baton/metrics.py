@@ -86,6 +86,10 @@ class DecodeMetrics:
         self.requests_finished = Counter(
             "baton_decode_requests_finished_total", "finished requests, by finish reason",
             ["reason"], registry=registry)
+        self.door_requests_refused = Counter(
+            "baton_decode_door_requests_refused_total", "requests the pod's own OpenAI door "
+            "(--http-port) refused before routing them, by gRPC status", ["code"],
+            registry=registry)
         self.prefix_lookups = Counter(
             "baton_decode_prefix_cache_lookups_total", "prompts admitted that looked for a cached "
             "prefix (hit rate by requests: hits / lookups)", registry=registry)

@@ -23,7 +23,8 @@ def cluster(tmp_path_factory):
                        prefill_threshold_tokens=CHAIN_THRESHOLD_TOKENS,
                        chain_break_even=False,  # the chain's measured break-even is past the
                        # shipped model's context: the threshold alone sends prompts to the chain
-                       heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S, gateway_http_port=free_port())
+                       heartbeat_s=0.5, worker_ttl_s=WORKER_TTL_S, gateway_http_port=free_port(),
+                       decode_http=True)  # each decode pod's own door too (test_decode_door)
     with LocalCluster(spec, log_dir=tmp_path_factory.mktemp("cluster-logs")) as running:
         yield running
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import helm_python
@@ -58,24 +59,32 @@ def _closed(schema: dict) -> dict:
     return schema
 
 
-def crd_schema(api_version: str, kind: str) -> dict | None:
-    """The schema of ``api_version``/``kind`` from baton's CRDs (the chart's) or another
-    project's kept as test data (``crds/``, see its README); None for a built-in kind."""
-    group, version = api_version.split("/") if "/" in api_version else ("", api_version)
-    for path in [*(CHART / "crds").glob("*.yaml"), *OTHER_CRDS.glob("*.yaml")]:
+# Other projects' CRDs for kinds the chart renders (each file names its project and release).
+PROJECT_CRDS = Path(__file__).resolve().parent / "crds"
+
+
+@functools.cache
+def _crds() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> its schema, of baton's CRDs and the other projects'."""
+    found = {}
+    for path in [*(CHART / "crds").glob("*.yaml"), *PROJECT_CRDS.glob("*.yaml")]:
         crd = yaml.safe_load(path.read_text())
-        if crd["spec"]["names"]["kind"] == kind and crd["spec"]["group"] == group:
-            (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
-            return _closed(served["schema"]["openAPIV3Schema"])
-    return None
+        for version in crd["spec"]["versions"]:
+            found[f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"]] = \
+                version["schema"]["openAPIV3Schema"]
+    return found
+
+
+def crd_schema(kind: str, api_version: str = "baton.dev/v1alpha1") -> dict:
+    return _closed(_crds()[api_version, kind])
 
 
 def validate(obj: dict) -> None:
-    """Built-in kinds against Kubernetes' own schemas (strict: unknown fields fail); custom
-    kinds against their CRDs' OpenAPI schemas (CEL rules are the API server's job)."""
-    schema = crd_schema(obj["apiVersion"], obj["kind"])
-    if schema is not None:
+    """Built-in kinds against Kubernetes' own schemas (strict: unknown fields fail); kinds of
+    a CRD (baton's, or another project's kept in ``PROJECT_CRDS``) against its OpenAPI schema
+    (CEL rules are the API server's job)."""
+    if (obj["apiVersion"], obj["kind"]) in _crds():
         # OpenAPI v3.0 schemas use draft-4 style exclusiveMinimum/Maximum booleans.
-        jsonschema.Draft4Validator(schema).validate(obj)
+        jsonschema.Draft4Validator(crd_schema(obj["kind"], obj["apiVersion"])).validate(obj)
     else:
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)

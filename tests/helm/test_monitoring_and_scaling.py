@@ -105,7 +105,7 @@ def test_the_documented_hpa_scales_a_pool_on_a_series_the_pods_export():
     (hpa,) = _documented_kind("HorizontalPodAutoscaler")
     validate(hpa)  # autoscaling/v2, strictly
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "BatonPool"
-    assert crd_schema(hpa["spec"]["scaleTargetRef"]["apiVersion"], "BatonPool") is not None
+    assert crd_schema("BatonPool", hpa["spec"]["scaleTargetRef"]["apiVersion"]) is not None
     (adapter,) = [doc for doc in _documented() if "rules" in doc]  # prometheus-adapter's
     (rule,) = adapter["rules"]
     (series,) = SERIES.findall(rule["seriesQuery"])

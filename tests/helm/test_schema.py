@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import yaml
-from baton.config import ModelSourceConfig
+from baton.config import HttpConfig, ModelSourceConfig
 from baton.registry import Registry
 from baton_operator import schema, workloads
 from baton_operator.fields import SPEC_FIELDS, SpecField, camel_case
@@ -93,6 +93,11 @@ def test_the_operator_reads_every_generated_key_into_its_setting(spec_field):
         role_config = {"prefill": workloads.prefill_config("demo", "ns", read, 0),
                        "decode": workloads.decode_config("demo", "ns", read)}
         assert role_config[spec_field.section].model.max_model_len == value
+        return
+    if spec_field.config is HttpConfig:  # the gateway's and the decode pods' own, each its role's
+        node["enabled"] = True
+        role = spec_field.section.split(".")[0]
+        assert getattr(getattr(read_spec(spec, "img"), role).http, spec_field.name) == value
         return
     read = read_spec(spec, "img")
     configs = [c for c in _configs(read) if type(c) is spec_field.config]

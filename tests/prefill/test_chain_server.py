@@ -255,7 +255,7 @@ def test_the_chains_rendezvous_listens_on_rank_0s_address_only(chain):
     assert listening_addresses(chain.master_port) == ["0100007F"]
 
 
-def test_the_prefill_port_takes_only_a_gateway_certificate_of_the_ca(chain, pki, authority, tmp_path):
+def test_the_prefill_port_takes_only_a_gateway_or_decode_certificate_of_the_ca(chain, pki, authority, tmp_path):
     address = f"127.0.0.1:{chain.grpc_port}"
     stranger = Authority.create("another CA").write(tmp_path / "stranger", "gateway")
     expired = authority.write(tmp_path / "expired", "gateway", expired=True)
@@ -272,8 +272,9 @@ def test_the_prefill_port_takes_only_a_gateway_certificate_of_the_ca(chain, pki,
     assert stats(pki["gateway"]) == grpc.StatusCode.OK
     for refused in (MtlsConfig(insecure=True), stranger, expired):
         assert stats(refused) == grpc.StatusCode.UNAVAILABLE
-    # of the CA, but not a gateway's
-    with Mtls(pki["decode"]).channel(address, []) as channel, pytest.raises(grpc.RpcError) as error:
+    # of the CA, but neither a gateway's nor a decode pod's (whose own door sends long
+    # prompts to chains): another rank's
+    with Mtls(pki["prefill"]).channel(address, []) as channel, pytest.raises(grpc.RpcError) as error:
         list(prefill_pb2_grpc.PrefillStub(channel).Prefill(
-            prefill_request("as-decode", "127.0.0.1:1"), timeout=10))
+            prefill_request("as-prefill", "127.0.0.1:1"), timeout=10))
     assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED

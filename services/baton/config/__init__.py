@@ -35,6 +35,7 @@ from baton.config.scheduler import (
 from baton.config.services import DecodeServiceConfig, GatewayServiceConfig, PrefillServiceConfig
 from baton.config.serving import (
     AuthConfig,
+    DecodeHttpConfig,
     HttpConfig,
     MtlsConfig,
     RoutingConfig,
@@ -46,7 +47,7 @@ from baton.config.train import TrainConfig
 __all__ = [
     "CHAIN_BACKENDS", "CHAIN_FAILURE_POLICIES", "DEVICES", "DTYPES", "GATEWAY_POLICIES",
     "KV_SHIPPING", "KV_TRANSPORTS", "LOG_FORMATS", "LOG_LEVELS", "PYRAMID_POLICIES", "RUNAHEAD_MODES", "SCHEDULER_POLICIES",
-    "AuthConfig", "ChainConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
+    "AuthConfig", "ChainConfig", "DecodeHttpConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
     "GatewayServiceConfig", "HttpConfig", "KVPoolConfig", "KVTransportConfig", "LogConfig", "ModelSourceConfig",
     "MtlsConfig", "OtlpConfig", "PlannerConfig", "PrefillServiceConfig", "PyramidConfig", "RoutingConfig",
     "SchedulerConfig", "ServerConfig", "StreamConfig", "TensorParallelConfig", "TrainConfig",

@@ -12,6 +12,7 @@ from baton.config.parallel import TensorParallelConfig
 from baton.config.scheduler import PyramidConfig, SchedulerConfig
 from baton.config.serving import (
     AuthConfig,
+    DecodeHttpConfig,
     HttpConfig,
     MtlsConfig,
     RoutingConfig,
@@ -36,6 +37,12 @@ class DecodeServiceConfig:
     mtls: MtlsConfig = field(default_factory=MtlsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     otlp: OtlpConfig = field(default_factory=OtlpConfig)
+    # The pod's own OpenAI door (an InferencePool endpoint): it routes as the gateway does
+    # (``gateway``: policy, threshold, chain failures) among itself and the chains, and
+    # takes the gateway's API keys (``auth``).
+    http: DecodeHttpConfig = field(default_factory=DecodeHttpConfig)
+    gateway: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 @dataclass

@@ -103,6 +103,20 @@ class HttpConfig:
         require(bool(self.host), "http host must not be empty")
 
 
+@settings("http")
+class DecodeHttpConfig(HttpConfig):
+    """A decode pod's own OpenAI door (the gateway's, over the pod's router): what makes the
+    pod a Gateway API InferencePool endpoint. Off unless asked."""
+
+    port: int = setting(0, "port of the decode pod's own OpenAI-compatible HTTP API "
+                        "(/v1/completions, /v1/chat/completions, /v1/models, /health, and "
+                        "/metrics with the pod's vLLM-named series); 0 = off",
+                        minimum=0, maximum=65535)
+
+    def __post_init__(self) -> None:
+        HttpConfig.__post_init__(self)  # (the @settings wrapper runs only the class's own)
+
+
 @settings("auth")
 class AuthConfig:
     api_keys_file: str = setting("", "file of API keys clients must present (gRPC `authorization: "

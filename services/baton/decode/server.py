@@ -25,6 +25,7 @@ from baton.api.v1 import decode_pb2
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import DecodeServiceConfig
 from baton.config.model import served_model_names
+from baton.decode.door import open_door
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
@@ -95,7 +96,19 @@ class DecodeServer:
         self.watchdog = (EngineWatchdog(self.worker, config.scheduler.step_stall_s,
                                         self._engine_stalled).start()
                          if config.scheduler.step_stall_s else None)
+        self._init_door()
         self.grpc.set_serving(True)
+
+    def _init_door(self) -> None:
+        """The pod's own OpenAI door when asked (``http.port``): an InferencePool endpoint."""
+        self.door = self.door_router = None
+        self.http_port = 0
+        if not self.config.http.port:
+            return
+        self.door, self.door_router = open_door(self.config, self.store, self.servicer,
+                                                self.describe, self.metrics,
+                                                ready=lambda: self.grpc.serving)
+        self.http_port = self.grpc.call(self.door.start())
 
     def _register(self, server) -> None:
         framing.add_decode_servicer(self.servicer, server)  # PushKV's chunks without copies
@@ -195,7 +208,10 @@ class DecodeServer:
         if self.prefix_publisher is not None:
             self.prefix_publisher.stop()
         self.servicer.drain()
-        self.grpc.stop(grace_s)
+        if self.door is not None:  # the door's streams drain beside the gRPC calls
+            self.grpc.stop(grace_s, cleanup=self.door_router.close, alongside=self.door.stop)
+        else:
+            self.grpc.stop(grace_s)
         self.worker.stop()
         if self.followers is not None:
             self.followers.close()

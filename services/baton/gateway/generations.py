@@ -33,7 +33,7 @@ from baton.api.requests import (
     Timings,
     tenant_salt,
 )
-from baton.errors import InvalidArgument, Passed, PermissionDenied
+from baton.errors import Passed, PermissionDenied
 from baton.gateway.relay import ChainIncomplete, Relay
 from baton.gateway.request_table import LiveRequest, RequestTable
 from baton.gateway.routing_policy import (
@@ -42,6 +42,7 @@ from baton.gateway.routing_policy import (
     RoutedPrompt,
     RoutingPolicy,
     WorkersFull,
+    prefill_route_of,
 )
 from baton.gateway.served_model import ServedModel
 from baton.logs import log_request, request_log_enabled
@@ -256,7 +257,7 @@ class Generations:
             raise NoLiveWorkers("the gateway is shutting down")
         prompt_ids = self.model.prompt_ids(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        pinned = _prefill_route(request)
+        pinned = prefill_route_of(request)
         routing_began = time.monotonic()
         try:
             snapshot = self._snapshot()
@@ -349,6 +350,7 @@ class Generations:
         return found
 
 
+
 def _route_attributes(decision: RouteDecision, pinned: str) -> dict[str, object]:
     return {"baton.route.path": "local" if decision.chain is None else "chain",
             "baton.route.reason": decision.reason, "baton.route.pinned": pinned,
@@ -373,15 +375,3 @@ def _log_and_trace(span, live: LiveRequest, clock: StreamClock, outcome: str) ->
         tracing.end(span, now, {f"baton.{key}": value for key, value in fields.items()
                                 if value is not None})
 
-
-def _prefill_route(request: GenerateRequest) -> str:
-    """Where the request may be prefilled: as the caller pinned it, but on the decode pod for
-    prompt log probabilities (a chain's ranks each hold a slice of the prompt's last hidden
-    states, and its tail computes only the last position's logits)."""
-    if request.sampling.prompt_logprobs is None:
-        return request.prefill_route
-    if request.prefill_route == "chain":
-        raise InvalidArgument("prompt log probabilities (prompt_logprobs, or echo with logprobs) "
-                              "are computed on the local route: prefill_route 'chain' cannot "
-                              "give them")
-    return "local"

@@ -280,7 +280,7 @@ class Relay:
         events = aiter(prefill)
         first = chain = None
         try:
-            if await _chain_event(events) is None:
+            if await chain_event(events) is None:
                 raise ChainIncomplete(f"chain {decision.chain.chain_id} ended request "
                                       f"{live.request_id!r} before starting it")
             attach = self.channels.session(decision.decode.address).attach(
@@ -290,7 +290,7 @@ class Relay:
             live.watch(attach)
             steps = aiter(attach)
             first = asyncio.ensure_future(anext(steps, None))
-            chain = asyncio.ensure_future(_until_the_call_ends(events))
+            chain = asyncio.ensure_future(until_the_call_ends(events))
             await asyncio.wait((first, chain), return_when=asyncio.FIRST_COMPLETED)
             if not first.done() and chain.exception() is not None:
                 attach.cancel()
@@ -372,7 +372,7 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-async def _chain_event(events):
+async def chain_event(events):
     """The Prefill call's next message, None at its end (its one message says the chain
     started the request; its failure, that the chain broke first). The relay cancels this
     read before it cancels the call, so a CANCELLED call here was cancelled by rank 0's
@@ -385,7 +385,7 @@ async def _chain_event(events):
         raise ChainIncomplete(f"the chain's rank 0 ended the call as it stopped: {e.details()}") from e
 
 
-async def _until_the_call_ends(events) -> None:
-    """Read the rest of a Prefill call (``_chain_event``)."""
-    while await _chain_event(events) is not None:
+async def until_the_call_ends(events) -> None:
+    """Read the rest of a Prefill call (``chain_event``)."""
+    while await chain_event(events) is not None:
         pass

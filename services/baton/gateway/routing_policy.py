@@ -16,8 +16,9 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from baton.api.requests import GenerateRequest
 from baton.config import GATEWAY_POLICIES, GatewayRoutingConfig
-from baton.errors import ResourceExhausted, Unavailable
+from baton.errors import InvalidArgument, ResourceExhausted, Unavailable
 from baton.routing import RoutingSnapshot, WorkerInfo
 
 
@@ -92,3 +93,17 @@ register_policy = POLICIES.register
 
 def create_policy(config: GatewayRoutingConfig, model_id: str) -> RoutingPolicy:
     return POLICIES.get(config.policy)(config, model_id)
+
+
+def prefill_route_of(request: GenerateRequest) -> str:
+    """Where the request may be prefilled: as the caller pinned it, but on the decode pod for
+    prompt log probabilities (a chain's ranks each hold a slice of the prompt's last hidden
+    states, and its tail computes only the last position's logits). Every router asks this:
+    the gateway's and a decode pod's own door's."""
+    if request.sampling.prompt_logprobs is None:
+        return request.prefill_route
+    if request.prefill_route == "chain":
+        raise InvalidArgument("prompt log probabilities (prompt_logprobs, or echo with logprobs) "
+                              "are computed on the local route: prefill_route 'chain' cannot "
+                              "give them")
+    return "local"

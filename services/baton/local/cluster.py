@@ -120,9 +120,7 @@ class LocalCluster:
             textfile = ["--http-metrics-textfile", str(self.planner_textfile)] if self.spec.autoscale else []
             self._spawn("gateway", "gateway", [
                 "--server-listen", self.spec.gateway_listen,
-                "--http-port", str(self.spec.gateway_http_port),
-                "--gateway-prefill-threshold-tokens", str(self.spec.prefill_threshold_tokens),
-                "--gateway-chain-break-even", str(self.spec.chain_break_even).lower(),
+                "--http-port", str(self.spec.gateway_http_port), *self._routing_args(),
                 *textfile])
             self.wait_until_registered(timeout_s)
         except BaseException:
@@ -136,6 +134,11 @@ class LocalCluster:
         self.redis = ManagedRedis(self.log_dir)
         self.redis.wait_ready(timeout_s)
         self.redis_url = self.redis.url
+
+    def _routing_args(self) -> list[str]:
+        """How the gateway routes, and a decode pod's own door as well (one rule)."""
+        return ["--gateway-prefill-threshold-tokens", str(self.spec.prefill_threshold_tokens),
+                "--gateway-chain-break-even", str(self.spec.chain_break_even).lower()]
 
     def _chain_args(self, rank: int) -> list[str]:
         from baton.runahead.worker import local_backend  # torch: only when there is a chain
@@ -160,6 +163,8 @@ class LocalCluster:
             process = popen_dying_with_parent(command, stdout=log_file, stderr=subprocess.STDOUT,
                                                env=env)
         child = Child(name, role, process, log_path, args, metrics_port, log_start)
+        if role == "decode" and "--http-port" in args:  # its door (kept on a restart)
+            child.http_port = int(args[args.index("--http-port") + 1])
         self.children.append(child)
         return child
 
@@ -337,7 +342,12 @@ class LocalCluster:
     def add_decode_worker(self) -> Child:
         """Start one more decode pod; it joins routing by itself once it registers."""
         self._num_decode_started += 1
-        return self._spawn(f"decode-{self._num_decode_started - 1}", "decode", [])
+        door = ["--http-port", str(free_port()), *self._routing_args()] if self.spec.decode_http else []
+        return self._spawn(f"decode-{self._num_decode_started - 1}", "decode", door)
+
+    def decode_http_url(self, child: Child) -> str:
+        """Base URL of a decode pod's own OpenAI door (``.../v1``; spec.decode_http)."""
+        return f"http://127.0.0.1:{child.http_port}/v1"
 
     # --- autoscaling ----------------------------------------------------------------------
 

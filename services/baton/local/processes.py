@@ -143,6 +143,7 @@ class Child:
     log_path: Path
     args: list[str] = field(default_factory=list)  # the role's own flags, to start it again
     metrics_port: int = 0  # its /metrics (autoscaled clusters only)
+    http_port: int = 0  # a decode pod's own OpenAI door (spec.decode_http only)
     log_start: int = 0  # where this start's output begins in the (appended) log
     port_retries: int = 0  # starts again after losing a port to another process
 

@@ -30,6 +30,9 @@ class ClusterSpec:
     redis_url: str = ""  # empty = start a redis-server for this cluster
     gateway_listen: str = "127.0.0.1:0"
     gateway_http_port: int = 0  # the gateway's OpenAI HTTP API on 127.0.0.1 (0 = off)
+    # every decode pod serves its own OpenAI door too (an InferencePool endpoint's), on a
+    # free port of 127.0.0.1 (``LocalCluster.decode_http_url``)
+    decode_http: bool = False
     prefill_threshold_tokens: int = GatewayRoutingConfig.prefill_threshold_tokens
     # The gateway's chain_break_even: a chain takes only prompts from the length its partition
     # table measured it to pay (on one small machine that is past the shipped model's context,

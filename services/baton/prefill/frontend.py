@@ -44,6 +44,10 @@ from baton.transfer.sender import PUSH_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
+# Who sends a chain prompts: gateways, and decode pods serving their own OpenAI door (an
+# InferencePool endpoint), which push to themselves (``baton.decode.door``).
+CALLERS = ("gateway", "decode")
+
 
 @dataclass
 class Pending:
@@ -147,7 +151,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
 
     async def Prefill(self, request, context) -> AsyncIterator[prefill_pb2.PrefillResponse]:
-        await self._require(context, ("gateway",), "Prefill")
+        await self._require(context, CALLERS, "Prefill")
         if self.unavailable is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
         loop = asyncio.get_running_loop()
@@ -180,7 +184,7 @@ class PrefillFrontend(prefill_pb2_grpc.PrefillServicer):
             self._publish_load()
 
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
-        await self._require(context, ("gateway",), "Abort")
+        await self._require(context, CALLERS, "Abort")
         with self._lock:
             pending = self._live.get(request.request_id)
             if pending is not None:

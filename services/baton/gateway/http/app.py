@@ -3,8 +3,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (and ``/v1/models/{id}``), ``GET /health`` (200 only while a request could be routed),
 ``GET /metrics`` (the gateway's Prometheus registry, then ``http.metrics_textfile``'s
-samples). Generation goes through the same ``Generations`` as gRPC: the same checks,
-routes, limits, migration and aborts.
+samples). Generation goes through a ``Router``: on the gateway the same ``Generations`` as
+gRPC (the same checks, routes, limits, migration and aborts); on a decode pod serving its
+own door (an InferencePool endpoint) ``baton.decode.door.PodRouter``.
 
 Streaming answers are Server-Sent Events: ``data: {chunk}`` per step, ``data: [DONE]`` at
 the end. Errors before the first chunk get their HTTP status and OpenAI's error body;
@@ -21,17 +22,17 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton import tracing
-from baton.api.requests import FinishReason, GenerationStep
+from baton.api.requests import FinishReason, GenerateRequest, GenerationStep
 from baton.config import HttpConfig
 from baton.errors import InvalidArgument, ResourceExhausted
-from baton.gateway.generations import Generations
 from baton.gateway.http.answers import Answer, Choice, returned_choices, total_usage
 from baton.gateway.http.chat_output import ChatOutput
 from baton.gateway.http.chat_template import ChatTemplate
@@ -41,6 +42,7 @@ from baton.gateway.http.events import EventStream
 from baton.gateway.http.generation_plan import PlannedGeneration, plan_generations
 from baton.gateway.http.model_routes import ModelRoutes
 from baton.gateway.http.protocol import BadParameter, Completion, chat_request, completion_request
+from baton.gateway.served_model import ServedModel
 from baton.security.api_keys import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -58,10 +60,23 @@ def _read_textfile(path: str) -> bytes:
     return text if not text or text.endswith(b"\n") else text + b"\n"
 
 
-class OpenAIServer:
-    """The HTTP API of one gateway; ``start`` and ``stop`` run on the gateway's loop."""
+class Router(Protocol):
+    """What the door needs behind it: the model it serves (its checks and tokenizer), a
+    request's steps (the first names its id; admission errors are raised before it) and a
+    count of the requests refused before routing."""
 
-    def __init__(self, config: HttpConfig, generations: Generations, keys: ApiKeys,
+    model: ServedModel
+
+    def generate(self, request: GenerateRequest, arrival: float, owner: str = "",
+                 made_id: bool = False) -> AsyncIterator[GenerationStep]: ...
+
+    def count_refused(self, error: Exception) -> None: ...
+
+
+class OpenAIServer:
+    """The HTTP API of one gateway (or decode pod); ``start`` and ``stop`` run on its loop."""
+
+    def __init__(self, config: HttpConfig, generations: Router, keys: ApiKeys,
                  chat_template: ChatTemplate | None, registry, ready: Callable[[], bool],
                  max_streams: int, max_body_bytes: int, stall_s: float) -> None:
         self.config = config
