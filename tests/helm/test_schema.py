@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import yaml
-from baton.config import HttpConfig, ModelSourceConfig
+from baton.config import HttpConfig, ModelSourceConfig, TensorParallelConfig
 from baton.registry import Registry
 from baton_operator import schema, workloads
 from baton_operator.fields import SPEC_FIELDS, SpecField, camel_case
@@ -98,6 +98,9 @@ def test_the_operator_reads_every_generated_key_into_its_setting(spec_field):
         node["enabled"] = True
         role = spec_field.section.split(".")[0]
         assert getattr(getattr(read_spec(spec, "img"), role).http, spec_field.name) == value
+        return
+    if spec_field.config is TensorParallelConfig:  # each role's own
+        assert getattr(read_spec(spec, "img"), spec_field.section).tensor_parallel.size == value
         return
     read = read_spec(spec, "img")
     configs = [c for c in _configs(read) if type(c) is spec_field.config]

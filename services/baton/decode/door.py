@@ -92,10 +92,10 @@ class PodRouter:
         self.metrics.door_requests_refused.labels(code=convert.status_for(error).name).inc()
 
     async def generate(self, request: GenerateRequest, arrival: float, owner: str = "",
-                       made_id: bool = False) -> AsyncIterator[GenerationStep]:
+                       made_id: bool = False, traceparent: str = "") -> AsyncIterator[GenerationStep]:
         """The request's steps, the first naming its id (``Generations.generate``'s
         contract; ``made_id`` is the door's word that the id is new, which this pod checks
-        anyway)."""
+        anyway; ``traceparent`` goes on to this pod's and the chain's spans)."""
         loop = asyncio.get_running_loop()
         try:
             prompt_ids, decision = await loop.run_in_executor(None, self._route, request, owner)
@@ -109,10 +109,10 @@ class PodRouter:
                       chain_id=decision.chain.chain_id if decision.chain else "",
                       reason=decision.reason)
         if decision.chain is None:
-            steps = self._local(request_id, request, prompt_ids, salt, route)
+            steps = self._local(request_id, request, prompt_ids, salt, route, traceparent)
         else:
             steps = self._through_chain(request_id, request, prompt_ids, salt, decision, route,
-                                        arrival)
+                                        arrival, traceparent)
         async with contextlib.aclosing(steps):
             async for step in steps:
                 yield step
@@ -138,25 +138,26 @@ class PodRouter:
     # --- the two routes ---------------------------------------------------------------------
 
     async def _local(self, request_id: str, request: GenerateRequest, prompt_ids: tuple[int, ...],
-                     salt: str, route: Route) -> AsyncIterator[GenerationStep]:
+                     salt: str, route: Route, traceparent: str = "") -> AsyncIterator[GenerationStep]:
         """Prefilled and generated here, as a Generate on this pod."""
         stream = await self._open(convert.decode_request_to_proto(DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=request.sampling,
             compression=request.compression, incarnation=self.describe().incarnation,
-            cache_salt=salt)))
+            cache_salt=salt, traceparent=traceparent)))
         async with contextlib.aclosing(self._steps(stream, route)) as steps:
             async for step in steps:
                 yield step
 
     async def _through_chain(self, request_id: str, request: GenerateRequest,
                              prompt_ids: tuple[int, ...], salt: str, decision: RouteDecision,
-                             route: Route, arrival: float) -> AsyncIterator[GenerationStep]:
+                             route: Route, arrival: float,
+                             traceparent: str = "") -> AsyncIterator[GenerationStep]:
         """Prefilled by a chain that pushes the KV here; recomputed here when the chain fails
         it before its first token (and the request is not pinned to a chain)."""
         chain = decision.chain
         try:
             steps, first = await self._first_from_chain(request_id, request, prompt_ids, salt,
-                                                       decision, route)
+                                                       decision, route, traceparent)
         except (grpc.RpcError, ChainIncomplete) as e:
             code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
             if (code not in POD_FAILURES or self.config.chain_failure != "recompute"
@@ -169,7 +170,7 @@ class PodRouter:
             here = Route(decode_address=route.decode_address, reason=(
                 f"{route.reason}; chain {chain.chain_id} failed it ({code.name}): prefilled on "
                 f"the decode pod"))
-            async for step in self._local(request_id, request, prompt_ids, salt, here):
+            async for step in self._local(request_id, request, prompt_ids, salt, here, traceparent):
                 yield step
             return
         # vLLM's request latencies of a pushed request are its front end's (this door's)
@@ -182,7 +183,8 @@ class PodRouter:
 
     async def _first_from_chain(self, request_id: str, request: GenerateRequest,
                                 prompt_ids: tuple[int, ...], salt: str, decision: RouteDecision,
-                                route: Route) -> tuple[AsyncIterator[GenerationStep], GenerationStep]:
+                                route: Route, traceparent: str = ""
+                                ) -> tuple[AsyncIterator[GenerationStep], GenerationStep]:
         """Queue the prompt on the chain; once it has started, attach to the push here and
         take the first token it brings: the stream's steps and that first one. Raises when
         the chain fails first (its call fails)."""
@@ -194,7 +196,7 @@ class PodRouter:
                            compression=request.compression, decode_address=me.address,
                            decode_incarnation=me.incarnation, cache_salt=salt,
                            decode_kv_transport=(me.kv_transport if me.kv_transport in KV_TRANSPORTS
-                                                else "grpc"))))
+                                                else "grpc"), traceparent=traceparent)))
         events = aiter(call)
         queued = self._chain_in_flight.get(chain.address, InFlight())
         self._chain_in_flight[chain.address] = InFlight(queued.requests + 1,
