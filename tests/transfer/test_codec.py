@@ -258,6 +258,8 @@ def test_layer_count_mismatch_is_incompatible():
     ({"byte_order": "middle"}, "byte_order 'middle'"),
     ({"dtype": "int8"}, "dtype 'int8'"),
     ({"checksum_algorithm": "md5"}, "checksum_algorithm 'md5'"),
+    ({"num_kv_heads": 0}, "of 0 kv heads"),
+    ({"num_layers": 0, "layer_num_tokens": ()}, "says 0 layers"),
 ])
 def test_malformed_header_is_rejected_before_allocating(change, message):
     encoded = encode_kv(pyramid_cache(), "req-7", "tiny", "rev-1")

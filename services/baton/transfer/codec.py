@@ -281,6 +281,9 @@ def check_header(header: KVHeader, spec: KVSpec) -> None:
     if header.num_layers != len(header.layer_num_tokens):
         raise KVMalformed(f"KV header says {header.num_layers} layers but gives token counts "
                           f"for {len(header.layer_num_tokens)}")
+    if min(header.num_layers, header.num_kv_heads, header.head_dim) < 1:  # a header says its shape
+        raise KVMalformed(f"KV header says {header.num_layers} layers of {header.num_kv_heads} "
+                          f"kv heads of head_dim {header.head_dim}; each must be >= 1")
     mismatches = header.contract.mismatches(spec.contract)  # the rule routing applies too
     if mismatches:
         raise KVIncompatible(f"the pushed KV does not fit this pod's KV contract: "
