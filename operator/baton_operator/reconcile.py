@@ -3,6 +3,10 @@
     read spec -> size the pools -> build desired children -> apply / prune
               -> read children's readiness -> write status (conditions + ready counts)
 
+Beside Ready, Progressing and Degraded the service's status says whether its chains and decode
+pods will ship and take the same KV (``KVContractMismatch``, ``baton_operator.kv_contract``):
+a pair that does not fit is never routed together, so its chains would stand idle.
+
 Every step reads what is there now and writes only what differs, so running it
 twice in a row writes nothing the second time, and it can run on every event,
 on a timer, or after an operator restart without remembering anything.
@@ -22,7 +26,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from baton_operator import workloads
+from baton_operator import kv_contract, workloads
 from baton_operator.kube import Kube
 from baton_operator.spec import InvalidSpec, ServiceSpec, read_spec
 
@@ -214,6 +218,7 @@ class Reconciler:
                             if c.ready < c.desired)
         generation = service["metadata"].get("generation", 1)
         old = service.get("status") or {}
+        mismatched = kv_contract.mismatches(name, namespace, spec)
         status = {
             "observedGeneration": generation,
             "endpoint": f"{name}-gateway.{namespace}.svc:{workloads.GATEWAY_PORT}",
@@ -224,7 +229,12 @@ class Reconciler:
                        "every role is ready" if ready else f"waiting for {waiting}"),
                 Progressing=(not ready, "Rollout" if not ready else "Stable",
                              f"waiting for {waiting}" if not ready else "nothing to roll out"),
-                Degraded=(False, "SpecValid", "the spec is valid")),
+                Degraded=(False, "SpecValid", "the spec is valid"),
+                KVContractMismatch=(
+                    bool(mismatched), "Mismatch" if mismatched else "Consistent",
+                    f"prefill ships KV decode does not take ({'; '.join(mismatched)}): the "
+                    f"gateways route no request to a chain" if mismatched else
+                    "prefill and decode settings agree on the KV they ship and take")),
         }
         self._patch_status("BatonService", service, status)
         return status

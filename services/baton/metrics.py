@@ -213,6 +213,11 @@ class GatewayMetrics:
             "baton_gateway_chain_fallbacks_total", "chain requests prefilled on a decode pod "
             "instead, after the chain failed them, by the failure's gRPC status", ["code"],
             registry=registry)
+        self.kv_contract_mismatches = Counter(
+            "baton_gateway_kv_contract_mismatches_total", "chains passed over by a routing "
+            "decision because their KV contract does not fit the decode pod's (model revision, "
+            "KV dtype, layout or compression differ; the route's reason names which)",
+            registry=registry)
         self.routing_view_stale = Gauge(
             "baton_gateway_routing_view_stale", "1 while the routing store cannot be read and "
             "the gateway routes from its last view", registry=registry)

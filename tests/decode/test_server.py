@@ -163,9 +163,10 @@ def _header(handoff, **changes):
 
 
 @pytest.mark.parametrize(("change", "code", "named"), [
-    ({"model_id": "other-model"}, grpc.StatusCode.FAILED_PRECONDITION, "other-model"),
-    ({"num_kv_heads": 2}, grpc.StatusCode.FAILED_PRECONDITION, "2"),
-    ({"dtype": "float16"}, grpc.StatusCode.FAILED_PRECONDITION, "float16"),
+    # the KV contract's words, the rule the gateway's routing applies (baton.transfer.contract)
+    ({"model_id": "other-model"}, grpc.StatusCode.FAILED_PRECONDITION, "model 'other-model' != "),
+    ({"num_kv_heads": 2}, grpc.StatusCode.FAILED_PRECONDITION, "num kv heads 2 != "),
+    ({"dtype": "float16"}, grpc.StatusCode.FAILED_PRECONDITION, "kv dtype float16 != float32"),
     ({"total_bytes": 123}, grpc.StatusCode.INVALID_ARGUMENT, "123"),
 ])
 def test_pushed_cache_for_another_model_or_shape_is_refused(stub, server, checkpoint, change,

@@ -8,6 +8,7 @@ import pytest
 from baton.config import GatewayRoutingConfig
 from baton.gateway.routing_policy import InFlight, NoLiveWorkers, WorkersFull, create_policy
 from baton.routing import RoutingSnapshot, WorkerInfo, WorkerLoad
+from baton.transfer.contract import HEADS_COMPLETE, KVContract
 
 MODEL = "tiny"
 
@@ -149,11 +150,48 @@ def test_a_chain_takes_only_prompts_whose_decode_pod_accepts_its_cache(policy):
     bf16 = dataclasses.replace(rank("c1", 0), kv_dtype="bfloat16")
     decision = policy.route(500, snapshot(pod, new_revision, bf16), {})
     assert decision.chain is None and decision.reason == (
-        "prompt of 500 tokens >= prefill_threshold_tokens 100: no live chain computes a cache "
-        "decode pod a:1 takes (revision 'tiny', KV dtype float32): prefilled on the decode pod")
-    with pytest.raises(NoLiveWorkers, match="prefill_route chain, but no live chain computes"):
+        "prompt of 500 tokens >= prefill_threshold_tokens 100: no live chain ships KV decode "
+        "pod a:1 takes (chain c0 skipped: model revision 'rev-2' != 'tiny'; chain c1 skipped: "
+        "kv dtype bfloat16 != float32): prefilled on the decode pod")
+    with pytest.raises(NoLiveWorkers, match="prefill_route chain, but no live chain ships KV"):
         policy.route(5, snapshot(pod, new_revision, bf16), {}, prefill_route="chain")
     fp32 = dataclasses.replace(rank("c2", 0, queued_tokens=900), kv_dtype="float32")
     unsaid = rank("c3", 0, queued_tokens=1000)  # a record without a dtype: any
     assert policy.route(500, snapshot(pod, new_revision, bf16, fp32), {}).chain.chain_id == "c2"
     assert policy.route(500, snapshot(pod, unsaid), {}).chain.chain_id == "c3"
+
+
+def contract(**changes) -> KVContract:
+    return dataclasses.replace(KVContract(MODEL, MODEL, dtype="float32", num_layers=4, num_kv_heads=2,
+                                          head_dim=8, layout=HEADS_COMPLETE,
+                                          compression="pyramid keep_ratio 0.5"), **changes)
+
+
+def test_published_contracts_decide_which_chain_a_decode_pod_is_paired_with():
+    skipped = []
+    policy = create_policy(GatewayRoutingConfig(prefill_threshold_tokens=100, policy="least-loaded"),
+                           MODEL, skipped.append)
+    pod = dataclasses.replace(decode("a"), kv_contract=contract(tensor_parallel_size=2, block_size=32))
+    other_ratio = dataclasses.replace(rank("c0", 0), kv_contract=contract(
+        compression="pyramid keep_ratio 0.3"))
+    other_heads = dataclasses.replace(rank("c1", 0), kv_contract=contract(num_kv_heads=4))
+    fits = dataclasses.replace(rank("c2", 0, queued_tokens=900), kv_contract=contract())
+    decision = policy.route(500, snapshot(pod, other_ratio, other_heads, fits), {})
+    assert decision.chain.chain_id == "c2", "another TP size and block size on the pod: it fits"
+    assert decision.reason == (
+        "prompt of 500 tokens >= prefill_threshold_tokens 100: chain c2 (chain c0 skipped: "
+        "compression pyramid keep_ratio 0.3 != pyramid keep_ratio 0.5; chain c1 skipped: "
+        "num kv heads 4 != 2)")
+    assert skipped == [2]
+    assert policy.route(500, snapshot(pod, fits), {}).reason.endswith(": chain c2")
+    assert skipped == [2], "nothing passed over, nothing counted"
+
+
+def test_a_prompt_pinned_to_a_chain_goes_to_a_decode_pod_the_chain_fits(policy):
+    idle_fp32 = dataclasses.replace(decode("a"), kv_contract=contract())
+    busy_bf16 = dataclasses.replace(decode("b", running=5), kv_contract=contract(dtype="bfloat16"))
+    chain = dataclasses.replace(rank("c0", 0), kv_contract=contract(dtype="bfloat16"))
+    workers = snapshot(idle_fp32, busy_bf16, chain)
+    assert policy.route(500, workers, {}).chain is None, "unpinned: the idle pod prefills it"
+    pinned = policy.route(500, workers, {}, prefill_route="chain")
+    assert (pinned.decode.worker_id, pinned.chain.chain_id) == ("b", "c0")

@@ -206,7 +206,8 @@ def test_ready_condition_follows_children(cluster, reconciler):
         cluster.kube.patch(kind, NS, name, {"status": {"readyReplicas": count}}, "status")
     status = _reconcile(cluster, reconciler)
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conditions == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
+    assert conditions == {"Ready": "True", "Progressing": "False", "Degraded": "False",
+                          "KVContractMismatch": "False"}
     assert cluster.kube.get("BatonPool", NS, "demo-decode")["status"]["readyReplicas"] == 2
 
 
@@ -423,3 +424,26 @@ def test_probes_read_health_on_the_metrics_port_the_pod_ip_binds(cluster, reconc
         assert _flag(container["args"], "--server-metrics-host") == "$(POD_IP)"
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_a_role_whose_environment_changes_the_kv_it_ships_is_a_contract_mismatch(cluster, reconciler):
+    create_service(cluster.kube, "demo", SPEC)
+    status = _reconcile(cluster, reconciler)
+    agreed = next(c for c in status["conditions"] if c["type"] == "KVContractMismatch")
+    assert (agreed["status"], agreed["reason"]) == ("False", "Consistent")
+
+    # The decode pods alone told another dtype and keep ratio through their environment.
+    cluster.kube.patch("BatonService", NS, "demo", {"spec": {"decode": {**SPEC["decode"], "pod": {
+        "env": [{"name": "BATON_MODEL_DTYPE", "value": "float32"},
+                {"name": "BATON_PYRAMID_KEEP_RATIO", "value": "0.25"}]}}}})
+    status = _reconcile(cluster, reconciler)
+    mismatch = next(c for c in status["conditions"] if c["type"] == "KVContractMismatch")
+    assert (mismatch["status"], mismatch["reason"]) == ("True", "Mismatch")
+    assert "kv dtype" not in mismatch["message"], "prefill's dtype auto is not said"
+    assert "compression pyramid keep_ratio 0.5 != pyramid keep_ratio 0.25" in mismatch["message"]
+
+    cluster.kube.patch("BatonService", NS, "demo", {"spec": {"prefill": {**SPEC["prefill"], "pod": {
+        "env": [{"name": "BATON_MODEL_DTYPE", "value": "bfloat16"}]}}}})
+    status = _reconcile(cluster, reconciler)
+    mismatch = next(c for c in status["conditions"] if c["type"] == "KVContractMismatch")
+    assert "kv dtype bfloat16 != float32" in mismatch["message"]

@@ -24,6 +24,7 @@ from baton.routing.redis_store import RedisStore
 from baton.security.certificates import Authority
 from baton.security.mtls import Mtls
 from baton.serving import free_port
+from baton.transfer.contract import COMPRESSION_OFF, HEADS_COMPLETE
 from baton.transfer.nixl import nixl_missing
 from decode.decode_servers import (
     collect,
@@ -198,6 +199,18 @@ def test_chain_prefill_then_decode_equals_the_monolithic_engine(chain, decode_se
     assert after[transport] - before[transport] == usage.kv_bytes_shipped
     assert sum(after.values()) - sum(before.values()) == usage.kv_bytes_shipped
     assert decode_server.describe().kv_transport == KV_TRANSPORT
+
+
+def test_the_chain_and_the_decode_pod_publish_kv_contracts_that_fit(chain, decode_server, redis):
+    store = RedisStore(redis.url)
+    (head,) = [worker for worker in store.list_workers("prefill") if worker.rank == 0]
+    store.close()
+    shipped, taken = head.kv_contract, decode_server.describe().kv_contract
+    assert shipped is not None and taken is not None
+    assert (shipped.layout, shipped.compression) == (HEADS_COMPLETE, COMPRESSION_OFF)
+    assert taken.compression != COMPRESSION_OFF, "the pod compresses: it stores a chain's cache as is"
+    assert shipped.num_layers == taken.num_layers > 0 and shipped.dtype == taken.dtype
+    assert shipped.mismatches(taken) == []
 
 
 def test_bad_requests_get_their_codes_and_the_chain_keeps_serving(chain, decode_server, checkpoint, pki):

@@ -19,6 +19,7 @@ from baton.routing import (
     open_store,
 )
 from baton.routing.redis_store import RedisStore
+from baton.transfer.contract import HEADS_COMPLETE, KVContract
 
 # Redis keeps its own time: long enough that a record is surely there when the test looks
 # right after writing it, even on a loaded machine (the in-memory store's clock is the test's).
@@ -161,6 +162,28 @@ def test_records_of_another_release_stay_readable():
     record = RequestRecord("r1", "h:2", owner="team-a")
     assert RequestRecord.from_json(json.dumps(json.loads(record.to_json()) | {"priority": 3})) == record
     assert RequestRecord.from_json(json.dumps({"request_id": "r1", "decode_address": "h:2"})).owner == ""
+
+
+def test_a_worker_publishes_its_kv_contract(store):
+    contract = KVContract("tiny", "rev-1", dtype="bfloat16", num_layers=4, num_kv_heads=2,
+                          head_dim=8, layout=HEADS_COMPLETE, compression="off", block_size=16,
+                          tensor_parallel_size=2)
+    store.register_worker(dataclasses.replace(worker("d1"), kv_dtype="bfloat16",
+                                              kv_contract=contract), ttl_s=30)
+    (only,) = store.list_workers()
+    assert only.contract == contract
+
+
+def test_contracts_of_another_release_stay_readable():
+    # An earlier release's record has no contract: its model, revision and dtype stand for it.
+    # A newer release's contract may say more than this one knows: that is left out.
+    older = dataclasses.replace(worker("d1"), kv_dtype="float32")
+    assert WorkerInfo.from_json(older.to_json()).contract == KVContract("tiny", "rev-1",
+                                                                        dtype="float32")
+    contract = KVContract("tiny", "rev-1", dtype="float32", num_layers=4)
+    newer = json.loads(dataclasses.replace(older, kv_contract=contract).to_json())
+    newer["kv_contract"] |= {"kv_scales": "per-head"}
+    assert WorkerInfo.from_json(json.dumps(newer)).contract == contract
 
 
 def test_a_request_sent_to_a_chain_again_has_a_pod_id_of_its_own_within_the_pods_limit():

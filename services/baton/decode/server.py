@@ -47,6 +47,7 @@ from baton.serving import (
     run_until_signalled,
 )
 from baton.transfer import framing
+from baton.transfer.contract import compression_of
 from baton.transfer.nixl import NixlReader
 from baton.transfer.planes import open_plane
 from baton.transfer.receiver import Incarnation, NixlPlane, kv_spec
@@ -138,9 +139,13 @@ class DecodeServer:
                                    max_queued_requests=self.config.server.max_queued_requests,
                                    on_group_down=self.exit_process)
         self.worker.start()
-        # what this pod takes from a chain; its dtype is also advertised with the routing record
+        # what this pod takes from a chain: checked on every push, and published whole with
+        # the routing record so that gateways pair it only with chains that ship it
         self.kv_spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
                                dtype_name(self.loaded.model.dtype))
+        self.kv_contract = dataclasses.replace(
+            self.kv_spec.contract, compression=compression_of(self.config.pyramid),
+            block_size=engine.pool.block_size, tensor_parallel_size=self.config.tensor_parallel.size)
         self.prefix_publisher = None
         if engine.pool.prefix_cache is not None:  # what it caches, for cache-aware routing
             self.prefix_publisher = PrefixPublisher(self.store, self.describe_identity().prefix_stream,
@@ -177,7 +182,7 @@ class DecodeServer:
                           version=release_version(), kv_dtype=self.kv_spec.dtype,
                           incarnation=self.incarnation,
                           kv_block_size=pool.block_size if pool.prefix_cache is not None else 0,
-                          kv_transport=self.config.kv_transport.kind)
+                          kv_transport=self.config.kv_transport.kind, kv_contract=self.kv_contract)
 
     def _engine_stalled(self) -> None:
         """The watchdog's verdict (its streams are failed already): leave routing, refuse new

@@ -13,7 +13,7 @@ a ``RouteDecision`` or raises ``NoLiveWorkers`` (gRPC UNAVAILABLE) or ``WorkersF
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from baton.api.requests import GenerateRequest
@@ -62,9 +62,13 @@ class RouteDecision:
 
 
 class RoutingPolicy(abc.ABC):
-    def __init__(self, config: GatewayRoutingConfig, model_id: str) -> None:
+    def __init__(self, config: GatewayRoutingConfig, model_id: str,
+                 on_contract_mismatch: Callable[[int], None] | None = None) -> None:
+        """``on_contract_mismatch(n)``: told each time a route passes over ``n`` chains whose
+        KV contract the decode pod's does not fit (the gateway counts them in a metric)."""
         self.config = config
         self.model_id = model_id
+        self.on_contract_mismatch = on_contract_mismatch or (lambda num_chains: None)
 
     @abc.abstractmethod
     def route(self, num_prompt_tokens: int, snapshot: RoutingSnapshot,
@@ -91,8 +95,9 @@ POLICIES = GATEWAY_POLICIES  # name -> RoutingPolicy subclass
 register_policy = POLICIES.register
 
 
-def create_policy(config: GatewayRoutingConfig, model_id: str) -> RoutingPolicy:
-    return POLICIES.get(config.policy)(config, model_id)
+def create_policy(config: GatewayRoutingConfig, model_id: str,
+                  on_contract_mismatch: Callable[[int], None] | None = None) -> RoutingPolicy:
+    return POLICIES.get(config.policy)(config, model_id, on_contract_mismatch)
 
 
 def prefill_route_of(request: GenerateRequest) -> str:

@@ -59,7 +59,8 @@ class GatewayServer:
         self.generations = Generations(
             model=self.model,
             view=RoutingView(self.store, config.routing.view_refresh_s, prefixes=PrefixIndex()),
-            policy=create_policy(config.gateway, self.model.model_id),
+            policy=create_policy(config.gateway, self.model.model_id,
+                                 self.metrics.kv_contract_mismatches.inc),
             table=RequestTable(self.store, config.routing.request_ttl_s),
             relay=Relay(self.channels, self.model.model_id, config.gateway,
                         self.metrics),

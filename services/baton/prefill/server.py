@@ -46,6 +46,7 @@ from baton.serving import (
     release_version,
     run_until_signalled,
 )
+from baton.transfer.contract import HEADS_COMPLETE, KVContract, compression_of
 from baton.transfer.planes import open_plane
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,13 @@ class PrefillServer:
         # Advertised to the gateways (0: not measured here; the threshold alone decides).
         self.break_even_tokens = (self._break_even(self.table) if self.table is not None else 0)
         self.kv_dtype = dtype_name(self.rank.model.dtype)
+        model = self.model_config
+        # What this chain ships, for the gateways to pair it only with decode pods that take it
+        self.kv_contract = KVContract(self.model_id, self.revision, dtype=self.kv_dtype,
+                                      num_layers=model.num_hidden_layers,
+                                      num_kv_heads=model.num_key_value_heads,
+                                      head_dim=model.head_dim, layout=HEADS_COMPLETE,
+                                      compression=compression_of(self.config.pyramid))
         self.store = self.store or open_store(self.config.routing)
         self.frontend.check_decode = DecodePods(RoutingView(self.store, self.config.routing.view_refresh_s),
                                                 self.model_id).check
@@ -207,7 +215,8 @@ class PrefillServer:
                           model_revision=self.revision, version=release_version(),
                           chain_id=chain.chain_id, rank=0, num_ranks=chain.ranks,
                           load=self.frontend.load, kv_dtype=self.kv_dtype,
-                          break_even_tokens=self.break_even_tokens, incarnation=self.incarnation)
+                          break_even_tokens=self.break_even_tokens, incarnation=self.incarnation,
+                          kv_contract=self.kv_contract)
 
     def serve_chain(self) -> None:
         """The chain loop (rank 0: in a thread beside gRPC; other ranks: the main thread)."""

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 
 from baton.errors import Unavailable
+from baton.transfer.contract import KVContract
 
 ROLES = ("prefill", "decode", "gateway")
 MAX_PREFIX_EVENTS = 65536  # a pod's prefix-cache events the store keeps (older ones are dropped)
@@ -65,8 +66,8 @@ class WorkerInfo:
     rank: int = 0
     num_ranks: int = 1
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    # The dtype of the KV caches it computes (decode pods and chains): a decode pod takes a
-    # chain's cache only of its own model revision and dtype. "" = not said (any).
+    # The dtype of the KV caches it computes (decode pods and chains), as in ``kv_contract``
+    # (kept for gateways of earlier releases, which read only this). "" = not said (any).
     kv_dtype: str = ""
     # Prefill chains: the shortest prompt their partition table measured the chain to
     # prefill faster than one process (KV-Runahead's break-even); 0 = not measured.
@@ -79,6 +80,16 @@ class WorkerInfo:
     kv_block_size: int = 0
     # Decode pods: how they take pushed KV: "grpc", or "nixl" (over NIXL as well as gRPC).
     kv_transport: str = "grpc"
+    # Decode pods and chains: the KV they take or ship (``baton.transfer.contract``); None in
+    # a record of an earlier release, which ``contract`` reads from the fields above.
+    kv_contract: KVContract | None = None
+
+    @property
+    def contract(self) -> KVContract:
+        """The KV contract this worker publishes, or what a record without one says of it."""
+        if self.kv_contract is not None:
+            return self.kv_contract
+        return KVContract(self.model_id, self.model_revision, dtype=self.kv_dtype)
 
     @property
     def prefix_stream(self) -> str:
@@ -103,6 +114,8 @@ class WorkerInfo:
         upgrade) are left out rather than refused."""
         fields = _known(cls, json.loads(text))
         fields["load"] = WorkerLoad(**_known(WorkerLoad, fields.get("load", {})))
+        if fields.get("kv_contract") is not None:
+            fields["kv_contract"] = KVContract(**_known(KVContract, fields["kv_contract"]))
         return cls(**fields)
 
 

@@ -47,6 +47,7 @@ import xxhash
 from baton.dtypes import DTYPES, dtype_name
 from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
 from baton.kv.dense import LayerKV
+from baton.transfer.contract import HEADS_COMPLETE, KVContract
 
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
 # per-message cost vanishes (bench/kv_transfer.py measures it).
@@ -109,6 +110,11 @@ class KVHeader:
     def element_bytes(self) -> int:
         return torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
 
+    @property
+    def contract(self) -> KVContract:
+        """What the header says of the contract the cache was shipped under: its shape."""
+        return _shape_contract(self)
+
     def payload_bytes(self) -> int:
         """The payload size the layer counts imply (``total_bytes`` must equal it)."""
         num_tokens = sum(self.layer_num_tokens)
@@ -127,6 +133,18 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     max_tokens: int  # positions must lie in [0, max_tokens): the model's context length
+
+    @property
+    def contract(self) -> KVContract:
+        """This receiver's KV contract as far as a pushed cache's header can be checked
+        against it (its compression, block size and ranks are the routing record's)."""
+        return dataclasses.replace(_shape_contract(self), layout=HEADS_COMPLETE)
+
+
+def _shape_contract(described: KVHeader | KVSpec) -> KVContract:
+    return KVContract(described.model_id, described.model_revision, dtype=described.dtype,
+                      num_layers=described.num_layers, num_kv_heads=described.num_kv_heads,
+                      head_dim=described.head_dim)
 
 
 class Checksum:
@@ -263,15 +281,13 @@ def check_header(header: KVHeader, spec: KVSpec) -> None:
     if header.num_layers != len(header.layer_num_tokens):
         raise KVMalformed(f"KV header says {header.num_layers} layers but gives token counts "
                           f"for {len(header.layer_num_tokens)}")
-    if (header.model_id, header.model_revision) != (spec.model_id, spec.model_revision):
-        raise KVIncompatible(f"KV is for model {header.model_id!r} revision "
-                             f"{header.model_revision!r}; this server serves {spec.model_id!r} "
-                             f"revision {spec.model_revision!r}")
-    mine = (spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    theirs = (header.dtype, header.num_layers, header.num_kv_heads, header.head_dim)
-    if theirs != mine:
-        raise KVIncompatible(f"KV (dtype, layers, kv heads, head dim) = {theirs}; this server "
-                             f"expects {mine}")
+    if min(header.num_layers, header.num_kv_heads, header.head_dim) < 1:  # a header says its shape
+        raise KVMalformed(f"KV header says {header.num_layers} layers of {header.num_kv_heads} "
+                          f"kv heads of head_dim {header.head_dim}; each must be >= 1")
+    mismatches = header.contract.mismatches(spec.contract)  # the rule routing applies too
+    if mismatches:
+        raise KVIncompatible(f"the pushed KV does not fit this pod's KV contract: "
+                             f"{'; '.join(mismatches)}")
     for layer, num_tokens in enumerate(header.layer_num_tokens):
         if not 0 < num_tokens <= spec.max_tokens:
             raise KVMalformed(f"KV layer {layer} holds {num_tokens} tokens; "

@@ -10,7 +10,9 @@ over the pods instead of piling onto the one that looked emptiest.
 Chain: a prompt of at least ``prefill_threshold_tokens`` goes to the live chain with the
 fewest queued prompt tokens (reported, or in flight from here, whichever is larger); with
 no live chain it is prefilled on the decode pod, which is slower but always works. Only a
-chain whose cache the decode pod takes (its model revision and KV dtype) is a candidate. With
+chain whose KV contract fits the decode pod's (``baton.transfer.contract``: model revision,
+KV dtype, layout, compression) is a candidate; the reason names every chain passed over and
+its mismatch, and a prompt pinned to a chain goes to the least loaded pod some chain fits. With
 ``chain_break_even`` (the default) only the chains whose advertised break-even the prompt
 reaches are candidates: below the length from which its partition table measured a chain to
 beat one process, parallel prefill costs more than it saves (KV-Runahead's appendix B). A chain
@@ -21,7 +23,7 @@ prompt tokens not yet prefilled, the next long prompt is prefilled on its decode
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from baton.gateway.routing_policy import (
     InFlight,
@@ -45,10 +47,11 @@ class LeastLoadedPolicy(RoutingPolicy):
         if prefill_route == "local":
             return RouteDecision(decode, None, "prefill_route local: prefilled on the decode pod")
         if prefill_route == "chain":
+            decode = self._pick_decode(snapshot, in_flight, fitting=self._fit_by_a_chain(snapshot))
             chain, why = self._pick_chain(0, snapshot, in_flight, decode)  # pinned: no queue limit
             if chain is None:
                 raise NoLiveWorkers(f"prefill_route chain, but {why}")
-            return RouteDecision(decode, chain, f"prefill_route chain: chain {chain.chain_id}")
+            return RouteDecision(decode, chain, f"prefill_route chain: {why}")
         if num_prompt_tokens < threshold:
             return RouteDecision(decode, None, f"prompt of {num_prompt_tokens} tokens < "
                                                f"prefill_threshold_tokens {threshold}: prefilled "
@@ -71,8 +74,12 @@ class LeastLoadedPolicy(RoutingPolicy):
                               f"out of KV blocks; retry later")
         return with_room
 
-    def _pick_decode(self, snapshot: RoutingSnapshot, in_flight: Mapping[str, InFlight]) -> WorkerInfo:
+    def _pick_decode(self, snapshot: RoutingSnapshot, in_flight: Mapping[str, InFlight],
+                     fitting: Callable[[WorkerInfo], bool] | None = None) -> WorkerInfo:
+        """The least loaded pod with room; among those ``fitting`` when any does."""
         with_room = self.decode_with_room(snapshot)
+        if fitting is not None:
+            with_room = [worker for worker in with_room if fitting(worker)] or with_room
 
         def load(worker: WorkerInfo) -> tuple:
             here = in_flight.get(worker.address, InFlight())
@@ -90,11 +97,15 @@ class LeastLoadedPolicy(RoutingPolicy):
         heads = self.chain_heads(snapshot)
         if not heads:
             return None, f"no chain of model {self.model_id!r} is live"
-        heads = [head for head in heads if _takes_cache_of(decode, head)]
-        if not heads:
-            # a model revision rolling out, or pods that resolved dtype auto differently
-            return None, (f"no live chain computes a cache decode pod {decode.address} takes "
-                          f"(revision {decode.model_revision!r}, KV dtype {decode.kv_dtype or 'any'})")
+        mismatched = {head.chain_id: head.contract.mismatches(decode.contract) for head in heads}
+        skipped = "; ".join(f"chain {chain_id} skipped: {', '.join(why)}"
+                            for chain_id, why in mismatched.items() if why)
+        heads = [head for head in heads if not mismatched[head.chain_id]]
+        if skipped:
+            self.on_contract_mismatch(len(mismatched) - len(heads))
+        if not heads:  # a rollout in progress, or pods that resolved dtype auto differently
+            return None, (f"no live chain ships KV decode pod {decode.address} takes "
+                          f"({skipped})")
         if num_prompt_tokens:
             worth = [head for head in heads
                      if num_prompt_tokens >= self.config.chain_takes_from(head.break_even_tokens)]
@@ -117,11 +128,9 @@ class LeastLoadedPolicy(RoutingPolicy):
             # every chain is backed up: the decode pod prefills it sooner
             return None, (f"the least busy chain holds {queued_tokens} queued tokens (+{num_prompt_tokens} "
                           f"> chain_max_queued_tokens {limit})")
-        return head, f"chain {head.chain_id}"
+        return head, f"chain {head.chain_id}" + (f" ({skipped})" if skipped else "")
 
-
-def _takes_cache_of(decode: WorkerInfo, chain: WorkerInfo) -> bool:
-    """Whether ``decode`` accepts what ``chain`` pushes: the same model revision, and the same
-    KV dtype where both say theirs (the pod refuses anything else, FAILED_PRECONDITION)."""
-    return (chain.model_revision == decode.model_revision
-            and (not chain.kv_dtype or not decode.kv_dtype or chain.kv_dtype == decode.kv_dtype))
+    def _fit_by_a_chain(self, snapshot: RoutingSnapshot) -> Callable[[WorkerInfo], bool]:
+        """Whether a decode pod's KV contract fits some live chain's."""
+        contracts = [head.contract for head in self.chain_heads(snapshot)]
+        return lambda decode: any(not contract.mismatches(decode.contract) for contract in contracts)
