@@ -233,9 +233,11 @@ def test_bad_checksum_is_data_loss():
 @pytest.mark.parametrize("change, message", [
     ({"model_id": "other"}, "model 'other'"),
     ({"model_revision": "rev-2"}, "revision 'rev-2'"),
-    ({"num_kv_heads": 4}, r"\('float32', 4, 4, 8\)"),
-    ({"head_dim": 16}, r"\('float32', 4, 2, 16\)"),
-    ({"dtype": "float16"}, r"\('float16', 4, 2, 8\)"),
+    ({"num_kv_heads": 4}, r"\('float32', 1.0, 4, 4, 8\)"),
+    ({"head_dim": 16}, r"\('float32', 1.0, 4, 2, 16\)"),
+    ({"dtype": "float16"}, r"\('float16', 1.0, 4, 2, 8\)"),
+    ({"dtype": "float8_e4m3fn"}, r"\('float8_e4m3fn', 1.0, 4, 2, 8\)"),
+    ({"kv_scale": 0.5}, r"\('float32', 0.5, 4, 2, 8\)"),
 ])
 def test_wrong_model_or_shape_is_incompatible(change, message):
     encoded = encode_kv(pyramid_cache(), "req-5", "tiny", "rev-1")
@@ -246,7 +248,7 @@ def test_wrong_model_or_shape_is_incompatible(change, message):
 def test_layer_count_mismatch_is_incompatible():
     layers = pyramid_cache()[:3]
     encoded = encode_kv(layers, "req-6", "tiny", "rev-1")
-    with pytest.raises(KVIncompatible, match=r"\('float32', 3, 2, 8\).*\('float32', 4, 2, 8\)"):
+    with pytest.raises(KVIncompatible, match=r"\('float32', 1.0, 3, 2, 8\).*\('float32', 1.0, 4, 2, 8\)"):
         KVAssembler(encoded.header, SPEC)
 
 

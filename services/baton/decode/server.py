@@ -28,7 +28,6 @@ from baton.config.model import served_model_names
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
-from baton.dtypes import dtype_name
 from baton.logs import configure_logging
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
@@ -111,7 +110,7 @@ class DecodeServer:
                             scheduler=self.config.scheduler, kv=self.config.kv,
                             compressor_factory=engine_compressor_factory(self.config.pyramid,
                                                                          self.loaded.config),
-                            model_revision=self.loaded.revision)
+                            model_revision=self.loaded.revision, kv_cache=self.config.kv_cache)
             check_pool_holds_a_sequence(engine, explicit_blocks=self.config.kv.num_blocks > 0)
             capture_decode_graphs(engine)
             return engine
@@ -126,8 +125,9 @@ class DecodeServer:
                                    on_group_down=self.exit_process)
         self.worker.start()
         # what this pod takes from a chain; its dtype is also advertised with the routing record
+        storage = engine.pool.storage
         self.kv_spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
-                               dtype_name(self.loaded.model.dtype))
+                               storage.name, storage.scale)
         self.prefix_publisher = None
         if engine.pool.prefix_cache is not None:  # what it caches, for cache-aware routing
             self.prefix_publisher = PrefixPublisher(self.store, self.describe_identity().prefix_stream,

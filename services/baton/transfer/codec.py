@@ -104,6 +104,7 @@ class KVHeader:
     total_bytes: int
     checksum_algorithm: str = CHECKSUM_ALGORITHM  # of the payload, which the checksum follows
     layout: str = LAYER_MAJOR  # the payload's order (``LAYOUTS``)
+    kv_scale: float = 1.0  # an fp8 cache's keys and values were stored divided by it
 
     @property
     def element_bytes(self) -> int:
@@ -127,6 +128,7 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     max_tokens: int  # positions must lie in [0, max_tokens): the model's context length
+    kv_scale: float = 1.0  # what the pool's fp8 blocks are scaled by (``baton.kv.storage``)
 
 
 class Checksum:
@@ -216,19 +218,23 @@ def chunk_pieces(segments: list[memoryview], chunk_bytes: int = CHUNK_BYTES
 
 
 def kv_header(layer_num_tokens: tuple[int, ...], dtype: torch.dtype, num_kv_heads: int,
-              head_dim: int, request_id: str, model_id: str, model_revision: str) -> KVHeader:
-    """The header of a (layer-major) cache with these shapes, before any of it exists."""
+              head_dim: int, request_id: str, model_id: str, model_revision: str,
+              kv_scale: float = 1.0) -> KVHeader:
+    """The header of a (layer-major) cache with these shapes, before any of it exists
+    (``kv_scale``: an fp8 cache's, ``baton.kv.storage``)."""
     header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
                       dtype=dtype_name(dtype), num_layers=len(layer_num_tokens),
                       layer_num_tokens=tuple(layer_num_tokens), num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, byte_order=sys.byteorder, total_bytes=0)
+                      head_dim=head_dim, byte_order=sys.byteorder, total_bytes=0,
+                      kv_scale=kv_scale)
     return dataclasses.replace(header, total_bytes=header.payload_bytes())
 
 
 def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
-              model_revision: str) -> EncodedKV:
-    """Describe a cache for shipping (k, v: [S_l, Hkv, D]; positions: [S_l]); nothing is
-    read yet (the checksum is taken as the chunks go out: ``checksum``)."""
+              model_revision: str, kv_scale: float = 1.0) -> EncodedKV:
+    """Describe a cache for shipping (k, v: [S_l, Hkv, D], as stored: fp8 ones divided by
+    ``kv_scale``; positions: [S_l]); nothing is read yet (the checksum is taken as the
+    chunks go out: ``checksum``)."""
     if not layers:
         raise ValueError("cannot ship a KV cache with no layers")
     first = layers[0].k
@@ -242,7 +248,7 @@ def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
             raise ValueError(f"layer {index} has {layer.num_tokens} keys, {layer.v.shape[0]} values "
                              f"and {tuple(layer.positions.shape)} positions")
     header = kv_header(tuple(layer.num_tokens for layer in layers), dtype, num_kv_heads,
-                       head_dim, request_id, model_id, model_revision)
+                       head_dim, request_id, model_id, model_revision, kv_scale)
     return EncodedKV(header, layers)
 
 
@@ -267,11 +273,13 @@ def check_header(header: KVHeader, spec: KVSpec) -> None:
         raise KVIncompatible(f"KV is for model {header.model_id!r} revision "
                              f"{header.model_revision!r}; this server serves {spec.model_id!r} "
                              f"revision {spec.model_revision!r}")
-    mine = (spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    theirs = (header.dtype, header.num_layers, header.num_kv_heads, header.head_dim)
-    if theirs != mine:
-        raise KVIncompatible(f"KV (dtype, layers, kv heads, head dim) = {theirs}; this server "
-                             f"expects {mine}")
+    mine = (spec.dtype, spec.kv_scale, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    theirs = (header.dtype, header.kv_scale, header.num_layers, header.num_kv_heads,
+              header.head_dim)
+    if theirs != mine:  # a pod never converts: its chains store KV as its pool does
+        raise KVIncompatible(f"KV (dtype, scale, layers, kv heads, head dim) = {theirs}; this "
+                             f"server expects {mine} (its chains' kv_cache dtype and scale "
+                             f"must be its own)")
     for layer, num_tokens in enumerate(header.layer_num_tokens):
         if not 0 < num_tokens <= spec.max_tokens:
             raise KVMalformed(f"KV layer {layer} holds {num_tokens} tokens; "
