@@ -12,6 +12,7 @@ from baton.api.requests import CompressionParams
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import (
     DecodeServiceConfig,
+    KVCacheConfig,
     KVPoolConfig,
     KVTransportConfig,
     ModelSourceConfig,
