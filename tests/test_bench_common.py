@@ -84,6 +84,7 @@ def _rendered(report: str) -> str:
     """``report`` as its script renders it now from the committed raw results."""
     sys.path[:0] = [str(ROOT / "bench" / "peer")]
     import autoscale
+    import fp8_kv
     import kv_pipelining
     import kv_transfer
     import moe_step
@@ -107,6 +108,7 @@ def _rendered(report: str) -> str:
         "peer.md": lambda: peer_report.render(peer_results.load()),
         "peer-prefix.md": lambda: shared_prefix.render(peer_results.load(shared_prefix.RESULTS_PATH)),
         "route-ttft.md": lambda: route_ttft.report(common.load_results("route-ttft")),
+        "fp8-kv.md": lambda: fp8_kv.report(common.load_results("fp8-kv")),
         "sampling-cost.md": lambda: sampling_cost.report(common.load_results("sampling-cost")),
         "moe-step.md": lambda: moe_step.report(common.load_results("moe-step")),
         "trace-overhead.md": lambda: trace_overhead.report(common.load_results("trace-overhead")),

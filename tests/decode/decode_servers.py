@@ -12,6 +12,7 @@ from baton.api.requests import CompressionParams
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from baton.config import (
     DecodeServiceConfig,
+    KVCacheConfig,
     KVPoolConfig,
     KVTransportConfig,
     ModelSourceConfig,
@@ -47,7 +48,8 @@ def make_checkpoint(directory):
 def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
                         metrics_port: int = 0, lease_s: float = 30.0, max_pending_pushes: int = 64,
                         mtls: MtlsConfig | None = None, stream_interval_ms: float = 0.0,
-                        step_stall_s: float = 120.0, exit_process=None, kv_transport: str = "grpc"):
+                        step_stall_s: float = 120.0, exit_process=None, kv_transport: str = "grpc",
+                        kv_cache: KVCacheConfig | None = None):
     config = DecodeServiceConfig(
         model=ModelSourceConfig(path=str(checkpoint), dtype="float32"),
         kv=KVPoolConfig(block_size=KV_BLOCK_SIZE, num_blocks=num_blocks, unclaimed_lease_s=lease_s,
@@ -55,7 +57,7 @@ def start_decode_server(checkpoint, store=None, num_blocks: int = KV_NUM_BLOCKS,
         routing=RoutingConfig(heartbeat_s=0.2, worker_ttl_s=2.0), mtls=mtls or MtlsConfig(),
         stream=StreamConfig(interval_ms=stream_interval_ms),
         scheduler=SchedulerConfig(step_stall_s=step_stall_s),
-        kv_transport=KVTransportConfig(kind=kv_transport))
+        kv_transport=KVTransportConfig(kind=kv_transport), kv_cache=kv_cache or KVCacheConfig())
     config.server.grace_s = 0.5
     config.server.metrics_port = metrics_port
     return create_server(config, store or InMemoryStore(), exit_process)

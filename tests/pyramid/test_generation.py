@@ -87,7 +87,7 @@ def test_an_observed_decode_batch_reads_the_pruned_cache_where_it_lies(prompt):
     if not cpu_kernels.has("paged_decode_attention"):
         pytest.skip("no kernel module on this machine (no AVX2 CPU or no compiler)")
     model = build_model(num_heads=2, num_kv_heads=1)  # heads of 32: the kernel's shapes
-    assert model.reads_decode_cache_in_place()
+    assert model.reads_decode_cache_in_place(model.dtype)
     config = PyramidConfig(keep_ratio=0.5)
     pool, _, _, token = decode_with_updates(model, prompt, config, 40)
     layers = [pool.gather("seq", layer) for layer in range(model.config.num_hidden_layers)]

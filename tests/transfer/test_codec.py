@@ -236,6 +236,8 @@ def test_bad_checksum_is_data_loss():
     ({"num_kv_heads": 4}, "num kv heads 4 != 2"),
     ({"head_dim": 16}, "head_dim 16 != 8"),
     ({"dtype": "float16"}, "kv dtype float16 != float32"),
+    ({"dtype": "float8_e4m3fn"}, "kv dtype float8_e4m3fn != float32"),
+    ({"kv_scale": 0.5}, "kv scale 0.5 != 1.0"),
 ])
 def test_wrong_model_or_shape_is_incompatible(change, message):
     encoded = encode_kv(pyramid_cache(), "req-5", "tiny", "rev-1")

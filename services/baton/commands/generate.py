@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from baton.config import KVPoolConfig, ModelSourceConfig, SchedulerConfig
+from baton.config import KVCacheConfig, KVPoolConfig, ModelSourceConfig, SchedulerConfig
 from baton.configtree import add_arguments as add_config_arguments
 from baton.configtree import choices_of, from_arguments
 
@@ -66,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --server: the gateway serves TLS; its certificate's CA (PEM)")
     add_config_arguments(parser, SchedulerConfig, "scheduler")
     add_config_arguments(parser, KVPoolConfig, "kv")
+    add_config_arguments(parser, KVCacheConfig, "kv_cache")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine(loaded.model, loaded.tokenizer,
                         scheduler=from_arguments(args, SchedulerConfig, "scheduler"),
-                        kv=from_arguments(args, KVPoolConfig, "kv"))
+                        kv=from_arguments(args, KVPoolConfig, "kv"),
+                        kv_cache=from_arguments(args, KVCacheConfig, "kv_cache"))
         if args.chain_ranks:
             request_ids = _add_chain_prefilled(engine, loaded.path, prompts, params, args.chain_ranks,
                                                dtype_name(loaded.model.dtype))

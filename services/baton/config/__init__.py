@@ -22,7 +22,7 @@ from baton.config.chain import (
     KVTransportConfig,
 )
 from baton.config.gateway import CHAIN_FAILURE_POLICIES, GATEWAY_POLICIES, GatewayRoutingConfig
-from baton.config.model import DEVICES, DTYPES, KVPoolConfig, ModelSourceConfig
+from baton.config.model import DEVICES, DTYPES, KVCacheConfig, KVPoolConfig, ModelSourceConfig
 from baton.config.observability import LOG_FORMATS, LOG_LEVELS, LogConfig, OtlpConfig
 from baton.config.parallel import TensorParallelConfig
 from baton.config.planner import PlannerConfig
@@ -48,7 +48,8 @@ __all__ = [
     "CHAIN_BACKENDS", "CHAIN_FAILURE_POLICIES", "DEVICES", "DTYPES", "GATEWAY_POLICIES",
     "KV_SHIPPING", "KV_TRANSPORTS", "LOG_FORMATS", "LOG_LEVELS", "PYRAMID_POLICIES", "RUNAHEAD_MODES", "SCHEDULER_POLICIES",
     "AuthConfig", "ChainConfig", "DecodeHttpConfig", "DecodeServiceConfig", "GatewayRoutingConfig",
-    "GatewayServiceConfig", "HttpConfig", "KVPoolConfig", "KVTransportConfig", "LogConfig", "ModelSourceConfig",
+    "GatewayServiceConfig", "HttpConfig", "KVCacheConfig", "KVPoolConfig", "KVTransportConfig", "LogConfig",
+    "ModelSourceConfig",
     "MtlsConfig", "OtlpConfig", "PlannerConfig", "PrefillServiceConfig", "PyramidConfig", "RoutingConfig",
     "SchedulerConfig", "ServerConfig", "StreamConfig", "TensorParallelConfig", "TrainConfig",
 ]

@@ -6,6 +6,7 @@ from baton.configtree import setting, settings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # baton.dtypes.KV_CACHE_DTYPES' names
 
 
 @settings("model")
@@ -51,3 +52,16 @@ class KVPoolConfig:
                                  "and reuse it for later prompts that start with the same tokens "
                                  "(same tenant, model revision and KV dtype); evicted least "
                                  "recently used when the pool needs room")
+
+
+@settings("kv_cache")
+class KVCacheConfig:
+    """What the KV cache's bytes are, in the pool, the prefix cache and on the wire: a chain
+    and the decode pods it ships to must agree (docs/architecture.md, "FP8 KV cache")."""
+
+    dtype: str = setting("auto", "the KV cache's dtype: auto = the compute dtype; fp8_e4m3 or "
+                         "fp8_e5m2 store and ship keys and values in one byte each (half of "
+                         "bf16's), read back in the compute dtype", choices=KV_CACHE_DTYPES)
+    scale: float = setting(1.0, "fp8 only: keys and values are stored divided by this one "
+                           "per-tensor scale (every layer and head), saturated to fp8's range; "
+                           "1.0 = uncalibrated, as vLLM's default", exclusive_minimum=0)

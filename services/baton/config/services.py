@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from baton.config.chain import ChainConfig, KVTransportConfig
 from baton.config.gateway import GatewayRoutingConfig
-from baton.config.model import KVPoolConfig, ModelSourceConfig
+from baton.config.model import KVCacheConfig, KVPoolConfig, ModelSourceConfig
 from baton.config.observability import LogConfig, OtlpConfig
 from baton.config.parallel import TensorParallelConfig
 from baton.config.scheduler import PyramidConfig, SchedulerConfig
@@ -30,6 +30,7 @@ class DecodeServiceConfig:
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     kv: KVPoolConfig = field(default_factory=KVPoolConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
@@ -53,6 +54,7 @@ class PrefillServiceConfig:
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     chain: ChainConfig = field(default_factory=ChainConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
     pyramid: PyramidConfig = field(default_factory=PyramidConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)

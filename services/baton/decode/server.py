@@ -29,7 +29,6 @@ from baton.decode.door import open_door
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
-from baton.dtypes import dtype_name
 from baton.logs import configure_logging
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
@@ -125,7 +124,7 @@ class DecodeServer:
                             scheduler=self.config.scheduler, kv=self.config.kv,
                             compressor_factory=engine_compressor_factory(self.config.pyramid,
                                                                          self.loaded.config),
-                            model_revision=self.loaded.revision)
+                            model_revision=self.loaded.revision, kv_cache=self.config.kv_cache)
             check_pool_holds_a_sequence(engine, explicit_blocks=self.config.kv.num_blocks > 0)
             capture_decode_graphs(engine)
             return engine
@@ -139,10 +138,12 @@ class DecodeServer:
                                    max_queued_requests=self.config.server.max_queued_requests,
                                    on_group_down=self.exit_process)
         self.worker.start()
-        # what this pod takes from a chain: checked on every push, and published whole with
-        # the routing record so that gateways pair it only with chains that ship it
+        # what this pod takes from a chain (its pool's storage dtype and scale): checked on
+        # every push, and published whole with the routing record so that gateways pair it
+        # only with chains that ship it
+        storage = engine.pool.storage
         self.kv_spec = kv_spec(self.loaded.config, self.loaded.model_id, self.loaded.revision,
-                               dtype_name(self.loaded.model.dtype))
+                               storage.name, storage.scale)
         self.kv_contract = dataclasses.replace(
             self.kv_spec.contract, compression=compression_of(self.config.pyramid),
             block_size=engine.pool.block_size, tensor_parallel_size=self.config.tensor_parallel.size)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.host_to_device import to_device
+from baton.kv.storage import KVStorage, copy_rows
 
 # What one more group costs (its gathers, mask and kernel call per layer), in bytes of
 # padding it saves (measured: docs/runtime-log.md).
@@ -52,23 +53,30 @@ class DecodeStep:
     k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], the pool's storage
     v_cache: torch.Tensor
     positions: torch.Tensor  # [num_blocks, block_size]
+    storage: KVStorage | None = None  # what the caches hold (None: the compute dtype)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Store one layer's new tokens (k, v: [B, Hkv, D]; positions [B])."""
         index = self.slots[layer]
-        self.k_cache.view(-1, *self.k_cache.shape[2:]).index_copy_(0, index, k)
-        self.v_cache.view(-1, *self.v_cache.shape[2:]).index_copy_(0, index, v)
+        if self.storage is not None:
+            k, v = self.storage.store(k), self.storage.store(v)
+        copy_rows(self.k_cache.view(-1, *self.k_cache.shape[2:]), index, k)
+        copy_rows(self.v_cache.view(-1, *self.v_cache.shape[2:]), index, v)
         self.positions.view(-1).index_copy_(0, index, positions)
 
-    def read(self, group: DecodeGroup, layer: int, with_positions: bool = True):
-        """One layer of a group, padded to its widest: k, v [n, S, Hkv, D], positions [n, S]
-        (None unless ``with_positions``) and lengths [n]. Rows past a sequence's length
-        hold stale data: mask them."""
+    def read(self, group: DecodeGroup, layer: int, with_positions: bool = True,
+             dtype: torch.dtype | None = None):
+        """One layer of a group, padded to its widest: k, v [n, S, Hkv, D] (in ``dtype``, the
+        compute dtype, when the caches hold another), positions [n, S] (None unless
+        ``with_positions``) and lengths [n]. Rows past a sequence's length hold stale data:
+        mask them."""
         index = group.blocks[layer]
         count, span = index.shape[0], index.shape[1] * self.k_cache.shape[1]
         flat = index.reshape(-1)
         k = self.k_cache.index_select(0, flat).view(count, span, *self.k_cache.shape[2:])
         v = self.v_cache.index_select(0, flat).view(count, span, *self.v_cache.shape[2:])
+        if self.storage is not None and dtype is not None:
+            k, v = self.storage.load(k, dtype), self.storage.load(v, dtype)
         positions = (self.positions.index_select(0, flat).view(count, span)
                      if with_positions else None)
         return k, v, positions, group.lengths[layer]
@@ -234,7 +242,7 @@ class DecodeSteps:
                        and all(row == group_lengths[0] for row in group_lengths))
             groups.append(DecodeGroup(group, layer_blocks, all_lengths[:, group], uniform))
         return DecodeStep(flat[:per_layer].view(self.num_layers, batch), groups,
-                          self.k_cache, self.v_cache, self.positions)
+                          self.k_cache, self.v_cache, self.positions, self.storage)
 
     def _ungrouped_step(self, seq_ids: list[str], per_sequence: list, slots: list[int],
                         lengths: list[int]) -> DecodeStep:
@@ -246,4 +254,4 @@ class DecodeSteps:
         all_lengths = flat[len(slots):].view(self.num_layers, batch)
         group = DecodeGroup(slice(0, batch), list(self._batch.tensors), all_lengths, uniform=False)
         return DecodeStep(flat[:len(slots)].view(self.num_layers, batch), [group],
-                          self.k_cache, self.v_cache, self.positions)
+                          self.k_cache, self.v_cache, self.positions, self.storage)

@@ -10,6 +10,7 @@ counts. Its roles live in modules of their own, one part of ``KVPool`` each:
 * ``baton.kv.landing``        caches that arrive (``store``, ``land``): KV transfer's interface
 * ``baton.kv.prefill_step``   a prefill chunk's metadata, built by the runner
 * ``baton.kv.decode_step``    a decode step's metadata, built by the runner
+* ``baton.kv.storage``        what the blocks' bytes are (the compute dtype, or fp8 and a scale)
 
 and here, the storage and what reads, writes and prunes it directly. Data moves with
 ``index_select`` / ``index_copy_`` over the first dimension (blocks to read, token slots to
@@ -30,6 +31,7 @@ from baton.kv.dense import LayerKV
 from baton.kv.landing import Landings
 from baton.kv.prefill_step import PrefillSteps
 from baton.kv.prefix_blocks import PrefixBlocks
+from baton.kv.storage import KVStorage, copy_rows
 from baton.kv.tables import BlockTables, KVPoolExhausted
 
 __all__ = ["KVPool", "KVPoolExhausted", "PagedSequenceKV"]
@@ -38,16 +40,22 @@ __all__ = ["KVPool", "KVPoolExhausted", "PagedSequenceKV"]
 class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", cache_prefixes: bool = False) -> None:
+                 device: torch.device | str = "cpu", cache_prefixes: bool = False,
+                 storage: KVStorage | None = None) -> None:
+        """``dtype``: what the model computes in, and reads keys and values back in;
+        ``storage``: what the blocks hold (default: ``dtype`` itself)."""
         self._init_tables(num_layers, block_size, num_blocks)
-        self._init_storage((num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
+        self._init_storage((num_blocks, block_size, num_kv_heads, head_dim), dtype,
+                           storage or KVStorage(dtype), device)
         self._init_prefixes(cache_prefixes)
         self._init_decode_steps()
 
-    def _init_storage(self, shape: tuple[int, ...], dtype: torch.dtype,
+    def _init_storage(self, shape: tuple[int, ...], dtype: torch.dtype, storage: KVStorage,
                       device: torch.device | str) -> None:
-        self.k_cache = self._zeros(shape, dtype, device)
-        self.v_cache = self._zeros(shape, dtype, device)
+        self.compute_dtype = dtype
+        self.storage = storage
+        self.k_cache = self._zeros(shape, storage.dtype, device)
+        self.v_cache = self._zeros(shape, storage.dtype, device)
         self.positions = torch.zeros(shape[:2], dtype=torch.int64, device=device)
         # Under tensor parallelism this rank's storage holds its KV heads alone, and the
         # other ranks' storage follows every write and move made here (``StorageMirror``).
@@ -102,9 +110,11 @@ class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
         return self.own_rows(blocks, length, with_values)
 
     def own_rows(self, blocks: torch.Tensor, length: int, with_values: bool):
-        """``read_rows`` of this rank's storage alone."""
-        return (self._rows(self.k_cache, blocks, length),
-                self._rows(self.v_cache, blocks, length) if with_values else None,
+        """``read_rows`` of this rank's storage alone (keys and values in the compute dtype)."""
+        load = self.storage.load
+        return (load(self._rows(self.k_cache, blocks, length), self.compute_dtype),
+                load(self._rows(self.v_cache, blocks, length), self.compute_dtype)
+                if with_values else None,
                 self._rows(self.positions, blocks, length))
 
     @staticmethod
@@ -142,21 +152,20 @@ class KVPool(BlockTables, PrefixBlocks, Landings, PrefillSteps, DecodeSteps):
         tokens = self.num_blocks * self.block_size
         for cache in (self.k_cache, self.v_cache, self.positions):
             flat = cache.view(tokens, *cache.shape[2:])
-            flat.index_copy_(0, target, flat.index_select(0, source))
+            copy_rows(flat, target, flat.index_select(0, source))
 
     def _write_at(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor) -> None:
         """Write tokens to flat slots ``index``, one ``index_copy_`` per tensor. The tokens may
         come from another device or dtype (a cache from the wire or a chain arrives in host
-        memory). Under a mirror they have every KV head, and this rank keeps its own."""
+        memory), stored as ``storage`` says. Under a mirror they have every KV head, and this
+        rank keeps its own (every rank stores its heads alike)."""
         if self.mirror is not None:
             k, v = self.mirror.write(self, index, k, v, positions)
         device = self.k_cache.device
         tokens = self.num_blocks * self.block_size
-        self.k_cache.view(tokens, *self.k_cache.shape[2:]).index_copy_(
-            0, index, k.to(device, self.k_cache.dtype))
-        self.v_cache.view(tokens, *self.v_cache.shape[2:]).index_copy_(
-            0, index, v.to(device, self.v_cache.dtype))
+        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+            copy_rows(cache.view(tokens, *cache.shape[2:]), index, self.storage.store(new.to(device)))
         self.positions.view(tokens).index_copy_(0, index, positions.to(device, torch.int64))
 
     def view(self, seq_id: str) -> PagedSequenceKV:

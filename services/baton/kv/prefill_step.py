@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.host_to_device import to_device
+from baton.kv.storage import KVStorage, copy_rows
 
 
 @dataclass
@@ -27,20 +28,29 @@ class PrefillSegment:
     k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], the pool's storage
     v_cache: torch.Tensor
     positions: torch.Tensor  # [num_blocks, block_size]
+    storage: KVStorage | None = None  # what the caches hold (None: the compute dtype)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Store one layer's new tokens (k, v: [T, Hkv, D]; positions [T]); returns the layer's
-        keys, values and positions so far (the new ones alone when nothing came before)."""
+        keys, values and positions so far (the new ones alone when nothing came before: as
+        computed, like vLLM's prefill attention, even when the caches hold fp8), in k's dtype."""
         index = self.slots[layer]
         device = self.k_cache.device
+        storage = self.storage
         for cache, new in ((self.k_cache, k), (self.v_cache, v)):
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, index, new.to(device, cache.dtype))
+            new = new.to(device)
+            new = storage.store(new) if storage is not None else new.to(cache.dtype)
+            copy_rows(cache.view(-1, *cache.shape[2:]), index, new)
         self.positions.view(-1).index_copy_(0, index, positions.to(device, torch.int64))
         if self.lengths[layer] == k.shape[0]:  # nothing before: the new tokens are all there is
             return k, v, positions
         blocks, length = self.blocks[layer], self.lengths[layer]
-        return tuple(cache.index_select(0, blocks).view((-1,) + cache.shape[2:])[:length]
-                     for cache in (self.k_cache, self.v_cache, self.positions))
+        k_all, v_all, positions_all = (
+            cache.index_select(0, blocks).view((-1,) + cache.shape[2:])[:length]
+            for cache in (self.k_cache, self.v_cache, self.positions))
+        if storage is not None:
+            k_all, v_all = storage.load(k_all, k.dtype), storage.load(v_all, k.dtype)
+        return k_all, v_all, positions_all
 
 
 class PrefillSteps:
@@ -57,4 +67,5 @@ class PrefillSteps:
             table.length += num_tokens
             blocks.append(to_device(table.blocks, device))
             lengths.append(table.length)
-        return PrefillSegment(slots, blocks, lengths, self.k_cache, self.v_cache, self.positions)
+        return PrefillSegment(slots, blocks, lengths, self.k_cache, self.v_cache, self.positions,
+                              self.storage)

@@ -170,7 +170,7 @@ class AttentionPlan:
                 group.lengths[layer])
             return
         k_pad, v_pad, key_positions, lengths = step.read(
-            group, layer, with_positions=sliding_window is not None)
+            group, layer, with_positions=sliding_window is not None, dtype=q.dtype)
         bias = self._biases.get(index)
         if bias is None or not group.uniform or sliding_window is not None:
             bias = decode_attention_bias(positions[rows], key_positions, lengths, k_pad.shape[1],

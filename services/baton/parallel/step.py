@@ -21,6 +21,7 @@ from baton.kv.decode_step import DecodeGroup, DecodeStep
 from baton.kv.dense import DenseKV
 from baton.kv.pool import KVPool
 from baton.kv.prefill_step import PrefillSegment
+from baton.kv.storage import KVStorage
 from baton.model.forward_batch import DecodeBatch, Segment
 from baton.model.sharding import HeadGather
 from baton.parallel.gathered_kv import GatheredKV, GatheredKVFollower
@@ -36,11 +37,13 @@ class PoolGeometry:
     num_layers: int
     block_size: int
     num_blocks: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype
+    storage: KVStorage  # what the blocks hold
 
 
 def pool_geometry(key: int, pool: KVPool) -> PoolGeometry:
-    return PoolGeometry(key, pool.num_layers, pool.block_size, pool.num_blocks, pool.k_cache.dtype)
+    return PoolGeometry(key, pool.num_layers, pool.block_size, pool.num_blocks,
+                        pool.compute_dtype, pool.storage)
 
 
 class StepEncoder:
@@ -113,7 +116,7 @@ class Replica:
     def add_pool(self, geometry: PoolGeometry) -> None:
         self.pools[geometry.key] = KVPool(geometry.num_layers, self.num_kv_heads, self.head_dim,
                                           geometry.block_size, geometry.num_blocks,
-                                          geometry.dtype, self.device)
+                                          geometry.dtype, self.device, storage=geometry.storage)
 
     def forward_arguments(self, message: tuple) -> tuple:
         _, token_ids, positions, segments, output_rows, decode = message
@@ -130,7 +133,8 @@ class Replica:
             key, slots, blocks, lengths = described[3:]
             pool = self.pools[key]
             return Segment(length, PrefillSegment(self._on_device(slots), self._on_device(blocks),
-                                                  lengths, pool.k_cache, pool.v_cache, pool.positions),
+                                                  lengths, pool.k_cache, pool.v_cache, pool.positions,
+                                                  pool.storage),
                            observer)
         if kind == "gathered":
             return Segment(length, GatheredKVFollower(self.heads, self.group, self.device), observer)
@@ -147,7 +151,7 @@ class Replica:
         step = DecodeStep(slots.to(self.device),
                           [DecodeGroup(rows, self._on_device(blocks), lengths.to(self.device), uniform)
                            for rows, blocks, lengths, uniform in groups],
-                          pool.k_cache, pool.v_cache, pool.positions)
+                          pool.k_cache, pool.v_cache, pool.positions, pool.storage)
         return DecodeBatch(step, [JOINS_GATHERS if seen else None for seen in observed])
 
     def _on_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

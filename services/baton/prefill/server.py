@@ -25,8 +25,8 @@ from baton.api.v1 import prefill_pb2, prefill_pb2_grpc
 from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
 from baton.config.model import served_model_names
-from baton.dtypes import dtype_name
 from baton.errors import PermissionDenied
+from baton.kv.storage import KVStorage, kv_storage
 from baton.logs import configure_logging
 from baton.metrics import PrefillMetrics, serve_metrics
 from baton.model.hub import resolve_model
@@ -134,7 +134,7 @@ class PrefillServer:
             self.sink = TailSink(self.model_config, self.model_id, self.revision,
                                  self.config.pyramid, self.metrics, lambda: self.rank.details,
                                  on_ready, on_fail, self.mtls, self.by_layer,
-                                 lambda: self.rank.model.dtype,
+                                 self._kv_storage,
                                  nixl=open_plane(self.config.kv_transport.kind, "prefill",
                                                  listen_host(self.config.server.listen)),
                                  kv_device=lambda: self.rank.model.device,
@@ -169,13 +169,20 @@ class PrefillServer:
                             "baton.rank": chain.rank, "baton.slice.start": prompt_slice[0],
                             "baton.slice.end": prompt_slice[1]})
 
+    def _kv_storage(self) -> KVStorage:
+        """What this chain ships keys and values as (the model's once it is loaded)."""
+        return kv_storage(self.config.kv_cache.dtype, self.config.kv_cache.scale,
+                          self.rank.model.dtype)
+
     def _on_ready(self) -> None:
         # Advertised to the gateways (0: not measured here; the threshold alone decides).
         self.break_even_tokens = (self._break_even(self.table) if self.table is not None else 0)
-        self.kv_dtype = dtype_name(self.rank.model.dtype)
+        storage = self._kv_storage()
+        self.kv_dtype = storage.name
         model = self.model_config
         # What this chain ships, for the gateways to pair it only with decode pods that take it
         self.kv_contract = KVContract(self.model_id, self.revision, dtype=self.kv_dtype,
+                                      kv_scale=storage.scale,
                                       num_layers=model.num_hidden_layers,
                                       num_kv_heads=model.num_key_value_heads,
                                       head_dim=model.head_dim, layout=HEADS_COMPLETE,

@@ -36,6 +36,7 @@ from baton.api.requests import PrefillRequest
 from baton.api.v1 import prefill_pb2
 from baton.config import MtlsConfig, PyramidConfig
 from baton.kv.dense import LayerKV
+from baton.kv.storage import KVStorage
 from baton.metrics import PrefillMetrics
 from baton.model.config import ModelConfig
 from baton.pyramid import PromptCompressor, check_model, compressor_factory, request_config
@@ -59,13 +60,14 @@ class TailSink:
                  on_ready: Callable[[], None] = lambda: None,
                  on_fail: Callable[[str], None] = lambda message: None,
                  mtls: Mtls | None = None, by_layer: bool = False,
-                 kv_dtype: Callable[[], torch.dtype] = lambda: torch.float32,
+                 kv_storage: Callable[[], KVStorage] = lambda: KVStorage(torch.float32),
                  nixl: NixlAgent | None = None,
                  kv_device: Callable[[], torch.device] = lambda: torch.device("cpu"),
                  grammars: ModelGrammars | None = None) -> None:
         """``by_layer``: ship each layer as it is computed (``on_layer``), the first token
         before the last layer; otherwise the whole cache once the logits exist, the first
-        token on the header. ``kv_dtype``, ``kv_device``: the model's, once it is loaded (by
+        token on the header. ``kv_storage``: what the cache ships as (fp8 with its scale, or
+        the model's dtype); it and ``kv_device`` are known once the model is loaded (by
         layer from a GPU, a thread of the tail's sends each layer once its copy to the host is
         done, while the chain computes on). ``nixl``: this process's agent, for pods that read
         over NIXL (None: gRPC to every pod). ``grammars``: the structured outputs' (None:
@@ -83,7 +85,7 @@ class TailSink:
         self.on_fail = on_fail
         self.pushes = Pushes(mtls or Mtls(MtlsConfig()), nixl, model_id, revision)
         self.by_layer = by_layer
-        self.kv_dtype = kv_dtype
+        self.kv_storage = kv_storage
         self.kv_device = kv_device
         self._shipper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-shipper")
         # The request being computed, read and its push opened before the chain computes it:
@@ -112,16 +114,17 @@ class TailSink:
         if self._computing is not None:  # the chain moved on without delivering it
             self._computing.cancel()
         shipper = self._shipper if self.kv_device().type == "cuda" else None
-        self._computing = self.pushes.open(details, request,
+        storage = self.kv_storage()
+        self._computing = self.pushes.open(details, request, storage,
                                            compressor.compress_layer if compressor else None,
                                            shipper)
         if self.by_layer:
             kept = compressor.kept_counts() if compressor else (
                 (prompt_length,) * self.model_config.num_hidden_layers)
             self._computing.begin_by_layer(
-                kv_header(kept, self.kv_dtype(), self.model_config.num_key_value_heads,
+                kv_header(kept, storage.dtype, self.model_config.num_key_value_heads,
                           self.model_config.head_dim, request.request_id, self.model_id,
-                          self.revision))
+                          self.revision, storage.scale))
         return compressor
 
     def on_layer(self, index: int, layer: LayerKV) -> None:
@@ -135,7 +138,7 @@ class TailSink:
             if shipment is not None:
                 shipment.cancel()
             request = read_details(result.details)
-            shipment = self.pushes.open(result.details, request)
+            shipment = self.pushes.open(result.details, request, self.kv_storage())
         request = shipment.request
         try:
             push_start = time.monotonic()

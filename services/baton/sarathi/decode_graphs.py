@@ -247,7 +247,7 @@ class DecodeGraphs:
                             uniform=False)
         pool = self.pool
         step = DecodeStep(slots.view(layers, batch), [group], pool.k_cache, pool.v_cache,
-                          pool.positions)
+                          pool.positions, pool.storage)
         decode = DecodeBatch(step, record_queries=True)
         hidden = self.model(token_ids, positions, [], buffers.rows, decode)
         buffers.logits.copy_(self.model.logits(hidden))

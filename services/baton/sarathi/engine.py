@@ -25,10 +25,11 @@ from concurrent import futures
 
 import torch
 
-from baton.config import KVPoolConfig, SchedulerConfig
+from baton.config import KVCacheConfig, KVPoolConfig, SchedulerConfig
 from baton.kv.dense import LayerKV
 from baton.kv.landing import Landing
 from baton.kv.pool import KVPool
+from baton.kv.storage import kv_storage
 from baton.model.llama import CausalLM
 from baton.model.tokenizer import IncrementalDecoder, Tokenizer
 from baton.sampling.grammar import GrammarState
@@ -57,24 +58,28 @@ class Engine:
                  scheduler: SchedulerConfig | None = None, kv: KVPoolConfig | None = None,
                  compressor_factory: CompressorFactory | None = None,
                  pool: KVPool | None = None, model_revision: str = "",
-                 grammars: ModelGrammars | None = None) -> None:
+                 grammars: ModelGrammars | None = None,
+                 kv_cache: KVCacheConfig | None = None) -> None:
         """``model_revision``: names the weights in the prefix cache's block hashes;
-        ``grammars``: the structured outputs' (default: over ``tokenizer``)."""
+        ``grammars``: the structured outputs' (default: over ``tokenizer``); ``kv_cache``:
+        what the pool's blocks hold (default: the model's dtype)."""
         self.model = model
         self.tokenizer = tokenizer
         self.grammars = grammars or ModelGrammars(lambda: tokenizer, model.config.vocab_size,
                                                   model.config.eos_token_ids)
         self.compressor_factory = compressor_factory
         scheduler = scheduler or SchedulerConfig()
-        self._init_pool(pool, kv or KVPoolConfig(), model_revision, scheduler)
+        self._init_pool(pool, kv or KVPoolConfig(), kv_cache or KVCacheConfig(), model_revision,
+                        scheduler)
         self._init_scheduler(scheduler)
         self._init_inbox()
 
-    def _init_pool(self, pool: KVPool | None, kv: KVPoolConfig, model_revision: str,
-                   scheduler: SchedulerConfig) -> None:
+    def _init_pool(self, pool: KVPool | None, kv: KVPoolConfig, kv_cache: KVCacheConfig,
+                   model_revision: str, scheduler: SchedulerConfig) -> None:
         followers = self.model.followers  # the other ranks of a tensor-parallel group
+        storage = kv_storage(kv_cache.dtype, kv_cache.scale, self.model.dtype)
         self.pool = pool or build_pool(self.model.config, kv, self.model.dtype, self.model.device,
-                                       self.model.layout.num_kv_heads)
+                                       self.model.layout.num_kv_heads, storage)
         if followers is not None:
             followers.share_pool(self.pool)
         self.memory = KVManager(self.pool, model_revision)

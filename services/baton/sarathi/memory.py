@@ -27,23 +27,26 @@ import torch
 
 from baton.config import KVPoolConfig
 from baton.device_memory import free_memory_bytes
-from baton.dtypes import dtype_name
 from baton.kv.pool import KVPool, KVPoolExhausted
 from baton.kv.prefix_cache import cache_root, extend_block_hashes
+from baton.kv.storage import KVStorage
 from baton.model.config import ModelConfig
 from baton.sarathi.request import Sequence, Status
 
 
 def build_pool(model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dtype,
-               device: torch.device | str = "cpu", num_kv_heads: int = 0) -> KVPool:
+               device: torch.device | str = "cpu", num_kv_heads: int = 0,
+               storage: KVStorage | None = None) -> KVPool:
     """A pool sized by ``config``: ``num_blocks``, or as many as fit ``memory_fraction`` of
     the device's free memory (called once the weights are loaded), or ``memory_mib``.
-    ``num_kv_heads``: the heads this rank holds (default: the model's)."""
+    ``num_kv_heads``: the heads this rank holds (default: the model's); ``storage``: what
+    its blocks hold (default: the compute ``dtype``)."""
+    storage = storage or KVStorage(dtype)
     num_layers = model_config.num_hidden_layers
     num_kv_heads = num_kv_heads or model_config.num_key_value_heads
     num_blocks = config.num_blocks
     if num_blocks == 0:
-        element_size = torch.empty(0, dtype=dtype).element_size()
+        element_size = torch.empty(0, dtype=storage.dtype).element_size()
         bytes_per_block = (2 * config.block_size * num_kv_heads
                            * model_config.head_dim * element_size)
         if config.memory_fraction:
@@ -57,7 +60,7 @@ def build_pool(model_config: ModelConfig, config: KVPoolConfig, dtype: torch.dty
                              f"({num_layers}); give the pool more")
     return KVPool(num_layers, num_kv_heads, model_config.head_dim,
                   config.block_size, num_blocks, dtype=dtype, device=device,
-                  cache_prefixes=config.prefix_cache)
+                  cache_prefixes=config.prefix_cache, storage=storage)
 
 
 class KVManager:
@@ -138,7 +141,7 @@ class KVManager:
         if len(seq.block_hashes) * size < num_tokens:
             root = self._roots.get(seq.cache_salt)
             if root is None:
-                root = cache_root(self.model_revision, dtype_name(self.pool.k_cache.dtype),
+                root = cache_root(self.model_revision, self.pool.storage.name,
                                   seq.cache_salt)
                 self._roots[seq.cache_salt] = root
             extend_block_hashes(seq.block_hashes, seq.token_ids[:num_tokens], size, root)

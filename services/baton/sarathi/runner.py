@@ -112,7 +112,7 @@ class ModelRunner:
             token_ids += decode_ids
             positions += decode_positions
             sampling += decodes
-            in_place = self.model.reads_decode_cache_in_place()
+            in_place = self.model.reads_decode_cache_in_place(self.pool.k_cache.dtype)
             decode = DecodeBatch(self.pool.decode_step(claimed, grouped=not in_place), observers)
         prompt_rows = []
         for seq, first_token_row, start, count in prompt_chunks:  # after the sampling rows

@@ -105,6 +105,7 @@ class KVHeader:
     total_bytes: int
     checksum_algorithm: str = CHECKSUM_ALGORITHM  # of the payload, which the checksum follows
     layout: str = LAYER_MAJOR  # the payload's order (``LAYOUTS``)
+    kv_scale: float = 1.0  # an fp8 cache's keys and values were stored divided by it
 
     @property
     def element_bytes(self) -> int:
@@ -133,6 +134,7 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     max_tokens: int  # positions must lie in [0, max_tokens): the model's context length
+    kv_scale: float = 1.0  # what the pool's fp8 blocks are scaled by (``baton.kv.storage``)
 
     @property
     def contract(self) -> KVContract:
@@ -143,7 +145,7 @@ class KVSpec:
 
 def _shape_contract(described: KVHeader | KVSpec) -> KVContract:
     return KVContract(described.model_id, described.model_revision, dtype=described.dtype,
-                      num_layers=described.num_layers, num_kv_heads=described.num_kv_heads,
+                      kv_scale=described.kv_scale, num_layers=described.num_layers, num_kv_heads=described.num_kv_heads,
                       head_dim=described.head_dim)
 
 
@@ -234,19 +236,23 @@ def chunk_pieces(segments: list[memoryview], chunk_bytes: int = CHUNK_BYTES
 
 
 def kv_header(layer_num_tokens: tuple[int, ...], dtype: torch.dtype, num_kv_heads: int,
-              head_dim: int, request_id: str, model_id: str, model_revision: str) -> KVHeader:
-    """The header of a (layer-major) cache with these shapes, before any of it exists."""
+              head_dim: int, request_id: str, model_id: str, model_revision: str,
+              kv_scale: float = 1.0) -> KVHeader:
+    """The header of a (layer-major) cache with these shapes, before any of it exists
+    (``kv_scale``: an fp8 cache's, ``baton.kv.storage``)."""
     header = KVHeader(request_id=request_id, model_id=model_id, model_revision=model_revision,
                       dtype=dtype_name(dtype), num_layers=len(layer_num_tokens),
                       layer_num_tokens=tuple(layer_num_tokens), num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, byte_order=sys.byteorder, total_bytes=0)
+                      head_dim=head_dim, byte_order=sys.byteorder, total_bytes=0,
+                      kv_scale=kv_scale)
     return dataclasses.replace(header, total_bytes=header.payload_bytes())
 
 
 def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
-              model_revision: str) -> EncodedKV:
-    """Describe a cache for shipping (k, v: [S_l, Hkv, D]; positions: [S_l]); nothing is
-    read yet (the checksum is taken as the chunks go out: ``checksum``)."""
+              model_revision: str, kv_scale: float = 1.0) -> EncodedKV:
+    """Describe a cache for shipping (k, v: [S_l, Hkv, D], as stored: fp8 ones divided by
+    ``kv_scale``; positions: [S_l]); nothing is read yet (the checksum is taken as the
+    chunks go out: ``checksum``)."""
     if not layers:
         raise ValueError("cannot ship a KV cache with no layers")
     first = layers[0].k
@@ -260,7 +266,7 @@ def encode_kv(layers: list[LayerKV], request_id: str, model_id: str,
             raise ValueError(f"layer {index} has {layer.num_tokens} keys, {layer.v.shape[0]} values "
                              f"and {tuple(layer.positions.shape)} positions")
     header = kv_header(tuple(layer.num_tokens for layer in layers), dtype, num_kv_heads,
-                       head_dim, request_id, model_id, model_revision)
+                       head_dim, request_id, model_id, model_revision, kv_scale)
     return EncodedKV(header, layers)
 
 

@@ -38,6 +38,7 @@ class KVContract:
     model_id: str
     model_revision: str
     dtype: str = ""  # the KV's dtype by name ("bfloat16"); "" = not said
+    kv_scale: float = 0.0  # what an fp8 cache is stored divided by (``baton.kv.storage``); 0 = not said
     num_layers: int = 0  # 0 = not said (as every count below)
     num_kv_heads: int = 0  # of the whole model, not of one rank
     head_dim: int = 0
@@ -55,6 +56,7 @@ class KVContract:
             ("model", self.model_id, other.model_id),
             ("model revision", self.model_revision, other.model_revision)) if mine != theirs]
         for label, mine, theirs in (("kv dtype", self.dtype, other.dtype),
+                                    ("kv scale", self.kv_scale, other.kv_scale),
                                     ("num layers", self.num_layers, other.num_layers),
                                     ("num kv heads", self.num_kv_heads, other.num_kv_heads),
                                     ("head_dim", self.head_dim, other.head_dim),

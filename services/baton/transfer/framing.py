@@ -55,7 +55,8 @@ def kv_header_to_proto(header: KVHeader) -> kv_pb2.KVHeader:
 
 def kv_header_from_proto(message: kv_pb2.KVHeader) -> KVHeader:
     header = flat_from_proto(message, KVHeader)
-    return dataclasses.replace(header, layer_num_tokens=tuple(header.layer_num_tokens))
+    return dataclasses.replace(header, layer_num_tokens=tuple(header.layer_num_tokens),
+                               kv_scale=header.kv_scale or 1.0)
 
 
 def handoff_to_proto(handoff: KVHandoff) -> decode_pb2.PushKVHeader:

@@ -126,9 +126,11 @@ class PushedCache:
         return isinstance(self.layers[0], LandedLayer)
 
 
-def kv_spec(model_config: ModelConfig, model_id: str, revision: str, dtype: str) -> KVSpec:
-    """What a pushed cache must match to enter this pod's pool."""
-    return KVSpec(model_id=model_id, model_revision=revision, dtype=dtype,
+def kv_spec(model_config: ModelConfig, model_id: str, revision: str, dtype: str,
+            kv_scale: float = 1.0) -> KVSpec:
+    """What a pushed cache must match to enter this pod's pool (``dtype``, ``kv_scale``: what
+    its blocks hold, ``baton.kv.storage``)."""
+    return KVSpec(model_id=model_id, model_revision=revision, dtype=dtype, kv_scale=kv_scale,
                   num_layers=model_config.num_hidden_layers,
                   num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
                   max_tokens=model_config.max_position_embeddings)

@@ -15,6 +15,7 @@ import grpc
 from baton import tracing
 from baton.api.requests import PrefillRequest
 from baton.kv.dense import LayerKV
+from baton.kv.storage import KVStorage
 from baton.security.mtls import Mtls
 from baton.serving import CHANNEL_OPTIONS
 from baton.transfer import framing
@@ -39,10 +40,13 @@ class Shipment:
     cancelled, and ``finish`` raises what happened."""
 
     def __init__(self, details: bytes, request: PrefillRequest, push: PushCall,
+                 storage: KVStorage,
                  prepare: Callable[[int, LayerKV], LayerKV] | None, model_id: str, revision: str,
                  source: NixlSource | None = None,
                  shipper: concurrent.futures.Executor | None = None, span=None) -> None:
-        """``prepare``: what becomes of a finished layer before it goes out (the request's
+        """``storage``: what keys and values go out as (the decode pod's pool's: fp8 and its
+        scale, or the compute dtype); every layer is stored so after it is prepared.
+        ``prepare``: what becomes of a finished layer before it goes out (the request's
         compression; None: it goes as it is). ``shipper``: one thread that sends layers copied
         off a GPU, in order (None: every layer is sent by the caller). ``span``: the push's
         trace span (None: untraced), ended with it."""
@@ -55,6 +59,7 @@ class Shipment:
         self.request = request
         self.push = push
         self.prepare = prepare
+        self.storage = storage
         self.num_bytes = 0
         self._writer: framing.LayerByLayer | None = None
         self._header: KVHeader | None = None
@@ -118,8 +123,9 @@ class Shipment:
             raise self._failure
         request = self.request
         if self._writer is None:
-            encoded = encode_kv(layers_to_host(layers), request.request_id, self.model_id,
-                                self.revision)
+            stored = [self.storage.store_layer(layer) for layer in layers]
+            encoded = encode_kv(layers_to_host(stored), request.request_id, self.model_id,
+                                self.revision, self.storage.scale)
             handoff = KVHandoff(encoded.header, request.prompt_token_ids, first.token_id,
                                 request.sampling, request.compression, request.decode_incarnation,
                                 request.cache_salt, first.prefill_s, first.partition)
@@ -151,14 +157,14 @@ class Shipment:
 
     def _checked(self, index: int, layer: LayerKV) -> LayerKV:
         """A finished layer as it goes out: prepared (compressed when the request compresses),
-        and of the size the header announced."""
+        of the size the header announced, stored as the pod's pool stores it."""
         if self.prepare is not None:
             layer = self.prepare(index, layer)
         announced = self._header.layer_num_tokens[index]
         if layer.num_tokens != announced:
             raise KVMalformed(f"layer {index} keeps {layer.num_tokens} tokens; the header "
                               f"announced {announced}")
-        return layer
+        return self.storage.store_layer(layer)
 
     def _send(self, layer: LayerKV) -> None:
         """A checked layer's bytes (in host memory) onto the push."""
@@ -217,7 +223,7 @@ class Pushes:
         self._channels: dict[str, grpc.Channel] = {}
         self._fingerprint = mtls.fingerprint()
 
-    def open(self, details: bytes, request: PrefillRequest,
+    def open(self, details: bytes, request: PrefillRequest, storage: KVStorage,
              prepare: Callable[[int, LayerKV], LayerKV] | None = None,
              shipper: concurrent.futures.Executor | None = None) -> Shipment:
         """A request's shipment, its PushKV call opened now: the call's setup (a stream, the
@@ -230,7 +236,8 @@ class Pushes:
             "baton.request_id": request.request_id, "baton.kv.decode": request.decode_address,
             "baton.kv.transport": NIXL if source is not None else "grpc"})
             if request.traceparent else None)
-        return Shipment(details, request, PushCall(method, tracing.traceparent(span)), prepare,
+        return Shipment(details, request, PushCall(method, tracing.traceparent(span)), storage,
+                        prepare,
                         self.model_id, self.revision, source, shipper, span)
 
     def _channel(self, address: str) -> grpc.Channel:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x62\x61ton/v1/kv.proto\x12\x08\x62\x61ton.v1\"\x88\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0emodel_revision\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x18\n\x10layer_num_tokens\x18\x06 \x03(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x12\n\nbyte_order\x18\t \x01(\t\x12\x13\n\x0btotal_bytes\x18\n \x01(\x04\x12\x1a\n\x12\x63hecksum_algorithm\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\r \x01(\tJ\x04\x08\x0c\x10\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x62\x61ton/v1/kv.proto\x12\x08\x62\x61ton.v1\"\x9a\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0emodel_revision\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x18\n\x10layer_num_tokens\x18\x06 \x03(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x12\n\nbyte_order\x18\t \x01(\t\x12\x13\n\x0btotal_bytes\x18\n \x01(\x04\x12\x1a\n\x12\x63hecksum_algorithm\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\r \x01(\t\x12\x10\n\x08kv_scale\x18\x0e \x01(\x01J\x04\x08\x0c\x10\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.api.v1.kv_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHEADER']._serialized_start=32
-  _globals['_KVHEADER']._serialized_end=296
+  _globals['_KVHEADER']._serialized_end=314
 # @@protoc_insertion_point(module_scope)

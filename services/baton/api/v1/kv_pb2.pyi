@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "model_revision", "dtype", "num_layers", "layer_num_tokens", "num_kv_heads", "head_dim", "byte_order", "total_bytes", "checksum_algorithm", "layout")
+    __slots__ = ("request_id", "model_id", "model_revision", "dtype", "num_layers", "layer_num_tokens", "num_kv_heads", "head_dim", "byte_order", "total_bytes", "checksum_algorithm", "layout", "kv_scale")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class KVHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     model_revision: str
@@ -32,4 +33,5 @@ class KVHeader(_message.Message):
     total_bytes: int
     checksum_algorithm: str
     layout: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_num_tokens: _Optional[_Iterable[int]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., byte_order: _Optional[str] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    kv_scale: float
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_num_tokens: _Optional[_Iterable[int]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., byte_order: _Optional[str] = ..., total_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., layout: _Optional[str] = ..., kv_scale: _Optional[float] = ...) -> None: ...
