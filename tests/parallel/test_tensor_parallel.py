@@ -7,6 +7,11 @@ decoded by a group or by one process alike."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from baton.config import KVPoolConfig, PyramidConfig, SchedulerConfig
@@ -18,6 +23,7 @@ from baton.model.sharding import ShardLayout, check_divisible
 from baton.parallel.leader import start_group
 from baton.pyramid.engine_hook import engine_compressor_factory
 from baton.pyramid.prefill import compressor_factory
+from baton.runahead.errors import ChainError
 from baton.runahead.local import LocalChain
 from baton.runahead.request import ModelSource
 from baton.sampling.params import SamplingParams
@@ -34,6 +40,13 @@ CASES = [
 SCHEDULER = SchedulerConfig(token_budget=24)  # prompts prefill in chunks beside decodes
 KV = KVPoolConfig(block_size=4, num_blocks=512)
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def followers_of(pid: int) -> list[int]:
+    """The tensor-parallel followers a process started."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children
+            if b"baton.parallel.follower" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
 def save_model(config, directory) -> None:
@@ -168,6 +181,13 @@ def test_a_chain_of_two_groups_equals_one_process(compressed, tmp_path):
     with LocalChain(ModelSource(path=str(tmp_path), dtype="float32"), 2, timeout_s=60,
                     make_observer=make_observer, tensor_parallel_size=2) as chain:
         result = chain.prefill(torch.tensor(prompt))
+        if not compressed:  # a rank's follower dies: its chain says so, and fast
+            (follower,) = followers_of(chain.processes[1].pid)
+            os.kill(follower, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(ChainError, match="tensor-parallel group is down"):
+                chain.prefill(torch.tensor(prompt))
+            assert time.monotonic() - started < 30
     torch.testing.assert_close(result.first_token_logits, want_logits, rtol=1e-4, atol=1e-4)
     for got, want in zip(result.layers, want_layers, strict=True):
         assert torch.equal(got.positions, want.positions)  # the same tokens kept
