@@ -5,7 +5,7 @@ compression), so they agree unless a role's pod overlay sets one of them in its 
 (``spec.<role>.pod.env``: ``BATON_MODEL_DTYPE`` on the decode pods only, say), which a server
 reads where no flag gives the setting. This resolves each role's settings as its server will
 (flags, then that environment, then defaults: ``baton.configtree``) and compares them by the
-one rule the gateway routes by (``baton.transfer.contract``). What only a started pod knows
+one rule the gateway routes by (``baton.kv.contract``). What only a started pod knows
 (``dtype auto`` resolved on a node of another kind, a rollout between releases) shows in the
 gateway's route reasons and its ``baton_gateway_kv_contract_mismatches_total`` instead.
 """
@@ -16,7 +16,7 @@ import argparse
 from typing import Any
 
 from baton.configtree import add_arguments, from_arguments
-from baton.transfer.contract import KVContract, compression_of
+from baton.kv.contract import KVContract, compression_of
 
 from baton_operator.service_configs import config_arguments, decode_config, prefill_config
 from baton_operator.spec import ServiceSpec

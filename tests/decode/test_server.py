@@ -163,7 +163,7 @@ def _header(handoff, **changes):
 
 
 @pytest.mark.parametrize(("change", "code", "named"), [
-    # the KV contract's words, the rule the gateway's routing applies (baton.transfer.contract)
+    # the KV contract's words, the rule the gateway's routing applies (baton.kv.contract)
     ({"model_id": "other-model"}, grpc.StatusCode.FAILED_PRECONDITION, "model 'other-model' != "),
     ({"num_kv_heads": 2}, grpc.StatusCode.FAILED_PRECONDITION, "num kv heads 2 != "),
     ({"dtype": "float16"}, grpc.StatusCode.FAILED_PRECONDITION, "kv dtype float16 != float32"),

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 from baton.config import GatewayRoutingConfig
 from baton.gateway.routing_policy import InFlight, NoLiveWorkers, WorkersFull, create_policy
+from baton.kv.contract import HEADS_COMPLETE, KVContract
 from baton.routing import RoutingSnapshot, WorkerInfo, WorkerLoad
-from baton.transfer.contract import HEADS_COMPLETE, KVContract
 
 MODEL = "tiny"
 

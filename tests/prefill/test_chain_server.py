@@ -20,11 +20,11 @@ import grpc
 import pytest
 from baton.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from baton.config import MtlsConfig
+from baton.kv.contract import COMPRESSION_OFF, HEADS_COMPLETE
 from baton.routing.redis_store import RedisStore
 from baton.security.certificates import Authority
 from baton.security.mtls import Mtls
 from baton.serving import free_port
-from baton.transfer.contract import COMPRESSION_OFF, HEADS_COMPLETE
 from baton.transfer.nixl import nixl_missing
 from decode.decode_servers import (
     collect,

@@ -9,6 +9,7 @@ import time
 import pytest
 from baton.api.requests import MAX_POD_REQUEST_ID_CHARS, MAX_REQUEST_ID_CHARS, check_request_id
 from baton.config import RoutingConfig
+from baton.kv.contract import HEADS_COMPLETE, KVContract
 from baton.routing import (
     Heartbeat,
     InMemoryStore,
@@ -19,7 +20,6 @@ from baton.routing import (
     open_store,
 )
 from baton.routing.redis_store import RedisStore
-from baton.transfer.contract import HEADS_COMPLETE, KVContract
 
 # Redis keeps its own time: long enough that a record is surely there when the test looks
 # right after writing it, even on a loaded machine (the in-memory store's clock is the test's).

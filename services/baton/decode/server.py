@@ -29,6 +29,7 @@ from baton.decode.door import open_door
 from baton.decode.servicer import DecodeServicer
 from baton.decode.watchdog import EngineWatchdog
 from baton.decode.worker import DecodeWorker
+from baton.kv.contract import compression_of
 from baton.logs import configure_logging
 from baton.metrics import DecodeMetrics, serve_metrics
 from baton.model.loader import load_checkpoint
@@ -46,7 +47,6 @@ from baton.serving import (
     run_until_signalled,
 )
 from baton.transfer import framing
-from baton.transfer.contract import compression_of
 from baton.transfer.nixl import NixlReader
 from baton.transfer.planes import open_plane
 from baton.transfer.receiver import Incarnation, NixlPlane, kv_spec

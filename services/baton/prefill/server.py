@@ -26,6 +26,7 @@ from baton.compute_thread import build_on_short_lived_thread
 from baton.config import PrefillServiceConfig
 from baton.config.model import served_model_names
 from baton.errors import PermissionDenied
+from baton.kv.contract import HEADS_COMPLETE, KVContract, compression_of
 from baton.kv.storage import KVStorage, kv_storage
 from baton.logs import configure_logging
 from baton.metrics import PrefillMetrics, serve_metrics
@@ -46,7 +47,6 @@ from baton.serving import (
     release_version,
     run_until_signalled,
 )
-from baton.transfer.contract import HEADS_COMPLETE, KVContract, compression_of
 from baton.transfer.planes import open_plane
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 
 from baton.errors import Unavailable
-from baton.transfer.contract import KVContract
+from baton.kv.contract import KVContract
 
 ROLES = ("prefill", "decode", "gateway")
 MAX_PREFIX_EVENTS = 65536  # a pod's prefix-cache events the store keeps (older ones are dropped)
@@ -80,7 +80,7 @@ class WorkerInfo:
     kv_block_size: int = 0
     # Decode pods: how they take pushed KV: "grpc", or "nixl" (over NIXL as well as gRPC).
     kv_transport: str = "grpc"
-    # Decode pods and chains: the KV they take or ship (``baton.transfer.contract``); None in
+    # Decode pods and chains: the KV they take or ship (``baton.kv.contract``); None in
     # a record of an earlier release, which ``contract`` reads from the fields above.
     kv_contract: KVContract | None = None
 

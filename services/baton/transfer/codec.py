@@ -46,8 +46,8 @@ import xxhash
 
 from baton.dtypes import DTYPES, dtype_name
 from baton.errors import DataLoss, FailedPrecondition, InvalidArgument, ServiceError
+from baton.kv.contract import HEADS_COMPLETE, KVContract
 from baton.kv.dense import LayerKV
-from baton.transfer.contract import HEADS_COMPLETE, KVContract
 
 # 1 MiB chunks: well under gRPC's 4 MiB default message limit, and large enough that the
 # per-message cost vanishes (bench/kv_transfer.py measures it).

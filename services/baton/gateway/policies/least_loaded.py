@@ -10,7 +10,7 @@ over the pods instead of piling onto the one that looked emptiest.
 Chain: a prompt of at least ``prefill_threshold_tokens`` goes to the live chain with the
 fewest queued prompt tokens (reported, or in flight from here, whichever is larger); with
 no live chain it is prefilled on the decode pod, which is slower but always works. Only a
-chain whose KV contract fits the decode pod's (``baton.transfer.contract``: model revision,
+chain whose KV contract fits the decode pod's (``baton.kv.contract``: model revision,
 KV dtype, layout, compression) is a candidate; the reason names every chain passed over and
 its mismatch, and a prompt pinned to a chain goes to the least loaded pod some chain fits. With
 ``chain_break_even`` (the default) only the chains whose advertised break-even the prompt

@@ -24,7 +24,7 @@ import string
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from baton.gateway.http.tool_parsers.json_calls import MALFORMED
+MALFORMED = -1  # what a call reader's advance() says of text that is no call
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 
-from baton.gateway.http.tool_parsers.base import StreamingToolParser
-from baton.gateway.http.tool_parsers.json_calls import MALFORMED, CallObject
+from baton.gateway.http.tool_parsers.base import MALFORMED, StreamingToolParser
+from baton.gateway.http.tool_parsers.json_calls import CallObject
 
 START, END = "<tool_call>", "</tool_call>"
 _SPACE = re.compile(r"\s*")

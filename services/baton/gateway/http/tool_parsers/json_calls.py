@@ -8,11 +8,12 @@ import json
 import re
 from typing import TYPE_CHECKING
 
+from baton.gateway.http.tool_parsers.base import MALFORMED
+
 if TYPE_CHECKING:
     from baton.gateway.http.tool_parsers.base import StreamingToolParser
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Llama 3 writes "parameters"
-MALFORMED = -1  # CallObject.advance: the text is not a call
 _SIGNIFICANT = re.compile(r'[{}\[\]"]')
 _IN_STRING = re.compile(r'["\\]')
 _SPACE = re.compile(r"\s*")

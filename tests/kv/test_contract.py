@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 from baton.config import PyramidConfig
-from baton.transfer.contract import COMPRESSION_OFF, HEADS_COMPLETE, KVContract, compression_of
+from baton.kv.contract import COMPRESSION_OFF, HEADS_COMPLETE, KVContract, compression_of
 
 POD = KVContract("tiny", "rev-1", dtype="float32", num_layers=4, num_kv_heads=2, head_dim=8,
                  layout=HEADS_COMPLETE, compression="pyramid keep_ratio 0.5", block_size=16)
