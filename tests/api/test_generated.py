@@ -33,7 +33,7 @@ def test_a_proto_change_makes_the_committed_code_stale(tmp_path):
     shutil.copytree(generate.PROTO_ROOT, protos)
     kv_proto = protos / generate.PROTO_PACKAGE / "kv.proto"
     kv_proto.write_text(kv_proto.read_text().replace("uint64 total_bytes = 10;",
-                                                     "uint64 total_bytes = 10;\n  bool extra = 14;"))
+                                                     "uint64 total_bytes = 10;\n  bool extra = 99;"))
     generate.generate(tmp_path / "v1", proto_root=protos)
     assert stale_files(tmp_path / "v1", generate.OUTPUT_DIR) == ["kv_pb2.py", "kv_pb2.pyi"]
 

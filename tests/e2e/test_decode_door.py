@@ -17,8 +17,10 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def pod_api(cluster):
-    """The `openai` client of the first decode pod's own door."""
-    client = openai.OpenAI(base_url=cluster.decode_http_url(cluster.decode_pods()[0]),
+    """The `openai` client of the first live decode pod's own door (an earlier test may have
+    stopped one of the session's pods)."""
+    pod = next(child for child in cluster.decode_pods() if child.process.poll() is None)
+    client = openai.OpenAI(base_url=cluster.decode_http_url(pod),
                            api_key="unused", max_retries=0, timeout=120)
     yield client
     client.close()
