@@ -31,6 +31,12 @@ def generate(cache_dtype: str, prompts=PROMPTS, prefix_cache: bool = False):
     return engine, [result.token_ids for result in engine.generate(prompts, GREEDY)]
 
 
+# The least share of the greedy tokens that must agree before the first that differs: e5m2's
+# two mantissa bits keep less (0.68 on these prompts on an AVX2 host, 0.28 on the benchmark's),
+# and a broken cache agrees on next to nothing.
+AGREEMENT_FLOOR = {"fp8_e4m3": 0.5, "fp8_e5m2": 0.25}
+
+
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_kv_greedy_tokens_mostly_agree_with_the_full_precision_cache(cache_dtype):
     _, full = generate("auto")
@@ -39,7 +45,7 @@ def test_fp8_kv_greedy_tokens_mostly_agree_with_the_full_precision_cache(cache_d
     # Agreement up to the first token that differs (after it, the texts diverge by design).
     agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
               for x, y in zip(full, fp8)]
-    assert sum(agreed) >= 0.5 * sum(len(x) for x in full), (agreed, cache_dtype)
+    assert sum(agreed) >= AGREEMENT_FLOOR[cache_dtype] * sum(len(x) for x in full), (agreed, cache_dtype)
 
 
 def test_the_prefix_cache_serves_fp8_blocks():
