@@ -113,12 +113,16 @@ def test_the_autoscale_timer_raises_the_decode_pool_when_itl_is_missed(operator,
     feeder = threading.Thread(target=stream_slowly, daemon=True)
     feeder.start()
     try:
-        assert eventually(lambda: kube.get("BatonPool", NS, "demo-decode")["spec"]["replicas"] >= 2)
+        # the planner decides on a window of scrapes a second apart, after the operator has
+        # reconciled the service (about 16 s on an idle 2-core host: time to spare)
+        assert eventually(lambda: kube.get("BatonPool", NS, "demo-decode")["spec"]["replicas"] >= 2,
+                          timeout_s=60.0)
     finally:
         streaming.set()
         feeder.join(timeout=5)
     # The timer's decision led to a reconcile: the Deployment follows the pool.
-    assert eventually(lambda: kube.get("Deployment", NS, "demo-decode")["spec"]["replicas"] >= 2)
+    assert eventually(lambda: kube.get("Deployment", NS, "demo-decode")["spec"]["replicas"] >= 2,
+                      timeout_s=60.0)
     status = kube.get("BatonService", NS, "demo")["status"]["autoscaling"]
     assert status["decode"]["target"] >= 2 and status["plannerState"]["snapshot"]
     assert any(e["reason"] == "ScaledUp" and "decode pods 1 -> 2" in e["message"]
