@@ -69,13 +69,8 @@ bench-peer: setup ## baton against vLLM on this machine (vLLM in its own .venv-p
 	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
 	$(PY) bench/peer/run.py
 
-gpu-check: setup ## on a CUDA machine: the GPU tests, then the GPU reports (*-gpu*.md)
-	$(PY) -m pytest -q -s tests/gpu
-	$(PY) bench/gpu_decode.py
-	$(PY) bench/sarathi.py --device cuda --model random-1b --quick
-	$(PY) bench/engine.py --device cuda
-	$(PY) bench/runahead_gpu.py
-	$(PY) bench/sarathi.py --device cuda
+gpu-check: setup ## on a CUDA machine: the GPU tests, then the GPU reports (*-gpu*.md); logs in gpu-logs/
+	PY=$(PY) bash bench/gpu_check.sh
 
 helm-lint: $(STAMP) ## lint and render the Helm chart with the real Helm library
 	$(PY) -m pytest -q tests/helm

@@ -39,9 +39,25 @@ def git(*args: str) -> str:
 
 
 def commit() -> str:
-    """The commit measured: its short hash, with "+dirty" when tracked files had changes."""
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+    """The commit measured: its short hash, with "+dirty" when tracked files had changes. A
+    copy of the tree without its history (a lent GPU machine's) names it in BATON_COMMIT."""
+    try:
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("BATON_COMMIT", "unknown (no git history here)")
+
+
+def gpu() -> dict | None:
+    """The GPU as torch and the driver see it: name, driver and CUDA versions."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                check=False, capture_output=True, text=True, timeout=30).stdout.split()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        driver = "unknown"
+    return {"name": torch.cuda.get_device_name(0), "driver": driver, "cuda": torch.version.cuda}
 
 
 def machine() -> dict:
@@ -58,7 +74,7 @@ def machine() -> dict:
         pass
     return {"cpu": model, "vector_flags": [flag for flag in VECTOR_FLAGS if flag in flags],
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "gpu": gpu(),
             "torch": torch.__version__, "load_average_start": round(os.getloadavg()[0], 1)}
 
 
@@ -80,6 +96,8 @@ def describe_machine(recorded: dict | str) -> str:
         return re.sub(r"\(([^,()]+), (AVX512 with BF16|AVX512|AVX2)\)",
                       lambda found: f"({found[1]}, {TORCH_VECTORS[found[2]]})", recorded)
     gpu = recorded["gpu"] or "no GPU"
+    if isinstance(gpu, dict):
+        gpu = f"{gpu['name']} (driver {gpu['driver']}, CUDA {gpu['cuda']})"
     return (f"{recorded['cores']} CPU cores ({recorded['cpu']}, "
             f"{instruction_sets(recorded['vector_flags'])}), {gpu}, torch {recorded['torch']}, "
             f"load average {recorded['load_average_start']} at start")

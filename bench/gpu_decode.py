@@ -14,7 +14,9 @@ Face's format in bfloat16; both runtimes load it from that directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -25,8 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.config import KVPoolConfig, SchedulerConfig
 from baton.kv import DenseKV, KVPool, LayerKV
+from baton.kv.decode_step import DecodeGroup, DecodeStep
 from baton.model import CausalLM, load_checkpoint, prefill, save_checkpoint
+from baton.model.attention import attend_decode_batch, decode_attention_bias
 from baton.model.config import ModelConfig
+from baton.model.forward_batch import read_in_place
 from baton.model.presets import PRESETS, random_model
 from baton.model.probe import fastest_run_s
 from baton.sampling.params import SamplingParams
@@ -114,32 +119,113 @@ def decode_round(model, pool: KVPool, runner: ModelRunner, batch: int, generator
     return (time.perf_counter() - start) / STEPS
 
 
+# How a step's attention reads the cache: gathered into padded tensors, or in place through
+# FlexAttention (baton.kernels.flex_decode); each mode with and without graphs.
+MODES = {"eager": (False, False), "graphs": (True, False), "eager_flex": (False, True),
+         "graphs_flex": (True, True)}
+
+
+@contextlib.contextmanager
+def flex_decode(on: bool):
+    previous = os.environ.get("BATON_FLEX_DECODE")
+    os.environ["BATON_FLEX_DECODE"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("BATON_FLEX_DECODE")
+        else:
+            os.environ["BATON_FLEX_DECODE"] = previous
+
+
 def decode_steps(model) -> list[dict]:
-    """Seconds per decode step at each batch, eager and replayed, alternating by round."""
+    """Seconds per decode step at each batch in every mode (``MODES``), alternating by round."""
     config, device = model.config, model.device
     rows = []
     for batch in BATCHES:
         blocks = config.num_hidden_layers * batch * ((PROMPT + STEPS) // BLOCK_SIZE + 2) + 1
-        runs: dict[str, list[float]] = {"eager": [], "graphs": []}
+        runs: dict[str, list[float]] = {mode: [] for mode in MODES}
         runners = {}
-        for mode in runs:
+        for mode, (graphed, _) in MODES.items():
             pool = KVPool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                           BLOCK_SIZE, blocks, model.dtype, device)
-            graphs = DecodeGraphs(model, pool) if mode == "graphs" else None
+            graphs = DecodeGraphs(model, pool) if graphed else None
             runners[mode] = (pool, ModelRunner(model, pool, graphs), graphs)
         generator = torch.Generator().manual_seed(batch)
         for round_index in range(ROUNDS + 1):  # round 0 warms up (and captures the graphs)
             for mode, (pool, runner, _) in runners.items():
-                step_s = decode_round(model, pool, runner, batch, generator)
+                with flex_decode(MODES[mode][1]):
+                    step_s = decode_round(model, pool, runner, batch, generator)
                 if round_index:
                     runs[mode].append(step_s)
-        graphs = runners["graphs"][2]
-        rows.append({"batch": batch, "eager_s": runs["eager"], "graphs_s": runs["graphs"],
-                     "graphs_captured": graphs.num_graphs, "graphs_enabled": graphs.enabled,
-                     "graphs_replayed": graphs.replayed_steps, "graphs_failure": graphs.failure})
-        print(f"[decode] batch {batch}: eager {min(runs['eager']) * 1e3:.2f} ms, graphs "
-              f"{min(runs['graphs']) * 1e3:.2f} ms ({graphs.num_graphs} graphs)", flush=True)
+        row = {"batch": batch, **{f"{mode}_s": runs[mode] for mode in MODES}}
+        for mode in ("graphs", "graphs_flex"):
+            graphs = runners[mode][2]
+            prefix = "graphs" if mode == "graphs" else "graphs_flex"
+            row.update({f"{prefix}_captured": graphs.num_graphs, f"{prefix}_enabled": graphs.enabled,
+                        f"{prefix}_replayed": graphs.replayed_steps,
+                        f"{prefix}_failure": graphs.failure})
+        rows.append(row)
+        print(f"[decode] batch {batch}: " + ", ".join(
+            f"{mode} {min(runs[mode]) * 1e3:.2f} ms" for mode in MODES), flush=True)
     return rows
+
+
+# --- decode attention alone: gathered against read in place ----------------------------------
+
+
+ATTENTION_CONTEXTS = (512, 4096)
+
+
+def attention_reads(model) -> list[dict]:
+    """One layer's decode attention over a random paged cache, each row's blocks scattered
+    over one pool (sized for the largest case: one pool, one kernel per batch): gathered into
+    padded tensors and attended (``DecodeStep.read``, then SDPA) against FlexAttention reading
+    the blocks in place; seconds each, and their largest difference."""
+    config, device, dtype = model.config, model.device, model.dtype
+    generator = torch.Generator(device=device).manual_seed(11)
+    num_blocks = max(BATCHES) * -(-max(ATTENTION_CONTEXTS) // BLOCK_SIZE) + 1
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim,
+                          device=device, dtype=dtype, generator=generator)
+    v_cache = torch.randn_like(k_cache)
+    step = DecodeStep(torch.zeros(1, 1, dtype=torch.long, device=device), [], k_cache, v_cache,
+                      torch.zeros(num_blocks, BLOCK_SIZE, dtype=torch.long, device=device))
+    rows = []
+    for context in ATTENTION_CONTEXTS:
+        for batch in BATCHES:
+            row = attention_read(step, config.num_attention_heads, context, batch, generator)
+            rows.append(row)
+            print(f"[attention] context {context} batch {batch}: gathered "
+                  f"{row['gathered_s'] * 1e6:.0f} us, in place {row['in_place_s'] * 1e6:.0f} us, "
+                  f"max|diff| {row['max_difference']:.1e}", flush=True)
+    return rows
+
+
+def attention_read(step: DecodeStep, heads: int, context: int, batch: int,
+                   generator: torch.Generator) -> dict:
+    k_cache = step.k_cache
+    device, dtype = k_cache.device, k_cache.dtype
+    _, _, kv_heads, head_dim = k_cache.shape
+    width = -(-context // BLOCK_SIZE)
+    order = torch.randperm(k_cache.shape[0] - 1, device=device, generator=generator) + 1
+    blocks = order[:batch * width].view(batch, width)
+    lengths = torch.linspace(context // 2, context, batch, device=device).long()  # ragged
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype, generator=generator)
+    group = DecodeGroup(slice(0, batch), [blocks], lengths[None], uniform=True)
+
+    def gathered():
+        k, v, _, count = step.read(group, 0, with_positions=False)
+        return attend_decode_batch(q, k, v, decode_attention_bias(None, None, count, k.shape[1],
+                                                                  None, dtype))
+
+    def in_place():
+        return read_in_place(q, step, blocks, lengths)
+
+    with flex_decode(True):
+        difference = float((gathered().float() - in_place().float()).abs().max())
+        return {"context": context, "batch": batch, "gathered_s": seconds(gathered, device),
+                "in_place_s": seconds(in_place, device), "max_difference": difference,
+                "kv_bytes": int(lengths.sum()) * 2 * kv_heads * head_dim * k_cache.element_size()}
 
 
 def device_copy_bandwidth(device: torch.device) -> float:
@@ -294,7 +380,7 @@ def kv_paths(model: CausalLM) -> dict:
 
 
 SMOKE_SIZES = {"ROUNDS": 1, "STEPS": 4, "KV_TOKENS": 512, "GREEDY_TOKENS": 6, "GREEDY_PROMPTS": 2,
-               "BATCHES": (1, 3)}
+               "BATCHES": (1, 3), "ATTENTION_CONTEXTS": (64,)}
 
 
 def measure(args) -> dict:
@@ -312,7 +398,7 @@ def measure(args) -> dict:
                    "config": model.config.to_hf_dict(), "smoke": args.smoke,
                    "weight_bytes": sum(p.nbytes for p in model.parameters()),
                    "copy_bandwidth": device_copy_bandwidth(device),
-                   "decode": decode_steps(model)}
+                   "decode": decode_steps(model), "attention": attention_reads(model)}
         results["greedy"] = greedy_against_transformers(directory, model)
         results["pcie"] = pcie(device)
         results["kv"] = kv_paths(model)
@@ -327,16 +413,25 @@ def report(results: dict) -> str:
     rows = []
     for row in results["decode"]:
         eager, graphs = min(row["eager_s"]), min(row["graphs_s"])
-        captured = (row["graphs_captured"] if row.get("graphs_enabled", True)
-                    else f"none: capture failed ({row.get('graphs_failure')}), steps ran eagerly")
+        flex = {mode: min(row[f"{mode}_s"]) for mode in ("eager_flex", "graphs_flex") if f"{mode}_s" in row}
+        captured = "; ".join(
+            str(row[f"{prefix}_captured"]) if row.get(f"{prefix}_enabled", True)
+            else f"none: capture failed ({row.get(f'{prefix}_failure')}), steps ran eagerly"
+            for prefix in ("graphs", "graphs_flex") if f"{prefix}_captured" in row)
+        best = min(graphs, *flex.values())
         rows.append([row["batch"], f"{eager * 1e3:.2f}", f"{graphs * 1e3:.2f}",
-                     f"{eager / graphs:.2f}x", f"{row['batch'] / graphs:,.0f}", captured])
+                     *(f"{flex[mode] * 1e3:.2f}" if mode in flex else "-" for mode in ("eager_flex", "graphs_flex")),
+                     f"{eager / best:.2f}x", f"{row['batch'] / best:,.0f}", captured])
+    attention_rows = [[row["context"], row["batch"], f"{row['gathered_s'] * 1e6:.0f}",
+                       f"{row['in_place_s'] * 1e6:.0f}", f"{row['gathered_s'] / row['in_place_s']:.2f}x",
+                       f"{row['kv_bytes'] / row['in_place_s'] / 1e9:.0f}", f"{row['max_difference']:.1e}"]
+                      for row in results.get("attention", [])]
     batch1 = next(row for row in results["decode"] if row["batch"] == 1)
     # batch 1 reads every weight and its sequence's KV (the prompt and, on average, half the
     # timed steps) once per step
     kv_bytes = (PROMPT + STEPS // 2) * layers * 2 * kv_heads * head_dim * 2
     bound = (results["weight_bytes"] + kv_bytes) / bandwidth
-    step = min(batch1["graphs_s"])
+    step = min(min(batch1["graphs_s"]), min(batch1.get("graphs_flex_s", batch1["graphs_s"])))
     goal = "met" if step <= 2 * bound else "not met"
     greedy_rows = []
     for index, case in enumerate(results["greedy"]["cases"]):
@@ -380,12 +475,24 @@ Hugging Face's format; both runtimes load it from there.
 ## Decode steps replayed from CUDA graphs
 
 Each batch: {PROMPT}-token prompts, then {STEPS} decode-only iterations through the engine's
-runner (logits to the host every step, as the engine samples them), eager and replayed in
-alternating rounds ({ROUNDS} each after a warm-up round that captures the graphs); the
-fastest round counts.
+runner (logits to the host every step, as the engine samples them), eager and replayed, with
+attention gathering each sequence's blocks into padded tensors or reading them in place
+through FlexAttention, in alternating rounds ({ROUNDS} each after a warm-up round that
+captures the graphs); the fastest round counts. The speed-up is eager (gathered) over the
+fastest replayed mode.
 
-{markdown_table(["batch", "eager ms/step", "graphs ms/step", "graphs / eager speed-up",
-                 "tokens/s with graphs", "graphs captured"], rows)}
+{markdown_table(["batch", "eager ms/step", "graphs ms/step", "eager, in place ms/step",
+                 "graphs, in place ms/step", "speed-up", "tokens/s, fastest", "graphs captured (gathered; in place)"], rows)}
+
+## Decode attention: gathered against read in place
+
+One layer's decode attention over a paged cache whose blocks lie scattered over the pool,
+rows from half the context to all of it: gathered into padded tensors then attended
+(`DecodeStep.read`, SDPA), against FlexAttention reading the blocks where they lie
+(`baton.kernels.flex_decode`); fastest of 5 runs, and the largest difference of the outputs.
+
+{markdown_table(["context", "batch", "gathered us", "in place us", "speed-up",
+                 "in place, GB/s of KV read", "max difference"], attention_rows)}
 
 ## Batch-1 decode against the memory-bandwidth bound
 

@@ -109,12 +109,16 @@ def test_greedy_engine_on_cuda_equals_transformers_generate():
         assert result.token_ids == expected[0, ids.shape[1]:].tolist(), prompt
 
 
+@pytest.mark.parametrize("flex", ["1", "0"], ids=["in-place", "gathered"])
 @pytest.mark.parametrize("policy", ["sarathi", "separate"])
-def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens(policy):
+def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens(policy, flex, monkeypatch):
     # The shipped model in fp32 on CUDA, greedy: the same tokens with the decode-only steps
     # replayed from CUDA graphs (several batch and width buckets: the prompts finish their
-    # prefills at different steps and grow past block boundaries) as without.
+    # prefills at different steps and grow past block boundaries) as without; attention reading
+    # the cache in place (FlexAttention) or gathering it.
+    monkeypatch.setenv("BATON_FLEX_DECODE", flex)
     shipped = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cuda")
+    assert shipped.model.reads_decode_cache_in_place(torch.float32) == (flex == "1")
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     tokens = {}
     for graphs in (False, True):
@@ -295,3 +299,43 @@ def test_a_two_rank_local_chain_on_one_gpu_runs_on_the_cpu(tmp_path):
         result = chain.prefill(ids, boundaries=[0, 180, 300])
     assert (result.first_token_logits - logits).abs().max() < FP32_TOLERANCE
     assert result.layers[0].k.dtype == torch.float32  # the CPU's dtype: it ran on the CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_flex_attention_reads_the_paged_cache_as_the_gathered_read_does(dtype, batch):
+    # A pool whose blocks lie scattered, rows of ragged lengths (a partly filled last block,
+    # an exactly full one, one token), read where they lie and gathered into padded tensors.
+    from baton.kernels.flex_decode import PagedFlexDecode, fits
+    from baton.kv.decode_step import DecodeGroup, DecodeStep
+    from baton.model.attention import attend_decode_batch, decode_attention_bias
+
+    generator = torch.Generator(device="cuda").manual_seed(batch)
+    block_size, kv_heads, heads, head_dim, width = 16, 2, 8, 64, 9
+    num_blocks = batch * width + 5
+    assert fits(dtype, torch.device("cuda"), head_dim, heads, kv_heads)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype,
+                          generator=generator)
+    v_cache = torch.randn_like(k_cache)
+    blocks = (torch.randperm(num_blocks - 1, device="cuda", generator=generator)[:batch * width]
+              + 1).view(batch, width)
+    lengths = torch.tensor([137, 16, 1, 144, 50, 99, 33, 17][:batch], device="cuda")
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+    step = DecodeStep(torch.zeros(1, batch, dtype=torch.long, device="cuda"), [], k_cache, v_cache,
+                      torch.zeros(num_blocks, block_size, dtype=torch.long, device="cuda"))
+    k, v, _, count = step.read(DecodeGroup(slice(0, batch), [blocks], lengths[None], True), 0,
+                               with_positions=False)
+    expected = attend_decode_batch(q, k, v, decode_attention_bias(None, None, count, k.shape[1],
+                                                                  None, dtype))
+    reader = PagedFlexDecode(num_blocks, block_size, torch.device("cuda"))
+    got = reader(q, k_cache, v_cache, blocks, lengths)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    print(f"CUDA-FLEX batch={batch} {dtype} max|diff|={float((got - expected).abs().max()):.1e}")
+    assert (got.float() - expected.float()).abs().max() < tolerance
+    # the same reader again with other lengths: its buffers are reused, nothing stale leaks in
+    shorter = (lengths // 2).clamp(min=1)
+    k, v, _, count = step.read(DecodeGroup(slice(0, batch), [blocks], shorter[None], True), 0,
+                               with_positions=False)
+    expected = attend_decode_batch(q, k, v, decode_attention_bias(None, None, count, k.shape[1],
+                                                                  None, dtype))
+    assert (reader(q, k_cache, v_cache, blocks, shorter).float() - expected.float()).abs().max() < tolerance

@@ -17,6 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baton.kernels import cpu as cpu_kernels
+from baton.kernels import flex_decode
 from baton.kv.decode_step import DecodeGroup, DecodeStep
 from baton.model.attention import attend, attend_decode_batch, decode_attention_bias
 from baton.model.sharding import HeadGather
@@ -165,9 +166,7 @@ class AttentionPlan:
                       sliding_window, softcap, out) -> None:
         rows, step = group.rows, self.decode.step
         if self.in_place:
-            out[rows] = cpu_kernels.kernels().paged_decode_attention(
-                q[rows].contiguous(), step.k_cache, step.v_cache, group.blocks[layer],
-                group.lengths[layer])
+            out[rows] = read_in_place(q[rows], step, group.blocks[layer], group.lengths[layer])
             return
         k_pad, v_pad, key_positions, lengths = step.read(
             group, layer, with_positions=sliding_window is not None, dtype=q.dtype)
@@ -178,6 +177,16 @@ class AttentionPlan:
             if sliding_window is None:  # a windowed bias is its layer's alone (Gemma alternates)
                 self._biases[index] = bias
         out[rows] = attend_decode_batch(q[rows], k_pad, v_pad, bias, softcap)
+
+
+def read_in_place(q: torch.Tensor, step: DecodeStep, blocks: torch.Tensor,
+                  lengths: torch.Tensor) -> torch.Tensor:
+    """Decode attention of q [n, H, D] over the pool's blocks where they lie: baton's CPU
+    kernel, or FlexAttention's on CUDA (``baton.kernels.flex_decode``)."""
+    if q.device.type == "cuda":
+        return flex_decode.reader_for(step.k_cache)(q, step.k_cache, step.v_cache, blocks, lengths)
+    return cpu_kernels.kernels().paged_decode_attention(q.contiguous(), step.k_cache,
+                                                        step.v_cache, blocks, lengths)
 
 
 def observe_decode(observers: Sequence[DecodeObserver | None], queries: torch.Tensor,

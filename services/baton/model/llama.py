@@ -25,6 +25,7 @@ from torch import nn
 from baton.host_memory import keep_freed_memory
 from baton.host_to_device import to_device
 from baton.kernels import cpu as cpu_kernels
+from baton.kernels import flex_decode
 from baton.kv.pool import PagedSequenceKV
 from baton.model.config import ModelConfig
 from baton.model.forward_batch import (
@@ -83,16 +84,16 @@ class CausalLM(nn.Module):
 
     def reads_decode_cache_in_place(self, cache_dtype: torch.dtype) -> bool:
         """Does decode attention read the paged cache (of ``cache_dtype``) where it lies
-        (baton's CPU kernel), rather than gathering each group of sequences into padded
-        tensors? Then the pool need not cut a decode batch into groups of similar width. Not
+        (baton's CPU kernel, or FlexAttention on CUDA), rather than gathering each group of
+        sequences into padded tensors? Then the pool need not cut a decode batch into groups of similar width. Not
         under a sliding window nor soft-capping, and only a cache in the compute dtype (the
         kernel does not convert: an fp8 cache is gathered and read back)."""
         config = self.config
         return (config.sliding_window is None and config.attn_logit_softcapping is None
                 and cache_dtype == self.dtype
-                and cpu_kernels.paged_decode_fits(self.dtype, self.device, config.head_dim,
-                                                  self.layout.num_heads,
-                                                  self.layout.num_kv_heads))
+                and any(fits(self.dtype, self.device, config.head_dim, self.layout.num_heads,
+                             self.layout.num_kv_heads)
+                        for fits in (cpu_kernels.paged_decode_fits, flex_decode.fits)))
 
     @property
     def dtype(self) -> torch.dtype:
