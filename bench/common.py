@@ -40,12 +40,14 @@ def git(*args: str) -> str:
 
 def commit() -> str:
     """The commit measured: its short hash, with "+dirty" when tracked files had changes. A
-    copy of the tree without its history (a lent GPU machine's) names it in BATON_COMMIT."""
+    copy of the tree made elsewhere (a lent GPU machine's) names it in BATON_COMMIT."""
+    if os.environ.get("BATON_COMMIT"):
+        return os.environ["BATON_COMMIT"]
     try:
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
         return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BATON_COMMIT", "unknown (no git history here)")
+        return "unknown (no git history here)"
 
 
 def gpu() -> dict | None:

@@ -118,7 +118,8 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens(policy, fl
     # the cache in place (FlexAttention) or gathering it.
     monkeypatch.setenv("BATON_FLEX_DECODE", flex)
     shipped = load_checkpoint(SHIPPED_MODEL_DIR, dtype="float32", device="cuda")
-    assert shipped.model.reads_decode_cache_in_place(torch.float32) == (flex == "1")
+    assert shipped.model.reads_decode_cache_in_place(torch.float32, replayed=True) == (flex == "1")
+    assert not shipped.model.reads_decode_cache_in_place(torch.float32)  # eager steps gather
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     tokens = {}
     for graphs in (False, True):

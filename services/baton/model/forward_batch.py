@@ -68,12 +68,16 @@ class DecodeBatch:
     the model writes and reads the cache through it. ``observers[b]`` sees row b's queries.
     With ``record_queries`` the forward leaves every row's queries of every layer in
     ``queries`` ([B, layers, H, D]) instead: a CUDA graph's replay hands them to the observers
-    after the fact, since calling them is host work a graph cannot hold."""
+    after the fact, since calling them is host work a graph cannot hold. ``replayed``: the
+    forward is being captured into a graph."""
 
     step: DecodeStep
     observers: Sequence[DecodeObserver | None] = ()
     record_queries: bool = False
     queries: torch.Tensor | None = None
+    # Captured into a CUDA graph: there attention reads the cache in place through
+    # FlexAttention, whose compiled call costs host time on every layer that only a replay hides.
+    replayed: bool = False
 
     @property
     def size(self) -> int:

@@ -248,7 +248,7 @@ class DecodeGraphs:
         pool = self.pool
         step = DecodeStep(slots.view(layers, batch), [group], pool.k_cache, pool.v_cache,
                           pool.positions, pool.storage)
-        decode = DecodeBatch(step, record_queries=True)
+        decode = DecodeBatch(step, record_queries=True, replayed=self.capture)
         hidden = self.model(token_ids, positions, [], buffers.rows, decode)
         buffers.logits.copy_(self.model.logits(hidden))
         buffers.queries.copy_(decode.queries)
