@@ -4,7 +4,7 @@
 # rest, and the exit status says whether any failed. `make gpu-check` runs every step; a
 # machine with a GPU and no network runs it with its own Python:
 #
-#     PY=python3 bash bench/gpu_check.sh [tests] [decode] [sarathi] [engine] [runahead]
+#     PY=python3 bash bench/gpu_check.sh [tests] [decode] [profile] [sarathi] [engine] [runahead]
 #
 # STEP_LIMIT=SECONDS sets every step's time limit.
 set -u
@@ -25,13 +25,14 @@ step() {  # step NAME SECONDS COMMAND...
     [ "$rc" = 0 ] || failed=1
 }
 
-for name in ${*:-tests decode sarathi engine runahead}; do
+for name in ${*:-tests decode profile sarathi engine runahead}; do
     case $name in
         tests) step tests 300 "$PY" -m pytest -q -s -p no:cacheprovider --noconftest -rs tests/gpu ;;
         decode) step decode 300 "$PY" bench/gpu_decode.py ;;
         sarathi) step sarathi 300 "$PY" bench/sarathi.py --device cuda --model random-1b --quick ;;
         engine) step engine 300 "$PY" bench/engine.py --device cuda ;;
         runahead) step runahead 300 "$PY" bench/runahead_gpu.py ;;
+        profile) step profile 300 "$PY" bench/gpu_profile.py ;;
         *) echo "no step $name"; failed=1 ;;
     esac
 done

@@ -98,6 +98,16 @@ def make_checkpoint(config: ModelConfig, directory: Path, device: torch.device) 
 def decode_round(model, pool: KVPool, runner: ModelRunner, batch: int, generator) -> float:
     """Prefill ``batch`` fresh prompts, then time STEPS decode-only iterations (each ends with
     its greedy tokens on the host, as the engine's do); returns seconds per step."""
+    seqs = start_sequences(model, pool, runner, batch, generator)
+    synchronize(model.device)
+    start = time.perf_counter()
+    decode_iterations(runner, seqs, STEPS)
+    return (time.perf_counter() - start) / STEPS
+
+
+def start_sequences(model, pool: KVPool, runner: ModelRunner, batch: int, generator) -> list[Sequence]:
+    """``batch`` fresh prompts of PROMPT random tokens prefilled in an emptied pool, each with
+    its first token."""
     for seq_id in pool.sequence_ids():
         pool.free(seq_id)
     vocab = model.config.vocab_size
@@ -109,14 +119,16 @@ def decode_round(model, pool: KVPool, runner: ModelRunner, batch: int, generator
     for seq, row in zip(seqs, logits.pick([])[0], strict=True):
         seq.num_computed = PROMPT
         seq.output_ids.append(row)
-    synchronize(model.device)
-    start = time.perf_counter()
-    for _ in range(STEPS):
+    return seqs
+
+
+def decode_iterations(runner: ModelRunner, seqs: list[Sequence], steps: int) -> None:
+    """``steps`` decode-only iterations of ``seqs``, greedy tokens to the host after each."""
+    for _ in range(steps):
         sampled, logits = runner.execute(SchedulerOutput(decodes=seqs))
         for seq, token in zip(sampled, logits.pick([])[0], strict=True):
             seq.num_computed += 1
             seq.output_ids.append(token)
-    return (time.perf_counter() - start) / STEPS
 
 
 # Eager steps gather each sequence's blocks into padded tensors; replayed ones gather them too

@@ -296,7 +296,8 @@ def test_pyramid_compression_on_cuda_keeps_what_it_keeps_on_the_cpu():
 def test_a_two_rank_local_chain_on_one_gpu_runs_on_the_cpu(tmp_path):
     # NCCL refuses two ranks on one GPU: a local chain of 2 falls back to gloo on the CPU.
     ids, logits, _ = chain_case(tmp_path, "cpu")
-    with LocalChain(ModelSource(path=str(tmp_path)), ranks=2, timeout_s=120) as chain:
+    # fp32 named: "auto" is bf16 on a CPU with AVX512-BF16, as GPU hosts often have
+    with LocalChain(ModelSource(path=str(tmp_path), dtype="float32"), ranks=2, timeout_s=120) as chain:
         result = chain.prefill(ids, boundaries=[0, 180, 300])
     assert (result.first_token_logits - logits).abs().max() < FP32_TOLERANCE
     assert result.layers[0].k.dtype == torch.float32  # the CPU's dtype: it ran on the CPU
