@@ -16,7 +16,12 @@ reused, so a captured CUDA graph reads each step's tables from the same addresse
 
 Applies where the decoding kernel does: CUDA, no sliding window or soft-capping (the caller
 checks those), a power-of-two query group per KV head, a head size of 16 or more, a cache
-in the compute dtype. ``BATON_FLEX_DECODE=0`` turns it off.
+in the compute dtype; and only in a step replayed from a CUDA graph (the compiled call costs
+host time on every layer that an eager step pays in full). Where it pays: over 16-token
+blocks its kernel walks a row's blocks one small tile at a time, so it beats gathering only
+where the gather's copy is large, from ``MIN_ROWS`` rows up (docs/benchmarks/decode-gpu.md).
+``BATON_FLEX_DECODE``: ``auto`` (that rule, the default), ``1`` (every replayed step), ``0``
+(never).
 """
 
 from __future__ import annotations
@@ -33,8 +38,21 @@ MAX_ROWS = 1024
 _RECOMPILE_LIMIT = 256
 
 
+# From this many rows a replayed step reads in place (the gathered read wins below).
+MIN_ROWS = 64
+
+
+def setting() -> str:
+    return os.environ.get("BATON_FLEX_DECODE", "auto")
+
+
 def enabled() -> bool:
-    return os.environ.get("BATON_FLEX_DECODE", "1") != "0"
+    return setting() != "0"
+
+
+def wanted(rows: int) -> bool:
+    """Should a replayed decode step of ``rows`` rows read in place (``fits`` permitting)?"""
+    return setting() == "1" or (setting() == "auto" and rows >= MIN_ROWS)
 
 
 def fits(dtype: torch.dtype, device: torch.device, head_dim: int, num_heads: int,

@@ -82,19 +82,22 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def reads_decode_cache_in_place(self, cache_dtype: torch.dtype, replayed: bool = False) -> bool:
+    def reads_decode_cache_in_place(self, cache_dtype: torch.dtype, replayed: bool = False,
+                                    rows: int = 1) -> bool:
         """Does decode attention read the paged cache (of ``cache_dtype``) where it lies
-        (baton's CPU kernel; on CUDA, in a step ``replayed`` from a graph, FlexAttention's),
-        rather than gathering each group of sequences into padded tensors? Then the pool need not cut a decode batch into groups of similar width. Not
-        under a sliding window nor soft-capping, and only a cache in the compute dtype (the
-        kernel does not convert: an fp8 cache is gathered and read back)."""
+        (baton's CPU kernel; on CUDA, in a step of ``rows`` rows ``replayed`` from a graph,
+        FlexAttention's where ``flex_decode.wanted``), rather than gathering each group of
+        sequences into padded tensors? Then the pool need not cut a decode batch into groups
+        of similar width. Not under a sliding window nor soft-capping, and only a cache in the
+        compute dtype (the kernels do not convert: an fp8 cache is gathered and read back)."""
         config = self.config
         return (config.sliding_window is None and config.attn_logit_softcapping is None
                 and cache_dtype == self.dtype
                 and any(fits(self.dtype, self.device, config.head_dim, self.layout.num_heads,
                              self.layout.num_kv_heads)
                         for fits in (cpu_kernels.paged_decode_fits,
-                                     *([flex_decode.fits] if replayed else []))))
+                                     *([flex_decode.fits] if replayed and flex_decode.wanted(rows)
+                                       else []))))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,7 +132,8 @@ class CausalLM(nn.Module):
         plan = AttentionPlan(segments, decode, token_ids.shape[0], len(self.model.layers),
                              self.head_gather)
         if decode is not None:
-            plan.in_place = self.reads_decode_cache_in_place(decode.step.k_cache.dtype, decode.replayed)
+            plan.in_place = self.reads_decode_cache_in_place(decode.step.k_cache.dtype, decode.replayed,
+                                                             decode.size)
         # The last layer's output is read at ``output_rows`` only. Its K,V are stored for
         # every row (the cache needs them), and an observer still sees every row's query
         # (PyramidInfer scores with queries and keys, not outputs), but its attention,
