@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from baton.config import KVPoolConfig, PyramidConfig, SchedulerConfig
 from baton.pyramid import engine_compressor_factory, layer_budgets
@@ -70,3 +73,54 @@ def test_generation_phase_prunes_tokens_that_leave_the_window(model, prompt):
     engine.step()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     assert torch.isfinite(torch.tensor(lengths, dtype=torch.float32)).all()
+
+
+def continue_stream(engine: Engine, token_ids: list[int], params: SamplingParams,
+                    generated_before: int) -> list[int]:
+    request_id = engine.add_request(token_ids, params, generated_before=generated_before)
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for output in engine.step() if output.request_id == request_id
+                   for t in output.new_token_ids]
+    return tokens
+
+
+MOVED_CONFIG = PyramidConfig(keep_ratio=0.5)
+MOVED_PARAMS = {"greedy": SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
+                "seeded": SamplingParams(temperature=0.9, seed=5, max_tokens=160, ignore_eos=True)}
+
+
+@pytest.fixture(scope="module")
+def unmoved(model, prompt) -> dict[str, list[int]]:
+    return {kind: make_engine(model, MOVED_CONFIG).generate([prompt.tolist()], params)[0].token_ids
+            for kind, params in MOVED_PARAMS.items()}
+
+
+@pytest.mark.parametrize("sent", [40, 130])  # inside the first recent window, and after pruning
+@pytest.mark.parametrize("kind", sorted(MOVED_PARAMS))
+def test_a_compressed_stream_moved_to_another_engine_continues_token_for_token(model, prompt, unmoved,
+                                                                               kind, sent):
+    # What a decode pod does for a stream that moved to it with PyramidInfer on: the prompt
+    # plus the tokens sent so far, told how many were generated. The new engine prefills the
+    # prompt alone (the same pyramid) and replays the sent tokens through decode steps (the
+    # same generation-phase pruning), so the rest is what the first engine would have made.
+    whole = unmoved[kind]
+    params = dataclasses.replace(MOVED_PARAMS[kind], max_tokens=160 - sent)
+    rest = continue_stream(make_engine(model, MOVED_CONFIG), prompt.tolist() + whole[:sent], params, sent)
+    assert whole[:sent] + rest == whole
+
+
+def test_a_preempted_compressed_sequence_is_recomputed_into_the_same_cache(model, prompt):
+    # Four compressed generations in a pool too small for them all: some are preempted and
+    # recomputed (the prompt prefilled, the tokens replayed), and every stream gives the
+    # tokens it gives with room to spare.
+    config = PyramidConfig(keep_ratio=0.5)
+    prompts = [prompt.tolist()[index * 80:(index + 1) * 80] for index in range(4)]
+    params = greedy(100)
+    roomy = make_engine(model, config).generate(prompts, params)
+    tight = Engine(model, None, scheduler=SchedulerConfig(token_budget=128),
+                   kv=KVPoolConfig(block_size=8, num_blocks=170),
+                   compressor_factory=engine_compressor_factory(config, model.config))
+    results = tight.generate(prompts, params)
+    assert tight.num_preemptions > 0
+    assert [r.token_ids for r in results] == [r.token_ids for r in roomy]

@@ -216,12 +216,13 @@ class Engine:
         self.scheduler.update(plan)
         self.num_iterations += 1
         for seq in completing:
-            full = len(seq.prompt_ids) * self.pool.num_layers
+            full = seq.prefill_end * self.pool.num_layers
             kept = self._compress(seq) if seq.compressor is not None else full
             seq.kv_entries = (kept, full)
         score_prompts(logits)
         for seq, picked in zip(sampling, draw_tokens(sampling, logits)):
-            self._accept_token(seq, picked.token_id, outputs, picked.logprobs)
+            if seq.samples_next:  # else the step replayed a token generated before
+                self._accept_token(seq, picked.token_id, outputs, picked.logprobs)
         for seq in plan.decodes:
             if seq.compressor is not None and seq.status is Status.RUNNING:
                 seq.compressor.after_decode(self.pool, seq.request_id)
@@ -350,9 +351,12 @@ class Engine:
     # --- compression seam ------------------------------------------------------------------
 
     def _new_compressor(self, seq: Sequence):
-        if self.compressor_factory is None:
-            return None
-        return self.compressor_factory(seq.token_ids, seq.params)
+        """The sequence's compressor over its own prompt; with one, the tokens generated before
+        (elsewhere, or here before a preemption) are replayed through decode steps."""
+        compressor = (None if self.compressor_factory is None
+                      else self.compressor_factory(seq.prompt_ids[:seq.own_prompt_length], seq.params))
+        seq.replays_generated = compressor is not None
+        return compressor
 
     def _compress(self, seq: Sequence) -> int:
         """Compress a freshly prefilled prompt in the pool; the KV entries kept (all layers)."""

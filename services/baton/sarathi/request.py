@@ -8,6 +8,13 @@ tokens while prefilling (in chunks), exactly one once decoding. A token is
 sampled only when a forward brings ``num_computed`` up to ``len(token_ids)``,
 which makes a chunked prefill, a decode and a recompute after preemption the
 same operation.
+
+Under KV compression a sequence's tokens generated earlier (on another pod before a
+migration, or here before a preemption) are not prefilled: ``replays_generated`` stops the
+prefill at the request's own prompt, and decode steps feed the rest one token each, their
+samples discarded, so the compressor sees them as it saw them when they were generated
+(the prompt selected over the prompt alone, each later token's queries scoring the pruning
+that followed it) and the cache it builds is the one the stream had.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ class Sequence:
     # KV computed elsewhere (a prefill chain), stored into the pool on admission.
     arrived_kv: list[LayerKV] | None = None
     generated_before: int = 0  # the prompt ends with this many tokens generated on another pod
+    # Feed the tokens generated before (on another pod, or here before a preemption) through
+    # decode steps rather than the prefill (set with a compressor: see the module's note).
+    replays_generated: bool = False
     # KV entries over all layers once this pod prefilled the prompt: (kept, full) — kept is
     # what compression left, full what the whole prompt takes. None: not prefilled here.
     kv_entries: tuple[int, int] | None = None
@@ -78,6 +88,27 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def own_prompt_length(self) -> int:
+        """The request's prompt without the tokens generated before it arrived here."""
+        return len(self.prompt_ids) - self.generated_before
+
+    @property
+    def prefill_end(self) -> int:
+        """Where its prefill stops: at its own prompt when it replays what it generated,
+        else at its last token."""
+        return self.own_prompt_length if self.replays_generated else self.num_tokens
+
+    @property
+    def num_to_prefill(self) -> int:
+        return max(self.prefill_end - self.num_computed, 0)
+
+    @property
+    def samples_next(self) -> bool:
+        """Is its next token unknown (every known token computed)? Else the forward that just
+        ran replayed a token, and its sample is discarded."""
+        return self.num_computed == self.num_tokens
 
     @property
     def num_uncomputed(self) -> int:

@@ -17,7 +17,8 @@ from baton.sarathi.runner import StepLogits
 
 def draw_tokens(sampling: list[Sequence], logits: StepLogits) -> list[Draw]:
     """The next token of each of ``sampling`` (row i of the logits is sampling[i]'s)."""
-    drawn_rows = [index for index, seq in enumerate(sampling) if not seq.params.fast_path]
+    drawn_rows = [index for index, seq in enumerate(sampling)
+                  if not seq.params.fast_path and seq.samples_next]  # a replayed row draws nothing
     greedy, drawn = logits.pick(drawn_rows)
     picks = [Draw(token) for token in greedy]
     if drawn_rows:

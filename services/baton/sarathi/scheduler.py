@@ -32,7 +32,7 @@ class PrefillChunk:
     completes: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.completes = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        self.completes = self.seq.num_computed + self.num_tokens == self.seq.prefill_end
 
 
 @dataclass
@@ -167,12 +167,12 @@ class Scheduler(abc.ABC):
             candidates = [s for s in self.waiting if s.arrived_kv is None]
             if not candidates:
                 return
-            if output.prefills and output.num_tokens + candidates[0].num_uncomputed > self.config.token_budget:
+            if output.prefills and output.num_tokens + candidates[0].num_to_prefill > self.config.token_budget:
                 return
             seq = self.admit_next(output)
             if seq is None:
                 return
-            output.prefills.append(PrefillChunk(seq, seq.num_uncomputed))
+            output.prefills.append(PrefillChunk(seq, seq.num_to_prefill))
 
     def _drop_active(self, seq: Sequence) -> None:
         for queue in (self.prefilling, self.running):

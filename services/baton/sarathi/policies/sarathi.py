@@ -28,7 +28,7 @@ class SarathiScheduler(Scheduler):
             seq = queued.pop(0) if queued else self.admit_next(output)
             if seq is None:
                 break
-            chunk = PrefillChunk(seq, min(seq.num_uncomputed, room))
+            chunk = PrefillChunk(seq, min(seq.num_to_prefill, room))
             output.prefills.append(chunk)
             room -= chunk.num_tokens
         return output
