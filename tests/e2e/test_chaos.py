@@ -5,7 +5,8 @@ greedy requests and four seeded ones),
 and the service takes new requests within seconds of each fault.
 
 What keeps the streams whole: the gateway moves a stream whose decode pod died to another
-one (prompt + tokens sent replayed), a chain that fails a request hands it to a decode pod
+one (prompt + tokens sent replayed; under compression the sent tokens through decode steps, so
+the pyramid is the one the stream had), a chain that fails a request hands it to a decode pod
 (``recompute``), the gateway routes from its last view while Redis is down, and the
 supervisor restarts what died."""
 
@@ -331,4 +332,78 @@ def test_a_constrained_stream_moved_by_a_decode_pod_kill_is_the_same_valid_json(
         assert moved_logprobs == pytest.approx(logprobs, abs=1e-4)
         assert len(logprobs) == len(tokens)
         jsonschema.validate(json.loads(text), CONSTRAINED_SCHEMA)
+    serves_a_new_request(cluster.gateway_address)
+
+
+def compressed(index: int) -> SamplingParams:
+    """Greedy, or seeded for the first two: 100 tokens, long enough for PyramidInfer's
+    generation phase to prune several times before and after the kill."""
+    if index < 2:
+        return SamplingParams(temperature=0.8, seed=700 + index, max_tokens=100)
+    return greedy(100)
+
+
+def stream_compressed(address: str, prompts: list[list[int]], started: threading.Event | None = None,
+                      after_tokens: int = 0):
+    """Each prompt streamed with the deployment's compression (PyramidInfer on), prefilled on a
+    decode pod; ``started`` is set once every stream has ``after_tokens`` tokens."""
+    results: list = [None] * len(prompts)
+    counts = [0] * len(prompts)
+
+    def one(index: int) -> None:
+        client = BatonClient(address)
+        tokens = []
+        try:
+            request = GenerateRequest(token_ids=tuple(prompts[index]), sampling=compressed(index),
+                                      prefill_route="local")
+            for step in client.stream(request, timeout_s=180):
+                tokens += step.token_ids
+                counts[index] = len(tokens)
+                if started is not None and min(counts) >= after_tokens:
+                    started.set()
+            results[index] = tokens
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            results[index] = e
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
+def test_compressed_streams_moved_by_a_decode_pod_kill_continue_token_for_token(chaos_cluster,
+                                                                                reference):
+    # PyramidInfer on (the default): prompts of 200 tokens compressed at their prefill, and
+    # pruned every 16 generated tokens. A pod killed once every stream has 40 tokens: the
+    # moved streams are prefilled on the other pod from their prompt alone, their sent tokens
+    # replayed through decode steps, and every stream equals its run without the fault.
+    cluster, _ = chaos_cluster
+    _, source = reference
+    prompts = [source[4000 + i * 67: 4000 + i * 67 + 200] for i in range(6)]
+    serves_a_new_request(cluster.gateway_address)
+    threads, calm = stream_compressed(cluster.gateway_address, prompts)
+    for thread in threads:
+        thread.join(200)
+    started = threading.Event()
+    assert all(isinstance(tokens, list) for tokens in calm), calm
+    threads, moved = stream_compressed(cluster.gateway_address, prompts, started, after_tokens=40)
+    assert started.wait(120), f"the streams did not start: {moved}"
+    pods = []
+    for name in ("decode-0", "decode-1"):
+        child = cluster.child(name)
+        address = re.findall(r"decode pod (\S+) serves", child.log_path.read_text())[-1]
+        pods.append((worker_load(cluster, address, "decode").running_sequences, name, address))
+    _, victim_name, address = max(pods)
+    failed = f"decode pod {address} failed after"
+    moves_before = cluster.child("gateway").log_tail(1_000_000).count(failed)
+    kill(cluster.child(victim_name).process)
+    for thread in threads:
+        thread.join(200)
+    assert cluster.child("gateway").log_tail(1_000_000).count(failed) > moves_before, \
+        "no stream was on the killed pod"
+    for tokens, after in zip(calm, moved, strict=True):
+        assert not isinstance(tokens, Exception) and not isinstance(after, Exception), (tokens, after)
+        assert len(tokens) == 100 and after == tokens
     serves_a_new_request(cluster.gateway_address)
