@@ -19,6 +19,7 @@ from baton.config import (
     ChainConfig,
     GatewayRoutingConfig,
     HttpConfig,
+    KVCacheConfig,
     KVPoolConfig,
     KVTransportConfig,
     LogConfig,
@@ -106,6 +107,9 @@ SPEC_FIELDS: list[SpecField] = [
     *section("autoscaling.prefill", PlannerConfig, "min_prefill_chains", "max_prefill_chains",
              keys={"min_prefill_chains": "minChains", "max_prefill_chains": "maxChains"}),
     *section("", KVTransportConfig, "kind", keys={"kind": "kvTransport"}),
+    # The KV cache's bytes (FP8 or the compute dtype): one setting for the chains and the
+    # decode pods, which must agree (the KV contract).
+    *section("kvCache", KVCacheConfig, "dtype", "scale"),
     # Every pod's logs and traces (docs/operations.md, "Traces and logs").
     *section("logging", LogConfig, "level", "format", "requests"),
     *section("tracing", OtlpConfig, "traces_endpoint", keys={"traces_endpoint": "otlpTracesEndpoint"}),

@@ -108,7 +108,7 @@ def prefill_config(name: str, namespace: str, spec: ServiceSpec, index: int) -> 
             spec.prefill.chain, chain_id=chain, master_addr=f"{chain}-0.{chain}.{namespace}.svc",
             master_port=RENDEZVOUS_PORT, backend="nccl" if spec.gpu.per_pod else "gloo",
             partition_table=table),
-        kv_transport=spec.kv_transport, pyramid=spec.pyramid,
+        kv_transport=spec.kv_transport, kv_cache=spec.kv_cache, pyramid=spec.pyramid,
         routing=_routing(name, namespace, spec), mtls=_mtls(spec), log=spec.log, otlp=spec.otlp)
 
 
@@ -123,7 +123,8 @@ def decode_config(name: str, namespace: str, spec: ServiceSpec) -> DecodeService
         server=_server(DECODE_PORT, "$(POD_IP)"), model=_model_config(spec, "decode"), kv=spec.decode.kv,
         tensor_parallel=dataclasses.replace(spec.decode.tensor_parallel,
                                             backend="nccl" if spec.gpu.per_pod else "gloo"),
-        kv_transport=spec.kv_transport, scheduler=spec.decode.scheduler, stream=spec.decode.stream, pyramid=spec.pyramid,
+        kv_transport=spec.kv_transport, kv_cache=spec.kv_cache, scheduler=spec.decode.scheduler,
+        stream=spec.decode.stream, pyramid=spec.pyramid,
         routing=_routing(name, namespace, spec), mtls=_mtls(spec), http=http, log=spec.log, otlp=spec.otlp,
         gateway=spec.gateway.routing,
         auth=AuthConfig(api_keys_file=_api_keys_file(spec) if spec.decode.http.port else ""))

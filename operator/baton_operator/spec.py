@@ -22,6 +22,7 @@ from baton.config import (
     ChainConfig,
     GatewayRoutingConfig,
     HttpConfig,
+    KVCacheConfig,
     KVPoolConfig,
     KVTransportConfig,
     LogConfig,
@@ -137,6 +138,8 @@ class ServiceSpec:
     image_pull_secrets: list[str] = field(default_factory=list)  # on every pod
     # The data plane of pushed KV, on the chains' tails and the decode pods alike.
     kv_transport: KVTransportConfig = field(default_factory=KVTransportConfig)
+    # What the KV cache's bytes are, on the chains and the decode pods alike (FP8 or not).
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     # UCX_* variables of the chains' ranks and the decode pods (NIXL's UCX reads them).
     ucx_env: dict[str, str] = field(default_factory=dict)
     log: LogConfig = field(default_factory=LogConfig)  # every pod's logs
@@ -414,6 +417,7 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         disruption_budgets=budgets,
         image_pull_secrets=_pull_secrets(spec),
         kv_transport=_settings(spec, "kvTransport", KVTransportConfig),
+        kv_cache=_settings(spec, "kvCache", KVCacheConfig),
         ucx_env=_read_ucx_env(spec),
         log=_settings(spec, "logging", LogConfig),
         otlp=_settings(spec, "tracing", OtlpConfig),

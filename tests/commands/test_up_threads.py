@@ -1,8 +1,10 @@
-"""`baton up`'s threads per process: the decode pods get the machine's cores unless told."""
+"""`baton up`'s threads per process (the decode pods get the machine's cores unless told), and
+what every model process is given alike."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import pytest
@@ -53,3 +55,17 @@ def test_each_process_is_started_with_its_roles_thread_count(tmp_path):
         args = cluster._common_args(role)
         assert args[args.index("--model-threads") + 1] == threads
     assert "--model-threads" not in cluster._common_args("gateway")
+
+
+def test_an_fp8_kv_cache_is_given_to_the_chain_and_the_decode_pods_alike(tmp_path):
+    from baton.local.cluster import LocalCluster
+
+    spec = parse("--kv-cache-dtype", "fp8_e5m2", "--kv-cache-scale", "0.25")
+    cluster = LocalCluster(dataclasses.replace(spec, mtls=False), log_dir=tmp_path)
+    for role in ("decode", "prefill"):
+        args = cluster._common_args(role)
+        assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e5m2"
+        assert float(args[args.index("--kv-cache-scale") + 1]) == 0.25
+    assert "--kv-cache-dtype" not in cluster._common_args("gateway")
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse("--kv-cache-dtype", "int4")

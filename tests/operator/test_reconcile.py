@@ -177,6 +177,8 @@ def test_a_tensor_parallel_chain_rank_asks_for_a_device_per_rank(cluster, reconc
     ({"gateway": {"http": {"port": 70000}}}, "http port must be in 0..65535, got 70000"),
     ({"gateway": {"apiKeys": {"secretName": "keys", "key": "../keys"}}}, "apiKeys.key"),
     ({"kvTransport": "rdma"}, "spec.kvTransport: kv_transport kind 'rdma' is not one of"),
+    ({"kvCache": {"dtype": "int4"}}, "kv_cache dtype 'int4' is not one of"),
+    ({"kvCache": {"dtype": "fp8_e4m3", "scale": 0}}, "kv_cache scale"),
     ({"ucxEnv": {"LD_PRELOAD": "/x.so"}}, "spec.ucxEnv: 'LD_PRELOAD' is not a UCX_* variable"),
 ])
 def test_invalid_spec_sets_degraded_and_builds_nothing(cluster, reconciler, bad, says):
@@ -286,6 +288,16 @@ def test_the_kv_transport_reaches_the_chains_and_the_decode_pods(cluster, reconc
     assert float(_flag(chain_args, "--chain-kv-link-gb-per-s")) == 11  # its break-even's inputs
     assert float(_flag(chain_args, "--chain-extra-hop-ms")) == 1
     assert "--kv-transport-kind" not in _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
+
+
+def test_an_fp8_kv_cache_reaches_the_chains_and_the_decode_pods_alike(cluster, reconciler):
+    # the KV contract: a chain and the decode pods it ships to must store the same bytes
+    create_service(cluster.kube, "demo", {**SPEC, "kvCache": {"dtype": "fp8_e4m3", "scale": 0.5}})
+    _reconcile(cluster, reconciler)
+    for kind, name in (("StatefulSet", "demo-prefill-0"), ("Deployment", "demo-decode")):
+        args = _args(cluster.kube.get(kind, NS, name))
+        assert _flag(args, "--kv-cache-dtype") == "fp8_e4m3" and float(_flag(args, "--kv-cache-scale")) == 0.5
+    assert "--kv-cache-dtype" not in _args(cluster.kube.get("Deployment", NS, "demo-gateway"))
 
 
 def test_logs_and_traces_reach_every_pod(cluster, reconciler):

@@ -33,6 +33,7 @@ from baton.config import (
     ChainConfig,
     GatewayRoutingConfig,
     HttpConfig,
+    KVCacheConfig,
     KVTransportConfig,
     LogConfig,
     OtlpConfig,
@@ -118,6 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the sizes, its decision) to this JSON-lines file, gzipped if it "
                              "ends in .gz, for replaying in tests (baton.planner.trace)")
     configtree.add_arguments(parser.add_argument_group("logs of every process"), LogConfig, "log")
+    configtree.add_arguments(parser.add_argument_group("the KV cache of the chains and the decode pods"),
+                             KVCacheConfig, "kv_cache")
     configtree.add_arguments(parser.add_argument_group("traces of every process"), OtlpConfig, "otlp")
     configtree.add_arguments(parser.add_argument_group(
         "autoscaling (with --autoscale; baton up keeps its one chain, the planner's prefill "
@@ -149,6 +152,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
                                                      if args.prefill_tensor_parallel_size is None
                                                      else args.prefill_tensor_parallel_size),
                        log=configtree.from_arguments(args, LogConfig, "log"),
+                       kv_cache=configtree.from_arguments(args, KVCacheConfig, "kv_cache"),
                        otlp=configtree.from_arguments(args, OtlpConfig, "otlp"))
 
 

@@ -176,7 +176,9 @@ class LocalCluster:
         if role != "gateway":
             args += ["--server-listen", "127.0.0.1:0",
                      "--model-threads", str(self.spec.threads_of(role)),
-                     "--kv-transport-kind", self.spec.kv_transport]
+                     "--kv-transport-kind", self.spec.kv_transport,
+                     "--kv-cache-dtype", self.spec.kv_cache.dtype,
+                     "--kv-cache-scale", repr(self.spec.kv_cache.scale)]
         if role == "prefill" and self.spec.prefill_tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.spec.prefill_tensor_parallel_size)]
         if role == "decode":

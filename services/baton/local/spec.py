@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from baton.config import (
     ChainConfig,
     GatewayRoutingConfig,
+    KVCacheConfig,
     KVTransportConfig,
     LogConfig,
     OtlpConfig,
@@ -56,6 +57,7 @@ class ClusterSpec:
     autoscale: PlannerConfig | None = None
     decode_grace_s: float = ServerConfig.grace_s  # a decode pod's streams' time after SIGTERM
     kv_transport: str = KVTransportConfig.kind  # the chain's and the decode pods' --kv-transport-kind
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)  # their KV's bytes (FP8 or not)
     # each decode pod's model sharded over this many processes (its threads shared among them)
     decode_tensor_parallel_size: int = 1
     prefill_tensor_parallel_size: int = 1  # each chain rank's, likewise (the chain ships every head)
