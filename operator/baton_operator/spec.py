@@ -14,9 +14,7 @@ generated too.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from baton.config import (
     ChainConfig,
@@ -37,18 +35,20 @@ from baton.config import (
 
 from baton_operator import disruption_budgets, pod_overlay
 from baton_operator.disruption_budgets import DisruptionBudget
-from baton_operator.fields import spec_values
 from baton_operator.model_source import ModelSource, parse_uri
+from baton_operator.mtls_spec import MtlsSpec, read_mtls
 from baton_operator.pod_overlay import PodOverlay
+from baton_operator.spec_reading import (
+    SECRET_KEY,
+    InvalidSpec,
+    count_of,
+    section_of,
+    settings_of,
+    values_of,
+)
 
 REDIS_MODES = ("managed", "external")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
-SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # what Kubernetes allows as a key in a Secret
-MTLS_ROLES = ("gateway", "prefill", "decode")  # the pods that speak baton's internal gRPC
-
-
-class InvalidSpec(ValueError):
-    """The resource asks for something the operator cannot build (a permanent error)."""
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,6 @@ class GatewaySpec:
     http: HttpConfig = field(default_factory=HttpConfig)  # port 0 = the HTTP API is off
     routing: GatewayRoutingConfig = field(default_factory=GatewayRoutingConfig)
     resources: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class MtlsSpec:
-    """Where each role's internal certificates come from: one Secret per role (the same
-    Secret for every role when one is shared), or none at all when ``insecure``."""
-
-    secret_names: dict[str, str] = field(default_factory=dict)  # role -> Secret
-    insecure: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,46 +137,9 @@ class ServiceSpec:
     otlp: OtlpConfig = field(default_factory=OtlpConfig)  # and traces
 
 
-def _section(spec: dict, name: str) -> dict:
-    value = spec.get(name) or {}
-    if not isinstance(value, dict):
-        raise InvalidSpec(f"spec.{name} must be an object, got {value!r}")
-    return value
-
-
-def _build(where: str, cls: type, **values: Any) -> Any:
-    """``cls(**values)`` without the unset ones; a ValueError names the spec section."""
-    try:
-        return cls(**{k: v for k, v in values.items() if v is not None})
-    except (TypeError, ValueError) as e:
-        raise InvalidSpec(f"spec.{where}: {e}") from e
-
-
-def _values(spec: dict, cls: type, section: str | None = None) -> dict[str, Any]:
-    """The settings of ``cls`` the spec gives (``baton_operator.fields``), by field name;
-    only those under ``section`` when given."""
-    try:
-        return spec_values(spec, cls, section)
-    except TypeError as e:
-        raise InvalidSpec(str(e)) from e
-
-
-def _settings(spec: dict, where: str, cls: type, section: str | None = None,
-              **extra: Any) -> Any:
-    """``cls`` built from the settings the spec gives for it; ``extra`` overrides them."""
-    return _build(where, cls, **{**_values(spec, cls, section), **extra})
-
-
-def _count(section: dict, where: str, key: str, default: int, minimum: int = 0) -> int:
-    value = section.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidSpec(f"spec.{where}.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _read_model(spec: dict) -> ModelSource:
     """``spec.model``: the URI (``baton_operator.model_source``) and the model's settings."""
-    model = _section(spec, "model")
+    model = section_of(spec, "model")
     if "source" in model:  # written before the URI replaced it
         raise InvalidSpec("spec.model.source is no longer read: give spec.model.uri "
                           "(pvc://claim/path, host:///directory or hf://org/name@revision)")
@@ -196,7 +150,7 @@ def _read_model(spec: dict) -> ModelSource:
         scheme, location, sub_path, revision = parse_uri(uri.strip())
     except ValueError as e:
         raise InvalidSpec(f"spec.model.uri {uri!r}: {e}") from e
-    config = _settings(spec, "model", ModelSourceConfig, section="model")
+    config = settings_of(spec, "model", ModelSourceConfig, section="model")
     if revision and config.revision not in ("", revision):
         raise InvalidSpec(f"spec.model.uri asks for revision {revision!r} but "
                           f"spec.model.revision is {config.revision!r}: give one")
@@ -224,11 +178,11 @@ def _read_model(spec: dict) -> ModelSource:
 
 def _max_model_len(spec: dict, role: str) -> int:
     """``spec.<role>.maxModelLen``, checked as ``model.max_model_len`` is."""
-    return _settings(spec, role, ModelSourceConfig, section=role).max_model_len
+    return settings_of(spec, role, ModelSourceConfig, section=role).max_model_len
 
 
 def _read_redis(spec: dict) -> RedisSpec:
-    redis = _section(spec, "redis")
+    redis = section_of(spec, "redis")
     mode = redis.get("mode", RedisSpec.mode)
     if mode not in REDIS_MODES:
         raise InvalidSpec(f"spec.redis.mode {mode!r} is not one of {REDIS_MODES}")
@@ -242,23 +196,23 @@ def _read_redis(spec: dict) -> RedisSpec:
 
 
 def _read_prefill(spec: dict) -> PrefillSpec:
-    prefill = _section(spec, "prefill")
-    chain = _settings(spec, "prefill", ChainConfig)
-    return PrefillSpec(chains=_count(prefill, "prefill", "chains", PrefillSpec.chains),
+    prefill = section_of(spec, "prefill")
+    chain = settings_of(spec, "prefill", ChainConfig)
+    return PrefillSpec(chains=count_of(prefill, "prefill", "chains", PrefillSpec.chains),
                        chain=chain, partition_table=prefill.get("partitionTable", ""),
                        max_model_len=_max_model_len(spec, "prefill"),
-                       tensor_parallel=_settings(spec, "prefill", TensorParallelConfig, section="prefill"),
+                       tensor_parallel=settings_of(spec, "prefill", TensorParallelConfig, section="prefill"),
                        resources=prefill.get("resources") or {})
 
 
 def _read_decode(spec: dict) -> DecodeSpec:
-    decode = _section(spec, "decode")
+    decode = section_of(spec, "decode")
     return DecodeSpec(
-        replicas=_count(decode, "decode", "replicas", DecodeSpec.replicas),
-        kv=_settings(spec, "decode", KVPoolConfig),
-        scheduler=_settings(spec, "decode", SchedulerConfig),
-        stream=_settings(spec, "decode", StreamConfig),
-        tensor_parallel=_settings(spec, "decode", TensorParallelConfig, section="decode"),
+        replicas=count_of(decode, "decode", "replicas", DecodeSpec.replicas),
+        kv=settings_of(spec, "decode", KVPoolConfig),
+        scheduler=settings_of(spec, "decode", SchedulerConfig),
+        stream=settings_of(spec, "decode", StreamConfig),
+        tensor_parallel=settings_of(spec, "decode", TensorParallelConfig, section="decode"),
         max_model_len=_max_model_len(spec, "decode"),
         http=_read_http(spec, "decode", enabled=False),
         resources=decode.get("resources") or {})
@@ -266,18 +220,18 @@ def _read_decode(spec: dict) -> DecodeSpec:
 
 def _read_http(spec: dict, role: str, enabled: bool) -> HttpConfig:
     """``spec.<role>.http``: its port, or port 0 unless ``enabled`` (the role's default)."""
-    http = _section(spec, role).get("http") or {}
+    http = section_of(spec, role).get("http") or {}
     enabled = http.get("enabled", enabled)
     if not isinstance(enabled, bool):
         raise InvalidSpec(f"spec.{role}.http.enabled must be true or false, got {enabled!r}")
     where = f"{role}.http"
-    _count(http, where, "port", HttpConfig.port, minimum=1)  # 0 is `enabled: false`
-    config = _settings(spec, where, HttpConfig, section=where)
+    count_of(http, where, "port", HttpConfig.port, minimum=1)  # 0 is `enabled: false`
+    config = settings_of(spec, where, HttpConfig, section=where)
     return config if enabled else dataclasses.replace(config, port=0)
 
 
 def _read_gateway(spec: dict) -> GatewaySpec:
-    gateway = _section(spec, "gateway")
+    gateway = section_of(spec, "gateway")
     service_type = gateway.get("serviceType", GatewaySpec.service_type)
     if service_type not in SERVICE_TYPES:
         raise InvalidSpec(f"spec.gateway.serviceType {service_type!r} is not one of {SERVICE_TYPES}")
@@ -287,23 +241,23 @@ def _read_gateway(spec: dict) -> GatewaySpec:
         raise InvalidSpec(f"spec.gateway.apiKeys.key {api_keys_key!r} is not a Secret key "
                           f"(letters, digits, '-', '_' and '.')")
     return GatewaySpec(
-        replicas=_count(gateway, "gateway", "replicas", GatewaySpec.replicas, minimum=1),
+        replicas=count_of(gateway, "gateway", "replicas", GatewaySpec.replicas, minimum=1),
         service_type=service_type,
         tls_secret_name=(gateway.get("tls") or {}).get("secretName", ""),
         api_keys_secret_name=api_keys.get("secretName", ""),
         api_keys_secret_key=api_keys_key,
         http=_read_http(spec, "gateway", enabled=True),
-        routing=_settings(spec, "routing", GatewayRoutingConfig),
+        routing=settings_of(spec, "routing", GatewayRoutingConfig),
         resources=gateway.get("resources") or {})
 
 
 def _read_gpu(spec: dict) -> GPUSpec:
-    gpu = _section(spec, "gpu")
+    gpu = section_of(spec, "gpu")
     nccl_env = gpu.get("ncclEnv") or {}
     for name in nccl_env:
         if not name.startswith("NCCL_"):
             raise InvalidSpec(f"spec.gpu.ncclEnv: {name!r} is not an NCCL_* variable")
-    return GPUSpec(per_pod=_count(gpu, "gpu", "perPod", GPUSpec.per_pod),
+    return GPUSpec(per_pod=count_of(gpu, "gpu", "perPod", GPUSpec.per_pod),
                    resource_name=gpu.get("resourceName", GPUSpec.resource_name),
                    nccl_env={k: str(v) for k, v in nccl_env.items()})
 
@@ -317,45 +271,16 @@ def _read_ucx_env(spec: dict) -> dict[str, str]:
 
 
 def _read_autoscaling(spec: dict) -> AutoscalingSpec:
-    autoscaling = _section(spec, "autoscaling")
+    autoscaling = section_of(spec, "autoscaling")
     enabled = autoscaling.get("enabled", False)
     if not isinstance(enabled, bool):
         raise InvalidSpec(f"spec.autoscaling.enabled must be true or false, got {enabled!r}")
-    interval_s = _values(spec, PlannerConfig).get("interval_s")
+    interval_s = values_of(spec, PlannerConfig).get("interval_s")
     # The history a decision reads spans several scrapes whatever their interval.
     window_s = max(PlannerConfig.window_s, 4 * interval_s) if isinstance(
         interval_s, (int, float)) else None
-    planner = _settings(spec, "autoscaling", PlannerConfig, window_s=window_s)
+    planner = settings_of(spec, "autoscaling", PlannerConfig, window_s=window_s)
     return AutoscalingSpec(enabled=enabled, planner=planner)
-
-
-def _read_mtls(spec: dict) -> MtlsSpec:
-    """Certificates for every role, or an explicit ``insecure``: never neither, because the
-    services refuse to start without one (``baton.security.mtls.Mtls.check_service``)."""
-    mtls = _section(spec, "mtls")
-    insecure = mtls.get("insecure", False)
-    if not isinstance(insecure, bool):
-        raise InvalidSpec(f"spec.mtls.insecure must be true or false, got {insecure!r}")
-    shared = mtls.get("secretName") or ""
-    per_role = mtls.get("secretNames") or {}
-    if not isinstance(per_role, dict) or set(per_role) - set(MTLS_ROLES):
-        raise InvalidSpec(f"spec.mtls.secretNames takes only {', '.join(MTLS_ROLES)}, got {per_role!r}")
-    names = {role: per_role.get(role) or shared for role in MTLS_ROLES}
-    for role, name in names.items():
-        if not isinstance(name, str):
-            raise InvalidSpec(f"spec.mtls: the Secret for {role} pods must be a name, got {name!r}")
-    if insecure:
-        if any(names.values()):
-            raise InvalidSpec("spec.mtls.insecure is true but spec.mtls also names Secrets: "
-                              "choose certificates or plaintext, not both")
-        return MtlsSpec(insecure=True)
-    missing = [role for role, name in names.items() if not name]
-    if missing:
-        raise InvalidSpec(f"spec.mtls names no Secret for {', '.join(missing)} pods: give "
-                          f"spec.mtls.secretName (every pod) or spec.mtls.secretNames.<role>, "
-                          f"Secrets with ca.crt, tls.crt and tls.key, or set spec.mtls.insecure: "
-                          f"true for plaintext internal calls")
-    return MtlsSpec(secret_names=names)
 
 
 def _read_pods(spec: dict) -> tuple[dict[str, PodOverlay], dict[str, DisruptionBudget]]:
@@ -366,7 +291,7 @@ def _read_pods(spec: dict) -> tuple[dict[str, PodOverlay], dict[str, DisruptionB
         raise InvalidSpec("spec.nodeSelector must be an object and spec.tolerations a list")
     pods, budgets = {}, {}
     for role in disruption_budgets.ROLES:
-        section, where = _section(spec, role), f"spec.{role}.podDisruptionBudget"
+        section, where = section_of(spec, role), f"spec.{role}.podDisruptionBudget"
         try:
             pods[role] = pod_overlay.read(section.get("pod"), f"spec.{role}.pod",
                                           node_selector, tolerations)
@@ -396,7 +321,7 @@ def _check_lengths(model: ModelSource, prefill: PrefillSpec, decode: DecodeSpec)
 
 def read_spec(spec: dict, default_image: str) -> ServiceSpec:
     """The typed spec of a `BatonService`; raises InvalidSpec naming the first bad value."""
-    image = _section(spec, "image")
+    image = section_of(spec, "image")
     repository, tag = image.get("repository", ""), image.get("tag", "")
     model, prefill, decode = _read_model(spec), _read_prefill(spec), _read_decode(spec)
     _check_lengths(model, prefill, decode)
@@ -407,18 +332,18 @@ def read_spec(spec: dict, default_image: str) -> ServiceSpec:
         model=model,
         prefill=prefill,
         decode=decode,
-        pyramid=_settings(spec, "compression", PyramidConfig),
+        pyramid=settings_of(spec, "compression", PyramidConfig),
         redis=_read_redis(spec),
         gateway=_read_gateway(spec),
         gpu=_read_gpu(spec),
-        mtls=_read_mtls(spec),
+        mtls=read_mtls(spec),
         autoscaling=_read_autoscaling(spec),
         pods=pods,
         disruption_budgets=budgets,
         image_pull_secrets=_pull_secrets(spec),
-        kv_transport=_settings(spec, "kvTransport", KVTransportConfig),
-        kv_cache=_settings(spec, "kvCache", KVCacheConfig),
+        kv_transport=settings_of(spec, "kvTransport", KVTransportConfig),
+        kv_cache=settings_of(spec, "kvCache", KVCacheConfig),
         ucx_env=_read_ucx_env(spec),
-        log=_settings(spec, "logging", LogConfig),
-        otlp=_settings(spec, "tracing", OtlpConfig),
+        log=settings_of(spec, "logging", LogConfig),
+        otlp=settings_of(spec, "tracing", OtlpConfig),
     )

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from baton.config import MtlsConfig
 from baton.security.mtls import INTERNAL_SERVER_NAME, Mtls, peer_role
-from baton_operator.spec import MTLS_ROLES
+from baton_operator.mtls_spec import MTLS_ROLES
 from chart_render import CHART, NAMESPACE, RELEASE, objects, render
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID

@@ -42,7 +42,7 @@ from baton.sampling.stops import StopStringMatcher
 from baton.sarathi.budget import measure_token_budget
 from baton.sarathi.decode_graphs import DecodeGraphs
 from baton.sarathi.drivers import generate_all
-from baton.sarathi.hooks import CompressorFactory
+from baton.sarathi.hooks import CompressorFactory, attach_compressor, compress_prompt
 from baton.sarathi.memory import KVManager, build_pool
 from baton.sarathi.request import GenerationResult, RequestOutput, Sequence, Status
 from baton.sarathi.runner import ModelRunner
@@ -202,7 +202,7 @@ class Engine:
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         for seq in plan.preempted:  # its recompute starts over
-            seq.compressor = self._new_compressor(seq)
+            attach_compressor(self.compressor_factory, seq)
         self.last_plan = plan
         for seq in plan.out_of_room:
             self._finish(seq, FINISH_LENGTH, outputs)
@@ -217,7 +217,7 @@ class Engine:
         self.num_iterations += 1
         for seq in completing:
             full = seq.prefill_end * self.pool.num_layers
-            kept = self._compress(seq) if seq.compressor is not None else full
+            kept = compress_prompt(self.pool, seq) if seq.compressor is not None else full
             seq.kv_entries = (kept, full)
         score_prompts(logits)
         for seq, picked in zip(sampling, draw_tokens(sampling, logits)):
@@ -282,7 +282,7 @@ class Engine:
                        stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
                        stop_ids=stop_ids, cache_salt=cache_salt)
         self._sequences[request_id] = seq
-        seq.compressor = self._new_compressor(seq)
+        attach_compressor(self.compressor_factory, seq)
         if kv is not None:
             seq.arrived_kv = kv
             seq.num_computed = len(prompt_ids)
@@ -347,24 +347,6 @@ class Engine:
         if seq.request_id not in outputs:
             outputs[seq.request_id] = RequestOutput(seq.request_id, [], "")
         return outputs[seq.request_id]
-
-    # --- compression seam ------------------------------------------------------------------
-
-    def _new_compressor(self, seq: Sequence):
-        """The sequence's compressor over its own prompt; with one, the tokens generated before
-        (elsewhere, or here before a preemption) are replayed through decode steps."""
-        compressor = (None if self.compressor_factory is None
-                      else self.compressor_factory(seq.prompt_ids[:seq.own_prompt_length], seq.params))
-        seq.replays_generated = compressor is not None
-        return compressor
-
-    def _compress(self, seq: Sequence) -> int:
-        """Compress a freshly prefilled prompt in the pool; the KV entries kept (all layers)."""
-        layers = [self.pool.gather(seq.request_id, layer) for layer in range(self.pool.num_layers)]
-        kept = seq.compressor.compress(layers)
-        self.pool.free(seq.request_id)
-        self.pool.store(seq.request_id, kept)
-        return sum(layer.num_tokens for layer in kept)
 
     # --- validation (caller's thread) ------------------------------------------------------
 

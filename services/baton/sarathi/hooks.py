@@ -13,7 +13,10 @@ off. For each sequence it asks the factory for a ``SequenceCompressor``
   the generation-phase update (it may prune with ``KVPool.retain``).
 
 A sequence gets its compressor when it arrives and a fresh one when it is
-preempted (its recompute starts over).
+preempted (its recompute starts over): ``attach_compressor``, over the request's own prompt;
+the tokens it generated before (on another pod, or here before the preemption) are then
+replayed through decode steps (``Sequence.replays_generated``), so the cache it rebuilds is
+the one it had.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from baton.kv.dense import LayerKV
 from baton.kv.pool import KVPool
 from baton.sampling.params import SamplingParams
+from baton.sarathi.request import Sequence
 
 
 class SequenceCompressor(Protocol):
@@ -54,3 +58,20 @@ class SequenceCompressor(Protocol):
 
 # (token ids of the sequence, its sampling params) -> a compressor, or None for no compression.
 CompressorFactory = Callable[[list[int], SamplingParams], SequenceCompressor | None]
+
+
+def attach_compressor(factory: CompressorFactory | None, seq: Sequence) -> None:
+    """Give ``seq`` its compressor (None: the engine or the request compresses nothing), over
+    its own prompt; with one, its tokens generated before are replayed through decode steps."""
+    own_prompt = seq.prompt_ids[:seq.own_prompt_length]
+    seq.compressor = None if factory is None else factory(own_prompt, seq.params)
+    seq.replays_generated = seq.compressor is not None
+
+
+def compress_prompt(pool: KVPool, seq: Sequence) -> int:
+    """Compress a freshly prefilled prompt in the pool; the KV entries kept (all layers)."""
+    layers = [pool.gather(seq.request_id, layer) for layer in range(pool.num_layers)]
+    kept = seq.compressor.compress(layers)
+    pool.free(seq.request_id)
+    pool.store(seq.request_id, kept)
+    return sum(layer.num_tokens for layer in kept)
