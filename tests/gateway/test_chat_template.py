@@ -3,7 +3,8 @@ inputs): tojson without HTML escaping and with its keywords, strftime_now, names
 {% generation %} tag, tools, documents, extra keywords (enable_thinking), the special tokens,
 raise_exception, and continue_final_message. The templates under chat_templates/ exercise
 each of these in the shapes real checkpoints use them (Qwen's tools and thinking, Llama 3's
-dates and documents, Mistral's alternation)."""
+dates and documents, Mistral's alternation, Gemma's folded system turn and content
+parts, Phi-3's role tags)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ CASES = [
     ("tools_and_thinking", CHAT[1:2] + [{"role": "assistant", "content": "It is"}], {}),
     ("dated_documents", ALTERNATING, {"documents": [{"title": "a<b>", "text": "ünïcode"}]}),
     ("mistral_style", ALTERNATING, {}),
+    # a system turn folded into the first user turn, "model" for the assistant, content parts
+    ("gemma_style", [{"role": "system", "content": "Be brief."}] + ALTERNATING, {}),
+    ("gemma_style", [{"role": "user", "content": [{"type": "text", "text": " parts  "}]}], {}),
+    ("phi3_style", [{"role": "system", "content": "Be brief."}] + ALTERNATING, {}),
 ]
 
 
