@@ -74,7 +74,8 @@ def test_results_recorded_before_the_run_record_still_name_their_commit(older, c
 def test_every_report_names_its_command_commit_and_machine_and_keeps_its_raw_results(report):
     text = report.read_text()
     assert re.search(r"Measured by `[^`]+` .*at commit `[0-9a-f]{7,}", text), "command and commit"
-    assert re.search(r"Machine: .*\((?:[^()]*), (AVX2 only|AVX-512 with(out)? BF16|no AVX2)", text), \
+    # the CPU's model may hold parentheses of its own ("Intel(R) Xeon(R) Processor")
+    assert re.search(r"Machine: .*\((?:[^()]|\(\w+\))*, (AVX2 only|AVX-512 with(out)? BF16|no AVX2)", text), \
         "the CPU model and its instruction sets"
     raw = re.search(r"\[([\w.-]+-results\.json\.gz)\]", text)
     assert raw and (report.parent / raw[1]).is_file(), "the raw results beside it"
@@ -85,6 +86,8 @@ def _rendered(report: str) -> str:
     sys.path[:0] = [str(ROOT / "bench" / "peer")]
     import autoscale
     import fp8_kv
+    import gpu_decode
+    import gpu_profile
     import kv_pipelining
     import kv_transfer
     import moe_step
@@ -94,6 +97,7 @@ def _rendered(report: str) -> str:
     import results as peer_results
     import route_ttft
     import sampling_cost
+    import sarathi
     import shared_prefix
     import tp_cost
     import trace_overhead
@@ -113,8 +117,19 @@ def _rendered(report: str) -> str:
         "moe-step.md": lambda: moe_step.report(common.load_results("moe-step")),
         "trace-overhead.md": lambda: trace_overhead.report(common.load_results("trace-overhead")),
         "tp-cost.md": lambda: tp_cost.report(common.load_results("tp-cost")),
+        "decode-gpu.md": lambda: gpu_decode.report(common.load_results("decode-gpu")),
+        "decode-gpu-profile.md": lambda: gpu_profile.report(common.load_results("decode-gpu-profile")),
+        "sarathi-gpu-1b.md": lambda: _without_plots(sarathi, "sarathi-gpu-1b"),
     }
     return renders[report]()
+
+
+def _without_plots(sarathi, name: str) -> str:
+    """A SARATHI report's text (its plots, committed beside it, are not drawn again)."""
+    from unittest import mock
+
+    with mock.patch.object(sarathi, "plot", lambda runs, x_of, x_label, png, title: png):
+        return sarathi.render(common.load_results(name), name)
 
 
 @pytest.mark.parametrize("report", REPORTS, ids=lambda path: path.name)

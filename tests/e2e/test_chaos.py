@@ -148,6 +148,24 @@ def serves_a_new_request(address: str) -> float:
         client.close()
 
 
+def running_on_each_pod(cluster) -> list[tuple[int, str, str]]:
+    """(running sequences, child name, address) of each decode pod, once each answers: a pod
+    an earlier test killed may still be coming back under the supervisor (its last start's
+    address refuses until then)."""
+    deadline = time.monotonic() + 30
+    while True:
+        pods = []
+        try:
+            for name in ("decode-0", "decode-1"):
+                child = cluster.child(name)
+                address = re.findall(r"decode pod (\S+) serves", child.log_path.read_text())[-1]
+                pods.append((worker_load(cluster, address, "decode").running_sequences, name, address))
+            return pods
+        except Exception:  # noqa: BLE001 - not back yet
+            assert time.monotonic() < deadline, "a decode pod did not come back"
+            time.sleep(0.2)
+
+
 def kill(process) -> None:
     os.kill(process.pid, signal.SIGKILL)
 
@@ -304,6 +322,7 @@ def test_a_constrained_stream_moved_by_a_decode_pod_kill_is_the_same_valid_json(
     _, source = reference
     prompts = [source[9000 + i * 41: 9000 + i * 41 + 24] for i in range(8)]
     serves_a_new_request(cluster.gateway_address)
+    running_on_each_pod(cluster)  # both pods up (one an earlier test killed may be restarting)
     threads, calm = stream_all(cluster.gateway_address, prompts)
     for thread in threads:
         thread.join(200)
@@ -311,11 +330,7 @@ def test_a_constrained_stream_moved_by_a_decode_pod_kill_is_the_same_valid_json(
     threads, moved = stream_all(cluster.gateway_address, prompts, started)
     assert started.wait(60), "the streams did not start"
     # the pod that holds the most of them (routing need not spread 8 streams over both)
-    pods = []
-    for name in ("decode-0", "decode-1"):
-        child = cluster.child(name)
-        address = re.findall(r"decode pod (\S+) serves", child.log_path.read_text())[-1]
-        pods.append((worker_load(cluster, address, "decode").running_sequences, name, address))
+    pods = running_on_each_pod(cluster)
     _, victim_name, address = max(pods)
     victim = cluster.child(victim_name)
     failed = f"decode pod {address} failed after"
@@ -383,6 +398,7 @@ def test_compressed_streams_moved_by_a_decode_pod_kill_continue_token_for_token(
     _, source = reference
     prompts = [source[4000 + i * 67: 4000 + i * 67 + 200] for i in range(6)]
     serves_a_new_request(cluster.gateway_address)
+    running_on_each_pod(cluster)  # both pods up (the last test killed one)
     threads, calm = stream_compressed(cluster.gateway_address, prompts)
     for thread in threads:
         thread.join(200)
@@ -390,11 +406,7 @@ def test_compressed_streams_moved_by_a_decode_pod_kill_continue_token_for_token(
     assert all(isinstance(tokens, list) for tokens in calm), calm
     threads, moved = stream_compressed(cluster.gateway_address, prompts, started, after_tokens=40)
     assert started.wait(120), f"the streams did not start: {moved}"
-    pods = []
-    for name in ("decode-0", "decode-1"):
-        child = cluster.child(name)
-        address = re.findall(r"decode pod (\S+) serves", child.log_path.read_text())[-1]
-        pods.append((worker_load(cluster, address, "decode").running_sequences, name, address))
+    pods = running_on_each_pod(cluster)
     _, victim_name, address = max(pods)
     failed = f"decode pod {address} failed after"
     moves_before = cluster.child("gateway").log_tail(1_000_000).count(failed)

@@ -278,7 +278,7 @@ def test_parser_for_names_vllms_parsers():
 def test_detect_parser_from_templates():
     found = {path.name: detect_parser(path.read_text()) for path in TEMPLATES.glob("*.jinja")}
     assert found == {"tools_and_thinking.jinja": "hermes", "mistral_style.jinja": None,
-                     "dated_documents.jinja": None}
+                     "dated_documents.jinja": None, "gemma_style.jinja": None, "phi3_style.jinja": None}
     assert detect_parser("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_parser("{{ '<|start_header_id|>ipython<|end_header_id|>' }}") == "llama3_json"
     assert detect_parser("{{ '<|python_tag|>' }}") == "llama3_json"
