@@ -427,7 +427,7 @@ def kv_paths(model: CausalLM) -> dict:
 
 
 SMOKE_SIZES = {"ROUNDS": 1, "STEPS": 4, "KV_TOKENS": 512, "GREEDY_TOKENS": 6, "GREEDY_PROMPTS": 2,
-               "BATCHES": (1, 3), "ATTENTION_CONTEXTS": (64,)}
+               "BATCHES": (1, 3), "ATTENTION_CONTEXTS": (64,), "COPY_BYTES": 1 << 24}
 
 
 def measure(args) -> dict:

@@ -86,8 +86,9 @@ def continue_stream(engine: Engine, token_ids: list[int], params: SamplingParams
 
 
 MOVED_CONFIG = PyramidConfig(keep_ratio=0.5)
-MOVED_PARAMS = {"greedy": SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
-                "seeded": SamplingParams(temperature=0.9, seed=5, max_tokens=160, ignore_eos=True)}
+MOVED_TOKENS = 100  # the generation phase prunes every 16 tokens from the 16th on
+MOVED_PARAMS = {"greedy": SamplingParams(temperature=0.0, max_tokens=MOVED_TOKENS, ignore_eos=True),
+                "seeded": SamplingParams(temperature=0.9, seed=5, max_tokens=MOVED_TOKENS, ignore_eos=True)}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def unmoved(model, prompt) -> dict[str, list[int]]:
             for kind, params in MOVED_PARAMS.items()}
 
 
-@pytest.mark.parametrize("sent", [40, 130])  # inside the first recent window, and after pruning
+@pytest.mark.parametrize("sent", [8, 70])  # before the first pruning, and after several
 @pytest.mark.parametrize("kind", sorted(MOVED_PARAMS))
 def test_a_compressed_stream_moved_to_another_engine_continues_token_for_token(model, prompt, unmoved,
                                                                                kind, sent):
@@ -105,7 +106,7 @@ def test_a_compressed_stream_moved_to_another_engine_continues_token_for_token(m
     # prompt alone (the same pyramid) and replays the sent tokens through decode steps (the
     # same generation-phase pruning), so the rest is what the first engine would have made.
     whole = unmoved[kind]
-    params = dataclasses.replace(MOVED_PARAMS[kind], max_tokens=160 - sent)
+    params = dataclasses.replace(MOVED_PARAMS[kind], max_tokens=MOVED_TOKENS - sent)
     rest = continue_stream(make_engine(model, MOVED_CONFIG), prompt.tolist() + whole[:sent], params, sent)
     assert whole[:sent] + rest == whole
 

@@ -67,10 +67,13 @@ class Build:
 
     @property
     def name(self) -> str:
-        """The module's name, unique to these sources, every header, the flags and this
-        checkout: torch keeps one build directory per name, so two checkouts (or two
-        versions) never rebuild each other's."""
-        digest = hashlib.sha256(str(SOURCE_DIR).encode() + repr(self.compile_flags).encode())
+        """The module's name, unique to what its objects depend on: these sources, every
+        header, the flags, torch's version (its headers) and the interpreter's ABI. Torch
+        keeps one build directory per name, so two versions never rebuild each other's,
+        while two checkouts of the same sources (a worktree, a fresh clone) share one build,
+        as a compiler cache would."""
+        digest = hashlib.sha256(repr((self.compile_flags, torch.__version__,
+                                      sysconfig.get_config_var("EXT_SUFFIX"))).encode())
         for source in (*self.sources, *sorted(path.name for path in SOURCE_DIR.glob("*.h"))):
             digest.update((SOURCE_DIR / source).read_bytes())
         return f"baton_cpu_{self.isa}_{digest.hexdigest()[:16]}"
