@@ -282,23 +282,23 @@ def constrained(index: int) -> SamplingParams:
                           structured=GrammarSpec("json_schema", json.dumps(CONSTRAINED_SCHEMA)))
 
 
-def stream_all(address: str, prompts: list[list[int]], started: threading.Event | None = None):
-    """Each prompt streamed on its own thread: (tokens, log probabilities, text) each."""
-    results: list = [None] * len(prompts)
-    counts = [0] * len(prompts)
+def stream_all(address: str, requests: list[GenerateRequest], started: threading.Event | None = None,
+               after_tokens: int = 4):
+    """Each request streamed on its own thread: (tokens, log probabilities, text) each, or
+    the exception it ended in; ``started`` is set once every stream has ``after_tokens``."""
+    results: list = [None] * len(requests)
+    counts = [0] * len(requests)
 
     def one(index: int) -> None:
         client = BatonClient(address)
         tokens, logprobs, text = [], [], ""
         try:
-            request = GenerateRequest(token_ids=tuple(prompts[index]), sampling=constrained(index),
-                                      compression=NO_COMPRESSION, prefill_route="local")
-            for step in client.stream(request, timeout_s=180):
+            for step in client.stream(requests[index], timeout_s=180):
                 tokens += step.token_ids
                 logprobs += [entry.logprob for entry in step.logprobs]
                 text += step.text
                 counts[index] = len(tokens)
-                if started is not None and min(counts) >= 4:
+                if started is not None and min(counts) >= after_tokens:
                     started.set()
             results[index] = (tokens, logprobs, text)
         except Exception as e:  # noqa: BLE001 - reported by the test
@@ -306,10 +306,23 @@ def stream_all(address: str, prompts: list[list[int]], started: threading.Event 
         finally:
             client.close()
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(requests))]
     for thread in threads:
         thread.start()
     return threads, results
+
+
+def kill_the_busiest_pod(cluster, threads) -> None:
+    """SIGKILL the decode pod running the most sequences (routing need not spread the streams
+    over both), wait for the streams, and check the gateway moved some off it."""
+    _, victim_name, address = max(running_on_each_pod(cluster))
+    failed = f"decode pod {address} failed after"
+    moves_before = cluster.child("gateway").log_tail(1_000_000).count(failed)
+    kill(cluster.child(victim_name).process)
+    for thread in threads:
+        thread.join(200)
+    assert cluster.child("gateway").log_tail(1_000_000).count(failed) > moves_before, \
+        "no stream was on the killed pod"
 
 
 def test_a_constrained_stream_moved_by_a_decode_pod_kill_is_the_same_valid_json(chaos_cluster,
@@ -323,23 +336,16 @@ def test_a_constrained_stream_moved_by_a_decode_pod_kill_is_the_same_valid_json(
     prompts = [source[9000 + i * 41: 9000 + i * 41 + 24] for i in range(8)]
     serves_a_new_request(cluster.gateway_address)
     running_on_each_pod(cluster)  # both pods up (one an earlier test killed may be restarting)
-    threads, calm = stream_all(cluster.gateway_address, prompts)
+    requests = [GenerateRequest(token_ids=tuple(prompt), sampling=constrained(index),
+                                compression=NO_COMPRESSION, prefill_route="local")
+                for index, prompt in enumerate(prompts)]
+    threads, calm = stream_all(cluster.gateway_address, requests)
     for thread in threads:
         thread.join(200)
     started = threading.Event()
-    threads, moved = stream_all(cluster.gateway_address, prompts, started)
+    threads, moved = stream_all(cluster.gateway_address, requests, started)
     assert started.wait(60), "the streams did not start"
-    # the pod that holds the most of them (routing need not spread 8 streams over both)
-    pods = running_on_each_pod(cluster)
-    _, victim_name, address = max(pods)
-    victim = cluster.child(victim_name)
-    failed = f"decode pod {address} failed after"
-    moves_before = cluster.child("gateway").log_tail(1_000_000).count(failed)
-    kill(victim.process)
-    for thread in threads:
-        thread.join(200)
-    moves = cluster.child("gateway").log_tail(1_000_000).count(failed)
-    assert moves > moves_before, "no stream was on the killed pod"
+    kill_the_busiest_pod(cluster, threads)
     for (tokens, logprobs, text), after in zip(calm, moved):
         assert not isinstance(after, Exception), after
         moved_tokens, moved_logprobs, moved_text = after
@@ -358,36 +364,6 @@ def compressed(index: int) -> SamplingParams:
     return greedy(100)
 
 
-def stream_compressed(address: str, prompts: list[list[int]], started: threading.Event | None = None,
-                      after_tokens: int = 0):
-    """Each prompt streamed with the deployment's compression (PyramidInfer on), prefilled on a
-    decode pod; ``started`` is set once every stream has ``after_tokens`` tokens."""
-    results: list = [None] * len(prompts)
-    counts = [0] * len(prompts)
-
-    def one(index: int) -> None:
-        client = BatonClient(address)
-        tokens = []
-        try:
-            request = GenerateRequest(token_ids=tuple(prompts[index]), sampling=compressed(index),
-                                      prefill_route="local")
-            for step in client.stream(request, timeout_s=180):
-                tokens += step.token_ids
-                counts[index] = len(tokens)
-                if started is not None and min(counts) >= after_tokens:
-                    started.set()
-            results[index] = tokens
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            results[index] = e
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    return threads, results
-
-
 def test_compressed_streams_moved_by_a_decode_pod_kill_continue_token_for_token(chaos_cluster,
                                                                                 reference):
     # PyramidInfer on (the default): prompts of 200 tokens compressed at their prefill, and
@@ -399,23 +375,17 @@ def test_compressed_streams_moved_by_a_decode_pod_kill_continue_token_for_token(
     prompts = [source[4000 + i * 67: 4000 + i * 67 + 200] for i in range(6)]
     serves_a_new_request(cluster.gateway_address)
     running_on_each_pod(cluster)  # both pods up (the last test killed one)
-    threads, calm = stream_compressed(cluster.gateway_address, prompts)
+    requests = [GenerateRequest(token_ids=tuple(prompt), sampling=compressed(index), prefill_route="local")
+                for index, prompt in enumerate(prompts)]  # the deployment's compression: on
+    threads, calm = stream_all(cluster.gateway_address, requests)
     for thread in threads:
         thread.join(200)
+    assert not any(isinstance(result, Exception) for result in calm), calm
     started = threading.Event()
-    assert all(isinstance(tokens, list) for tokens in calm), calm
-    threads, moved = stream_compressed(cluster.gateway_address, prompts, started, after_tokens=40)
+    threads, moved = stream_all(cluster.gateway_address, requests, started, after_tokens=40)
     assert started.wait(120), f"the streams did not start: {moved}"
-    pods = running_on_each_pod(cluster)
-    _, victim_name, address = max(pods)
-    failed = f"decode pod {address} failed after"
-    moves_before = cluster.child("gateway").log_tail(1_000_000).count(failed)
-    kill(cluster.child(victim_name).process)
-    for thread in threads:
-        thread.join(200)
-    assert cluster.child("gateway").log_tail(1_000_000).count(failed) > moves_before, \
-        "no stream was on the killed pod"
-    for tokens, after in zip(calm, moved, strict=True):
-        assert not isinstance(tokens, Exception) and not isinstance(after, Exception), (tokens, after)
-        assert len(tokens) == 100 and after == tokens
+    kill_the_busiest_pod(cluster, threads)
+    for (tokens, _, _), after in zip(calm, moved, strict=True):
+        assert not isinstance(after, Exception), after
+        assert len(tokens) == 100 and after[0] == tokens
     serves_a_new_request(cluster.gateway_address)

@@ -26,6 +26,7 @@ where the gather's copy is large, from ``MIN_ROWS`` rows up (docs/benchmarks/dec
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ def fits(dtype: torch.dtype, device: torch.device, head_dim: int, num_heads: int
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
+@functools.cache
 def _available() -> bool:
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
